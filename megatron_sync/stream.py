@@ -1,15 +1,17 @@
-"""The one public stream of inference-format weights that every transport consumes.
-
-(Interface first; the implementation over Megatron model chunks follows in this module.)
-"""
+"""The one public stream of inference-format weights that every transport consumes."""
 
 from __future__ import annotations
 
-from typing import Iterator, Protocol, runtime_checkable
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
+from megatron_sync.agreement import failing_together
+from megatron_sync.gather import GatherMemoryTracker, GatherUnit, ShardGatherer, plan_gather_units
 from megatron_sync.meta import TensorMeta
+from megatron_sync.parallel import ParallelLayout
+from megatron_sync.source import walk_model_chunks
 
 
 @runtime_checkable
@@ -35,3 +37,106 @@ class HFWeightStream(Protocol):
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (hf_name, tensor) on the source rank; participate in gathers elsewhere."""
+
+
+DEFAULT_GATHER_BUDGET_BYTES = 256 * 2**20
+
+
+class MegatronWeightStream:
+    """HF-format tensors gathered and converted from this rank's Megatron model chunks.
+
+    Construction is collective over `group` (default: the whole trainer job):
+    every rank plans its gather units and the source converts the metadata;
+    an unmapped name or a shape that contradicts the HF config fails on every
+    rank at once, before any data moves.
+    """
+
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        layout: ParallelLayout,
+        converter: Any,
+        *,
+        gather_budget_bytes: int = DEFAULT_GATHER_BUDGET_BYTES,
+        tracker: GatherMemoryTracker | None = None,
+        group: Any = None,
+    ):
+        if gather_budget_bytes <= 0:
+            raise ValueError(f"gather_budget_bytes must be positive, got {gather_budget_bytes}")
+        self._chunks = chunks
+        self.layout = layout
+        self.converter = converter
+        self.tracker = tracker or GatherMemoryTracker()
+        self._gatherer = ShardGatherer(layout, budget_bytes=gather_budget_bytes, tracker=self.tracker)
+        self._meta: list[TensorMeta] = []
+        with failing_together("planning the weight stream (names, shapes, conversion rules)", group):
+            units = self._units()
+            self._unit_names = [u.name for u in units]
+            if self.is_source:
+                self._meta = [m for u in units for m in converter.convert_meta(u.name, u.full_shape, u.dtype)]
+
+    @property
+    def is_source(self) -> bool:
+        return self.layout.is_stage_source
+
+    @property
+    def stage(self) -> int:
+        return self.layout.pp_rank
+
+    def metadata(self) -> list[TensorMeta]:
+        return list(self._meta)
+
+    def _units(self) -> list[GatherUnit]:
+        tensors = walk_model_chunks(self._chunks, self.layout)
+        return [u for u in plan_gather_units(tensors, self.layout) if not self.converter.is_skipped(u.name)]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        units = self._units()
+        if [u.name for u in units] != self._unit_names:
+            raise RuntimeError(
+                "the model's parameters changed since the weight stream was planned; "
+                "rebuild the weight sync after changing the model"
+            )
+        expected = iter(self._meta)
+        for unit, full in self._gatherer.gather(units):
+            if full is None:
+                continue
+            for hf_name, tensor in self.converter.convert(unit.name, full):
+                _check_against_plan(next(expected, None), hf_name, tensor, unit.name)
+                yield hf_name, tensor
+
+
+def _check_against_plan(meta: TensorMeta | None, name: str, tensor: torch.Tensor, source: str) -> None:
+    if meta is None or (meta.name, meta.shape, meta.dtype) != (name, tuple(tensor.shape), tensor.dtype):
+        raise RuntimeError(
+            f"converting {source} produced {name} {tuple(tensor.shape)} {tensor.dtype}, "
+            f"but the metadata announced {meta}; the converter's convert() and convert_meta() disagree"
+        )
+
+
+def all_stage_metadata(stream: MegatronWeightStream) -> list[list[TensorMeta]]:
+    """Return every pipeline stage's metadata on every stage source (collective over PP sources).
+
+    Call it on stage sources only; the PP group of the first rank joins exactly
+    the stage sources.
+    """
+    layout = stream.layout
+    if layout.pp == 1:
+        return [stream.metadata()]
+    per_stage: list[Any] = [None] * layout.pp
+    dist.all_gather_object(per_stage, [m.to_wire() for m in stream.metadata()], group=layout.pp_group)
+    return [[TensorMeta.from_wire(w) for w in stage] for stage in per_stage]
+
+
+def check_model_complete(stage_metadata: list[list[TensorMeta]], converter: Any) -> None:
+    """Raise unless the stages together produce exactly the HF checkpoint the converter expects."""
+    produced = [m for stage in stage_metadata for m in stage]
+    converter.check_complete(m.name for m in produced)
+    expected = converter.expected_hf_tensors()
+    for m in produced:
+        shape, dtype = expected[m.name]
+        if tuple(shape) != m.shape or dtype != m.dtype:
+            raise ValueError(
+                f"{m.name} would be sent as {m.shape} {m.dtype}, but the HF config implies "
+                f"{tuple(shape)} {dtype}; fix the HF config or the model sizes so they agree"
+            )

@@ -1,0 +1,247 @@
+"""Gather full Megatron tensors from their TP / ETP / EP shards, one bounded batch at a time.
+
+Every rank of a pipeline stage walks the same list of `GatherUnit`s in the
+same order; the collectives inside make them move in lockstep. Only the
+stage's source rank (the first rank of each group) ends up with full tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_sync.parallel import ParallelLayout, group_rank0_global
+from megatron_sync.source import Sharding, SourceTensor
+
+
+def merge_strided_shards(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """Return the full tensor from equal TP shards along `dim`.
+
+    With stride s each shard holds s consecutive pieces (gated linear_fc1:
+    `[gate_r; up_r]`), and the full tensor is piece 0 of every shard, then
+    piece 1 of every shard, and so on.
+    """
+    if stride == 1:
+        return torch.cat(shards, dim=dim)
+    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
+    return torch.cat([p[k] for k in range(stride) for p in pieces], dim=dim)
+
+
+def split_strided_shard(full: torch.Tensor, dim: int, stride: int, size: int, rank: int) -> torch.Tensor:
+    """Return rank `rank`'s shard of `full` (the inverse of `merge_strided_shards`)."""
+    blocks = full.chunk(stride * size, dim=dim)
+    return torch.cat([blocks[k * size + rank] for k in range(stride)], dim=dim)
+
+
+class GatherMemoryTracker:
+    """Counts bytes of gathered tensors that are alive (gathered but not yet released)."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self.largest_tensor = 0
+
+    def add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def release(self, nbytes: int) -> None:
+        self.live -= nbytes
+        assert self.live >= 0, "released more gathered bytes than were added"
+
+    def saw_tensor(self, nbytes: int) -> None:
+        self.largest_tensor = max(self.largest_tensor, nbytes)
+
+
+@dataclass(frozen=True)
+class GatherUnit:
+    """One full Megatron tensor to produce: its global name, full shape and where its shards live.
+
+    `local` is this rank's shard, or None for a routed expert another EP rank owns.
+    """
+
+    name: str
+    full_shape: tuple[int, ...]
+    dtype: torch.dtype
+    sharding: Sharding
+    local: torch.Tensor | None
+    device: torch.device
+    owner_ep: int | None = None  # routed experts only
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.full_shape:
+            n *= s
+        return n
+
+
+def _full_shape(t: SourceTensor, layout: ParallelLayout) -> tuple[int, ...]:
+    shape = list(t.tensor.shape)
+    size = {"tp": layout.tp, "etp": layout.etp}.get(t.sharding.axis, 1)
+    if t.sharding.axis is not None:
+        shape[t.sharding.dim] *= size
+    return tuple(shape)
+
+
+def plan_gather_units(tensors: list[SourceTensor], layout: ParallelLayout) -> list[GatherUnit]:
+    """Return the units of one stage in a deterministic order, identical on all its ranks.
+
+    Dense tensors keep model order. A layer's routed experts are listed at the
+    place of its first expert parameter, by global expert index, then by kind
+    (linear_fc1 before linear_fc2), so every EP rank lists every expert.
+    """
+    units: list[GatherUnit] = []
+    templates: dict[int, list[str]] = {}
+    local_experts: dict[tuple[str, int], SourceTensor] = {}
+    num_local_by_layer: dict[int, int] = {}
+    emitted: set[int] = set()
+    for t in tensors:
+        if t.expert is not None:
+            layer_templates = templates.setdefault(t.expert.layer, [])
+            if t.expert.template not in layer_templates:
+                layer_templates.append(t.expert.template)
+            local_experts[(t.expert.template, t.expert.local_index)] = t
+            num_local_by_layer[t.expert.layer] = t.expert.num_local
+    for t in tensors:
+        if t.expert is None:
+            units.append(
+                GatherUnit(t.name, _full_shape(t, layout), t.tensor.dtype, t.sharding, t.tensor, t.tensor.device)
+            )
+            continue
+        layer = t.expert.layer
+        if layer in emitted:
+            continue
+        emitted.add(layer)
+        num_local = num_local_by_layer[layer]
+        for expert in range(num_local * layout.ep):
+            owner, j = divmod(expert, num_local)
+            for template in templates[layer]:
+                ref = local_experts[(template, 0)]
+                mine = local_experts[(template, j)].tensor if owner == layout.ep_rank else None
+                units.append(
+                    GatherUnit(
+                        template.format(expert=expert), _full_shape(ref, layout), ref.tensor.dtype,
+                        ref.sharding, mine, ref.tensor.device, owner_ep=owner,
+                    )
+                )
+    return units
+
+
+def _batches(units: list[GatherUnit], budget_bytes: int) -> Iterator[list[GatherUnit]]:
+    """Group consecutive TP-sharded dense units up to `budget_bytes`; everything else alone."""
+    batch: list[GatherUnit] = []
+    batch_bytes = 0
+    for unit in units:
+        batchable = unit.owner_ep is None and unit.sharding.axis == "tp"
+        if batch and (not batchable or batch_bytes + unit.nbytes > budget_bytes):
+            yield batch
+            batch, batch_bytes = [], 0
+        if not batchable:
+            yield [unit]
+            continue
+        batch.append(unit)
+        batch_bytes += unit.nbytes
+    if batch:
+        yield batch
+
+
+class ShardGatherer:
+    """Produces full Megatron tensors on the stage source, walking `GatherUnit`s in lockstep."""
+
+    def __init__(self, layout: ParallelLayout, *, budget_bytes: int, tracker: GatherMemoryTracker | None = None):
+        self.layout = layout
+        self.budget_bytes = budget_bytes
+        self.tracker = tracker or GatherMemoryTracker()
+
+    def gather(self, units: list[GatherUnit]) -> Iterator[tuple[GatherUnit, torch.Tensor | None]]:
+        """Yield (unit, full tensor) on the source rank and (unit, None) on other participants.
+
+        A yielded full tensor counts as gathered until the consumer asks for the
+        next one; units this rank takes no part in are not yielded here.
+        """
+        for batch in _batches(units, self.budget_bytes):
+            if batch[0].owner_ep is not None:
+                if self.layout.gathers_experts:
+                    yield from self._gather_expert(batch[0])
+            elif self.layout.gathers_dense:
+                if batch[0].sharding.axis == "tp" and self.layout.tp > 1:
+                    yield from self._gather_tp_batch(batch)
+                else:
+                    yield from self._unsharded(batch)
+
+    def _hold(self, unit: GatherUnit, full: torch.Tensor) -> Iterator[tuple[GatherUnit, torch.Tensor]]:
+        self.tracker.saw_tensor(unit.nbytes)
+        self.tracker.add(unit.nbytes)
+        try:
+            yield unit, full
+        finally:
+            self.tracker.release(unit.nbytes)
+
+    def _unsharded(self, batch: list[GatherUnit]):
+        for unit in batch:
+            if self.layout.is_stage_source:
+                yield from self._hold(unit, unit.local)
+            else:
+                yield unit, None
+
+    def _gather_tp_batch(self, batch: list[GatherUnit]):
+        """One gather over the TP group for the whole batch, as flat bytes."""
+        layout = self.layout
+        flat = torch.cat([u.local.contiguous().view(-1).view(torch.uint8) for u in batch])
+        dst = group_rank0_global(layout.tp_group)
+        receiving = layout.tp_rank == 0
+        shards = [torch.empty_like(flat) for _ in range(layout.tp)] if receiving else None
+        dist.gather(flat, shards, dst=dst, group=layout.tp_group)
+        if not receiving:
+            for unit in batch:
+                yield unit, None
+            return
+        batch_bytes = flat.numel() * layout.tp
+        self.tracker.add(batch_bytes)
+        try:
+            offset = 0
+            for unit in batch:
+                n = unit.local.numel() * unit.dtype.itemsize
+                parts = [s[offset:offset + n].view(unit.dtype).view(unit.local.shape) for s in shards]
+                offset += n
+                full = merge_strided_shards(parts, unit.sharding.dim, unit.sharding.stride)
+                yield from self._hold(unit, full)
+                del full
+        finally:
+            del shards
+            self.tracker.release(batch_bytes)
+
+    def _gather_expert(self, unit: GatherUnit):
+        """ETP gather inside the owning EP rank, then a point-to-point hop to EP rank 0."""
+        layout = self.layout
+        full = None
+        if unit.owner_ep == layout.ep_rank:
+            full = self._gather_etp(unit)
+        if layout.etp_rank == 0 and layout.ep > 1:
+            dst = group_rank0_global(layout.ep_group)
+            if layout.ep_rank == 0 and unit.owner_ep != 0:
+                full = torch.empty(unit.full_shape, dtype=unit.dtype, device=unit.device)
+                dist.recv(full, src=dist.get_global_rank(layout.ep_group, unit.owner_ep), group=layout.ep_group)
+            elif layout.ep_rank != 0 and unit.owner_ep == layout.ep_rank:
+                dist.send(full.contiguous(), dst=dst, group=layout.ep_group)
+                full = None
+        if layout.is_stage_source:
+            yield from self._hold(unit, full)
+        else:
+            yield unit, None
+
+    def _gather_etp(self, unit: GatherUnit) -> torch.Tensor | None:
+        layout = self.layout
+        if unit.sharding.axis != "etp" or layout.etp == 1:
+            return unit.local
+        receiving = layout.etp_rank == 0
+        shards = [torch.empty_like(unit.local) for _ in range(layout.etp)] if receiving else None
+        dist.gather(unit.local.contiguous(), shards, dst=group_rank0_global(layout.etp_group), group=layout.etp_group)
+        if not receiving:
+            return None
+        return merge_strided_shards(shards, unit.sharding.dim, unit.sharding.stride)
+

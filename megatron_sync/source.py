@@ -1,0 +1,142 @@
+"""Walk Megatron model chunks: every local parameter and needed buffer, with its global name
+and how it is sharded."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from megatron_sync.parallel import ParallelLayout
+
+# Buffers that inference needs besides parameters (the MoE router's aux-loss-free bias).
+DEFAULT_BUFFER_SUFFIXES = ("mlp.router.expert_bias",)
+
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# Routed experts in the two Megatron namings: SequentialMLP and TEGroupedMLP.
+_SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12]\.(?:weight|bias))(\d+)$")
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a local tensor is split: over which axis ("tp", "etp" or None), along which dim,
+    and with which stride (2 for gated linear_fc1, whose shards each hold [gate_r; up_r])."""
+
+    axis: str | None = None
+    dim: int = 0
+    stride: int = 1
+
+
+@dataclass(frozen=True)
+class ExpertSlot:
+    """Where a routed expert tensor sits: its layer, its kind (name with {expert} left open)."""
+
+    layer: int
+    template: str  # global name with "{expert}" in place of the expert index
+    local_index: int
+    num_local: int
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """One local parameter or buffer: its global Megatron name, data and sharding."""
+
+    name: str
+    tensor: torch.Tensor
+    sharding: Sharding
+    expert: ExpertSlot | None = None
+
+
+def unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
+    """Return the bare model inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+def _layer_numbers(chunk: torch.nn.Module) -> list[int]:
+    decoder = getattr(chunk, "decoder", None)
+    if decoder is None:
+        return []
+    return [layer.layer_number - 1 for layer in decoder.layers]  # Megatron counts from 1
+
+
+def _expert_slot(rest: str, layer: int, num_local: int, ep_rank: int) -> tuple[str, ExpertSlot] | None:
+    """Return (global name, slot) for a routed-expert name tail, or None if it is not one."""
+    seq = _SEQUENTIAL_EXPERT.match(rest)
+    if seq:
+        j, tail = int(seq.group(1)), seq.group(2)
+        template = f"decoder.layers.{layer}.mlp.experts.local_experts.{{expert}}.{tail}"
+    else:
+        grouped = _GROUPED_EXPERT.match(rest)
+        if not grouped:
+            return None
+        tail, j = grouped.group(1), int(grouped.group(2))
+        template = f"decoder.layers.{layer}.mlp.experts.{tail}{{expert}}"
+    if j >= num_local:
+        raise ValueError(
+            f"local expert index {j} in decoder.layers.{layer}.{rest} is not below the "
+            f"{num_local} local experts implied by num_moe_experts/ep; check the model config"
+        )
+    slot = ExpertSlot(layer=layer, template=template, local_index=j, num_local=num_local)
+    return template.format(expert=ep_rank * num_local + j), slot
+
+
+def _sharding_of(param: torch.Tensor, is_expert: bool) -> Sharding:
+    if not getattr(param, "tensor_model_parallel", False):
+        return Sharding()
+    return Sharding(
+        axis="etp" if is_expert else "tp",
+        dim=int(getattr(param, "partition_dim")),
+        stride=int(getattr(param, "partition_stride", 1)),
+    )
+
+
+def walk_chunk(
+    chunk: torch.nn.Module,
+    layout: ParallelLayout,
+    *,
+    buffer_suffixes: Iterable[str] = DEFAULT_BUFFER_SUFFIXES,
+) -> list[SourceTensor]:
+    """Return one model chunk's parameters (and needed buffers) with global names.
+
+    Layer indices get the chunk's PP/VPP offset (read from each layer's own
+    `layer_number`), routed experts get their global index
+    (`ep_rank * num_local + j`), and sharding comes from Megatron's
+    `tensor_model_parallel` / `partition_dim` / `partition_stride` attributes.
+    """
+    model = unwrap_chunk(chunk)
+    layer_numbers = _layer_numbers(model)
+    num_experts = getattr(getattr(model, "config", None), "num_moe_experts", None) or 0
+    num_local = num_experts // layout.ep if num_experts else 0
+    suffixes = tuple(buffer_suffixes)
+    named: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
+    named += [(n, b) for n, b in model.named_buffers() if n.endswith(suffixes)]
+
+    out = []
+    for local_name, tensor in named:
+        name, expert = local_name, None
+        m = _LOCAL_LAYER.match(local_name)
+        if m:
+            layer = layer_numbers[int(m.group(1))]
+            rest = m.group(2)
+            name = f"decoder.layers.{layer}.{rest}"
+            found = _expert_slot(rest, layer, num_local, layout.ep_rank) if num_local else None
+            if found:
+                name, expert = found
+        out.append(SourceTensor(name, tensor.detach(), _sharding_of(tensor, expert is not None), expert))
+    return out
+
+
+def walk_model_chunks(chunks: list[torch.nn.Module], layout: ParallelLayout, **kwargs) -> list[SourceTensor]:
+    """Return the source tensors of every chunk of this rank, virtual pipeline stages in order."""
+    out: list[SourceTensor] = []
+    for chunk in chunks:
+        out.extend(walk_chunk(chunk, layout, **kwargs))
+    duplicates = [n for n, c in Counter(t.name for t in out).items() if c > 1]
+    assert not duplicates, f"global names collide across model chunks: {sorted(duplicates)[:5]}"
+    return out
