@@ -1,0 +1,107 @@
+"""Tensor-parallel building blocks of the reference engine: pure shard slicing and TP linears.
+
+Slicing functions take the full tensor and the rank's position and no process
+group, so they are testable without processes. The linear layers hold only
+their shard and talk to the engine's group only where a partial sum must be
+completed (row parallel).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class Split(enum.Enum):
+    """How one checkpoint tensor is divided over the engine's TP ranks."""
+
+    REPLICATED = "replicated"  # every rank holds the whole tensor
+    COLUMN = "column"  # output features (dim 0) split into contiguous equal chunks
+    ROW = "row"  # input features (dim 1) split into contiguous equal chunks
+    KV_HEADS = "kv_heads"  # dim 0 split by key/value heads; heads replicated when tp > heads
+
+    @property
+    def dim(self) -> int | None:
+        """The tensor dimension this split divides (None when replicated)."""
+        return {Split.REPLICATED: None, Split.COLUMN: 0, Split.ROW: 1, Split.KV_HEADS: 0}[self]
+
+
+def split_even(full: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Return chunk `tp_rank` of `tp_size` equal contiguous chunks of `full` along `dim` (a view)."""
+    size = full.shape[dim]
+    assert size % tp_size == 0, f"dim {dim} of size {size} does not divide by tp {tp_size}"
+    step = size // tp_size
+    return full.narrow(dim, tp_rank * step, step)
+
+
+def split_kv_heads(
+    full: torch.Tensor, num_kv_heads: int, tp_rank: int, tp_size: int
+) -> torch.Tensor:
+    """Return this rank's key/value heads of `full` (dim 0 = heads * head_dim).
+
+    With more ranks than heads, each head is replicated on tp_size / num_kv_heads
+    consecutive ranks, the way vLLM and SGLang shard GQA.
+    """
+    if num_kv_heads % tp_size == 0:
+        return split_even(full, 0, tp_rank, tp_size)
+    assert tp_size % num_kv_heads == 0, (num_kv_heads, tp_size)
+    head = tp_rank // (tp_size // num_kv_heads)
+    return split_even(full, 0, head, num_kv_heads)
+
+
+def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
+    """Return how many key/value heads one rank holds (at least one, replicated if needed)."""
+    return max(1, num_kv_heads // tp_size)
+
+
+def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup | None, tp_size: int) -> torch.Tensor:
+    """Sum `tensor` in place over the engine group and return it (no-op at TP=1)."""
+    if tp_size > 1:
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+class ColumnParallelLinear(nn.Module):
+    """A linear layer holding output rows [rank*n/tp, (rank+1)*n/tp); its output stays split."""
+
+    def __init__(self, in_features: int, out_local: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_local, in_features, dtype=dtype), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(out_local, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """A linear layer holding input columns of its rank; partial outputs are summed over the group.
+
+    The bias (whole, replicated) is added once, after the sum.
+    """
+
+    def __init__(
+        self,
+        in_local: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        group: dist.ProcessGroup | None,
+        tp_size: int,
+    ):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_local, dtype=dtype), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        )
+        self.group = group
+        self.tp_size = tp_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = all_reduce_(F.linear(x, self.weight), self.group, self.tp_size)
+        return out if self.bias is None else out + self.bias
