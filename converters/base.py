@@ -1,0 +1,289 @@
+"""Rule tables and the `Converter` that applies a model family's table to one tensor at a time.
+
+A family is data: `Rule` rows mapping Megatron name patterns to HF name
+patterns through a layout transform, and `HFTensor` rows describing the HF
+checkpoint the HF config calls for. `Converter` binds a family to one HF
+config, a target dtype and an explicit skip list, and checks every produced
+name and shape against that description.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from converters.errors import (
+    ConfigError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError,
+    UnmappedParameterError,
+)
+from converters.hf_config import HFConfig
+from converters.layout import rename
+from converters.patterns import Pattern, compile_pattern
+from megatron_sync.meta import TensorMeta
+
+Transform = Callable[[torch.Tensor, HFConfig], tuple[torch.Tensor, ...]]
+ConfigPredicate = Callable[[HFConfig], bool]
+
+_MAX_LISTED = 8
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row: Megatron name pattern -> HF name pattern(s), through `transform`, cast to `dtype`.
+
+    `transform(tensor, hf_config)` returns one tensor per HF pattern, in order.
+    `dtype=None` means the converter's target dtype; set it to keep, e.g., float32.
+    """
+
+    megatron: str
+    hf: str | tuple[str, ...]
+    transform: Transform = rename
+    dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        hf = (self.hf,) if isinstance(self.hf, str) else tuple(self.hf)
+        object.__setattr__(self, "hf", hf)
+        source = compile_pattern(self.megatron)
+        for target in hf:
+            extra = set(compile_pattern(target).fields) - set(source.fields)
+            if extra:
+                raise ValueError(f"rule {self.megatron!r} -> {target!r}: {sorted(extra)} not captured")
+
+    @property
+    def megatron_pattern(self) -> Pattern:
+        return compile_pattern(self.megatron)
+
+    @property
+    def hf_patterns(self) -> tuple[Pattern, ...]:
+        return tuple(compile_pattern(h) for h in self.hf)
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """One row of the HF checkpoint layout: name pattern, shape as config expressions, where it exists.
+
+    `layers` is "all", "dense" or "moe" (for `{layer}` patterns); `when` is an
+    optional predicate on the config (e.g. lm_head only when embeddings are untied).
+    """
+
+    name: str
+    shape: tuple[str, ...]
+    layers: str = "all"
+    when: ConfigPredicate | None = None
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A Megatron name pattern that is known and deliberately not sent, with the reason."""
+
+    megatron: str
+    reason: str
+    when: ConfigPredicate | None = None
+
+
+def _never(cfg: HFConfig, layer: int) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: its rule table, its HF layout, and the config facts the table depends on."""
+
+    name: str
+    rules: tuple[Rule, ...]
+    hf_tensors: tuple[HFTensor, ...]
+    skip: tuple[Skip, ...] = ()
+    buffers: tuple[str, ...] = ()
+    is_moe_layer: Callable[[HFConfig, int], bool] = _never
+    num_experts_key: str = "num_experts"
+    validate_config: Callable[[HFConfig], None] | None = None
+    layer_kind_keys: tuple[str, ...] = ()
+
+
+class Converter:
+    """Converts full Megatron tensors of one model family to HF checkpoint-format tensors."""
+
+    def __init__(self, family: Family, hf_config: Any, *, dtype: torch.dtype = torch.bfloat16,
+                 skip: Iterable[str] = ()):
+        self.family = family
+        self.config = HFConfig(hf_config, family.name)
+        self.dtype = dtype
+        if family.validate_config is not None:
+            family.validate_config(self.config)
+        active = [s.megatron for s in family.skip if s.when is None or s.when(self.config)]
+        self.skip: tuple[str, ...] = tuple(dict.fromkeys([*active, *skip]))
+        self._skip_patterns = tuple(compile_pattern(s) for s in self.skip)
+        self.buffer_patterns: tuple[str, ...] = family.buffers
+        self._hf_dtypes = {h: r.dtype or dtype for r in family.rules for h in r.hf}
+        self._expected = self._expected_layout()
+
+    # -- the HF side, from the config alone -------------------------------------------------
+
+    def _layer_kind_ok(self, row: HFTensor, layer: int) -> bool:
+        if row.layers == "all":
+            return True
+        moe = self.family.is_moe_layer(self.config, layer)
+        return moe if row.layers == "moe" else not moe
+
+    def _row_names(self, row: HFTensor, layer: int | None) -> list[str]:
+        pattern = compile_pattern(row.name)
+        if layer is not None and not self._layer_kind_ok(row, layer):
+            return []
+        if "expert" not in pattern.fields:
+            return [pattern.format(layer=layer)]
+        experts = range(self.config[self.family.num_experts_key])
+        return [pattern.format(layer=layer, expert=e) for e in experts]
+
+    def _expected_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype, HFTensor]]:
+        """Global tensors first, then layer by layer in table order, experts innermost."""
+        rows = [r for r in self.family.hf_tensors if r.when is None or r.when(self.config)]
+        per_layer = [r for r in rows if "layer" in compile_pattern(r.name).fields]
+        ordered = [(r, None) for r in rows if r not in per_layer]
+        ordered += [(r, i) for i in range(self.config["num_hidden_layers"]) for r in per_layer]
+        expected = {}
+        for row, layer in ordered:
+            assert row.name in self._hf_dtypes, f"{self.family.name}: no rule produces {row.name}"
+            shape = tuple(self.config.eval(e) for e in row.shape)
+            for name in self._row_names(row, layer):
+                expected[name] = (shape, self._hf_dtypes[row.name], row)
+        return expected
+
+    def expected_hf_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Return every HF tensor a complete checkpoint holds: name -> (shape, dtype), from the config alone."""
+        return {name: (shape, dtype) for name, (shape, dtype, _) in self._expected.items()}
+
+    # -- the Megatron side --------------------------------------------------------------------
+
+    def is_skipped(self, megatron_name: str) -> bool:
+        """Return True if `megatron_name` is in the explicit skip list (family skips + user skips)."""
+        return any(p.match(megatron_name) is not None for p in self._skip_patterns)
+
+    def is_buffer(self, megatron_name: str) -> bool:
+        """Return True if `megatron_name` is a Megatron buffer (not a parameter) that must be sent."""
+        return any(compile_pattern(b).match(megatron_name) is not None for b in self.buffer_patterns)
+
+    def _find_rule(self, megatron_name: str) -> tuple[Rule, dict[str, int]]:
+        for rule in self.family.rules:
+            captures = rule.megatron_pattern.match(megatron_name)
+            if captures is not None:
+                return rule, captures
+        raise UnmappedParameterError(
+            f"no rule for {megatron_name!r} in family {self.family.name!r}; add a Rule to "
+            f"converters/{self.family.name}.py or list it in skip=(...{megatron_name!r}...)"
+        )
+
+    def convert(self, megatron_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Return the HF (name, tensor) pairs for one full Megatron tensor; [] if it is skipped."""
+        if self.is_skipped(megatron_name):
+            return []
+        rule, captures = self._find_rule(megatron_name)
+        outputs = rule.transform(tensor, self.config)
+        assert len(outputs) == len(rule.hf), f"{rule.megatron}: transform arity != len(hf)"
+        converted = []
+        for pattern, out in zip(rule.hf_patterns, outputs):
+            hf_name = pattern.format(**captures)
+            self._check_produced(hf_name, tuple(out.shape), megatron_name)
+            converted.append((hf_name, out.to(rule.dtype or self.dtype).contiguous()))
+        return converted
+
+    def convert_meta(self, megatron_name: str, shape: Iterable[int], dtype: torch.dtype) -> list[TensorMeta]:
+        """Return the metadata `convert` would produce for a tensor of this shape and dtype, without data."""
+        fake = torch.empty(tuple(shape), dtype=dtype, device="meta")
+        return [TensorMeta.of(name, t) for name, t in self.convert(megatron_name, fake)]
+
+    # -- checks ---------------------------------------------------------------------------
+
+    def _check_produced(self, hf_name: str, shape: tuple[int, ...], megatron_name: str) -> None:
+        if hf_name not in self._expected:
+            raise UnexpectedTensorError(
+                f"{megatron_name!r} produced {hf_name!r}, which the HF config of family "
+                f"{self.family.name!r} does not call for: {self._why_unexpected(hf_name)}"
+            )
+        expected, _, row = self._expected[hf_name]
+        if shape != expected:
+            raise ShapeMismatchError(self._shape_message(hf_name, megatron_name, shape, expected, row))
+
+    def _why_unexpected(self, hf_name: str) -> str:
+        cfg = self.config
+        for row in self.family.hf_tensors:
+            captures = compile_pattern(row.name).match(hf_name)
+            if captures is None:
+                continue
+            if row.when is not None and not row.when(cfg):
+                return (f"the config disables it (tie_word_embeddings={cfg.get('tie_word_embeddings')}); "
+                        f"fix the HF config or add the Megatron name to skip=")
+            if captures.get("layer", 0) >= cfg["num_hidden_layers"]:
+                return (f"layer {captures['layer']} >= num_hidden_layers={cfg['num_hidden_layers']}; "
+                        f"fix num_hidden_layers in the HF config")
+            key = self.family.num_experts_key
+            if captures.get("expert", 0) >= (cfg.get(key) or 0):
+                return f"expert {captures['expert']} >= {key}={cfg.get(key)}; fix {key} in the HF config"
+            if not self._layer_kind_ok(row, captures["layer"]):
+                keys = ", ".join(f"{k}={cfg.get(k)}" for k in self.family.layer_kind_keys)
+                kind = "MoE" if self.family.is_moe_layer(cfg, captures["layer"]) else "dense"
+                return (f"layer {captures['layer']} is a {kind} layer per the config ({keys}); "
+                        f"make those values match the Megatron model's MoE layer pattern")
+        return "no HF layout row matches it (a bug in the family table)"
+
+    def _shape_message(self, hf_name, megatron_name, shape, expected, row: HFTensor) -> str:
+        parts = []
+        for dim, (got, want, expr) in enumerate(zip(shape, expected, row.shape)):
+            if got != want:
+                names = sorted({n.id for n in ast.walk(ast.parse(expr)) if isinstance(n, ast.Name)})
+                values = ", ".join(f"{n}={self.config.get(n)}" for n in names)
+                parts.append(f"dim {dim} is {got} but {expr} = {want} ({values})")
+        if len(shape) != len(expected):
+            parts.append(f"rank {len(shape)} but the HF layout has rank {len(expected)}")
+        return (f"{hf_name!r} (from {megatron_name!r}) has shape {shape}, but the HF config of "
+                f"family {self.family.name!r} gives {expected}: {'; '.join(parts)}. "
+                f"Make these HF config values match the Megatron model")
+
+    def check_complete(self, produced_names: Iterable[str]) -> None:
+        """Raise unless `produced_names` is exactly the expected HF name set, each name once."""
+        counts = Counter(produced_names)
+        twice = sorted(n for n, c in counts.items() if c > 1)
+        unexpected = sorted(n for n in counts if n not in self._expected)
+        missing = sorted(n for n in self._expected if n not in counts)
+        if missing:
+            raise MissingTensorError(
+                f"{len(missing)} HF tensor(s) of family {self.family.name!r} were never produced: "
+                f"{self._listing(missing)}; make sure every Megatron parameter (all pipeline stages, "
+                f"all experts) and every buffer in buffer_patterns {list(self.buffer_patterns)} is "
+                f"converted, and that nothing needed is in skip={list(self.skip)}"
+            )
+        if unexpected:
+            raise UnexpectedTensorError(
+                f"{len(unexpected)} produced HF tensor(s) are not in the HF config's layout for family "
+                f"{self.family.name!r}: {self._listing(unexpected)}; fix the HF config or skip their sources"
+            )
+        if twice:
+            raise UnexpectedTensorError(
+                f"HF tensor(s) produced more than once: {self._listing(twice)}; two Megatron names map to "
+                f"each (e.g. both a TE fused and a separate layernorm); skip one of them"
+            )
+
+    def _listing(self, names: list[str]) -> str:
+        shown = []
+        for name in names[:_MAX_LISTED]:
+            sources = [r.megatron for r in self.family.rules
+                       for h in r.hf if compile_pattern(h).match(name) is not None]
+            shown.append(f"{name} (from {' or '.join(sources)})" if sources else name)
+        more = f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
+        return ", ".join(shown) + more
+
+
+def tied(cfg: HFConfig) -> bool:
+    """True when the HF model ties lm_head to the input embedding."""
+    return bool(cfg.get("tie_word_embeddings"))
+
+
+def untied(cfg: HFConfig) -> bool:
+    """True when the HF model has its own lm_head.weight."""
+    return not tied(cfg)
+
+
+__all__ = ["Rule", "HFTensor", "Skip", "Family", "Converter", "ConfigError", "tied", "untied"]

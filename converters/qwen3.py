@@ -1,0 +1,31 @@
+"""Qwen3 dense: Llama layout plus per-head q/k RMSNorm (`q_norm`, `k_norm`, shape [head_dim])."""
+
+from __future__ import annotations
+
+from converters.base import Family
+from converters.common import (
+    DENSE_MLP_HF, DENSE_MLP_RULES, EMBEDDING_HF, EMBEDDING_RULES, GQA_HF, GQA_RULES,
+    INPUT_NORM_RULES, NORM_HF, POST_ATTENTION_NORM_RULES, QK_NORM_HF, QK_NORM_RULES,
+    TIED_OUTPUT_SKIP,
+)
+from converters.errors import ConfigError
+from converters.hf_config import HFConfig
+
+
+def reject_attention_bias(cfg: HFConfig) -> None:
+    """Raise ConfigError when the config asks for projection biases, which Qwen3 tables do not map."""
+    if cfg.get("attention_bias"):
+        raise ConfigError(
+            f"family {cfg.family!r} has no rules for attention_bias=true; add Rules for "
+            f"self_attention.linear_qkv.bias / linear_proj.bias or set attention_bias=false"
+        )
+
+
+QWEN3 = Family(
+    name="qwen3",
+    rules=EMBEDDING_RULES + INPUT_NORM_RULES + POST_ATTENTION_NORM_RULES + GQA_RULES
+    + QK_NORM_RULES + DENSE_MLP_RULES,
+    hf_tensors=EMBEDDING_HF + NORM_HF + GQA_HF + QK_NORM_HF + DENSE_MLP_HF,
+    skip=TIED_OUTPUT_SKIP,
+    validate_config=reject_attention_bias,
+)
