@@ -1,0 +1,62 @@
+"""The hook a Megatron training loop calls after each optimizer step."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class Syncer(Protocol):
+    def sync(self) -> Any:
+        """Stream the current weights as the next version; return that sync's metrics."""
+
+
+def ensure_params_gathered(chunks: list[torch.nn.Module]) -> None:
+    """Finish Megatron's distributed-optimizer parameter all-gather before weights are read.
+
+    With `overlap_param_gather`, `optimizer.step()` leaves each DP rank holding
+    only its updated shard; the all-gather normally runs hidden inside the next
+    forward. Reading weights before that would send stale values, so force a
+    synchronous all-gather on every DDP-wrapped chunk that uses one.
+    """
+    for chunk in chunks:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is None or not getattr(ddp_config, "use_distributed_optimizer", False):
+            continue
+        if getattr(ddp_config, "overlap_param_gather", False):
+            chunk.start_param_sync(force_sync=True)
+
+
+class WeightSyncCallback:
+    """Syncs weights to the inference engines after every N-th optimizer update.
+
+    N counts successful optimizer updates (`optimizer.step()` calls that
+    changed the weights), not rollout iterations or microbatches: an RL loop
+    that takes 4 optimizer steps per rollout batch and wants fresh weights
+    once per rollout sets N=4. Call `after_optimizer_step` on every trainer
+    rank, right after the optimizer step (Megatron: after `train_step`
+    returns with `update_successful`); it is collective when it syncs.
+    """
+
+    def __init__(self, syncer: Syncer, chunks: list[torch.nn.Module], *, every_n_steps: int = 1):
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.syncer = syncer
+        self.chunks = chunks
+        self.every_n_steps = every_n_steps
+        self.updates = 0
+
+    def after_optimizer_step(self, update_successful: bool = True) -> Any:
+        """Count one optimizer update and sync when it is the N-th; return metrics or None.
+
+        Skipped updates (loss-scale overflow: `update_successful=False`) leave
+        the weights unchanged and are not counted.
+        """
+        if not update_successful:
+            return None
+        self.updates += 1
+        if self.updates % self.every_n_steps:
+            return None
+        ensure_params_gathered(self.chunks)
+        return self.syncer.sync()
