@@ -193,7 +193,8 @@ class ReferenceEngine:
             )
         if not (tp_size >= 1 and 0 <= tp_rank < tp_size):
             raise ValueError(f"tp_rank={tp_rank} must lie in [0, tp_size={tp_size}) with tp_size >= 1")
-        if tp_size > 1 and dist.get_world_size(group) != tp_size:
+        # Checked when a process group exists; without one the engine still shards (pure use).
+        if tp_size > 1 and dist.is_initialized() and dist.get_world_size(group) != tp_size:
             raise ValueError(
                 f"tp_size={tp_size} but the engine group has {dist.get_world_size(group)} ranks; "
                 "pass the group of exactly this engine's ranks"

@@ -1,0 +1,280 @@
+"""The reference engine at TP=2 equals a TP=1 transformers model, and shards exactly.
+
+Tolerance of the logits comparison (float32): the engine computes the same
+operations on the same values; only the order of reductions differs (a
+row-parallel projection sums two partial dot products of half length, then
+all-reduces them; the engine's experts run the eager loop where the TP=1 model
+uses grouped_mm). Each such regrouping moves a float32 result by a few ulps,
+so logits of magnitude ~1-10 agree to ~1e-6; rtol=atol=1e-5 leaves a margin
+without hiding a wrong shard, which moves logits by O(1). MoE routing takes
+a discrete top-k of router scores computed from those hidden states; with
+random weights a near-tie that a 1e-6 change could flip does not occur for
+these seeds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_sync.engines.reference import FAMILIES, ReferenceEngine, full_state_from_hf_model
+from megatron_sync.engines.tp_layers import Split, split_kv_heads
+from megatron_sync.receiver.engine import EngineAdapter
+
+TP = 2
+VOCAB = 250
+FAMILY_NAMES = ["qwen3", "qwen3_moe", "llama", "qwen2", "deepseek_v3"]
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+
+
+def tiny_config(family: str):
+    """Return a small config of `family` (4 heads / 2 kv heads, 4 experts where MoE)."""
+    from transformers import AutoConfig
+
+    gqa = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    kwargs = {
+        "qwen3": dict(**gqa, tie_word_embeddings=True),
+        "qwen3_moe": dict(
+            **gqa, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False
+        ),
+        "llama": dict(**gqa, attention_bias=True, tie_word_embeddings=False),
+        "qwen2": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+        "deepseek_v3": dict(
+            num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
+            n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+            q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            tie_word_embeddings=False,
+        ),
+    }[family]
+    return AutoConfig.for_model(family, **_COMMON, **kwargs)
+
+
+def reference_model(family: str, seed: int = 0):
+    """Return a TP=1 transformers model of `family` with random weights (norms near 1, routers distinct)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
+    return model
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+# ---- multi-process harness ----
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(fn, rank, world_size, port, errors, args):
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        fn(rank, world_size, *args)
+        dist.destroy_process_group()
+    except BaseException:
+        errors.put(f"[rank {rank}] " + traceback.format_exc())
+        raise
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> None:
+    """Run fn(rank, world_size, *args) on `world_size` spawned gloo ranks; raise remote tracebacks."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, errors, args), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = __import__("time").monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - __import__("time").monotonic()))
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
+        p.join()
+    remote = []
+    while not errors.empty():
+        remote.append(errors.get())
+    if remote:
+        raise RuntimeError("rank failure:\n" + "\n".join(remote))
+    if hung:
+        raise TimeoutError(f"ranks {[procs.index(p) for p in hung]} still running after {timeout}s; killed")
+    bad = {i: p.exitcode for i, p in enumerate(procs) if p.exitcode != 0}
+    assert not bad, f"ranks exited with codes {bad}"
+
+
+def _engine_rank(rank, world_size, cases, out_dir):
+    """Load every family's shards into a TP engine; save logits, generations and live shards."""
+    results = {}
+    for family, (full, tokens) in cases.items():
+        engine = ReferenceEngine(tiny_config(family), tp_rank=rank, tp_size=world_size)
+        engine.load_shards({n: engine.shard_of(n, t) for n, t in full.items()}, version=3)
+        results[family] = dict(
+            version=engine.version,
+            logits=engine.logits(tokens),
+            generated=engine.generate(tokens, max_new_tokens=4),
+            shards=engine.state_shards(),
+            dims={n: engine.shard_dim(n) for n in full},
+        )
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def references():
+    out = {}
+    for family in FAMILY_NAMES:
+        model = reference_model(family)
+        tokens = _tokens()
+        with torch.no_grad():
+            logits = model(input_ids=tokens).logits
+            generated = model.generate(
+                tokens, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+        out[family] = dict(full=full_state_from_hf_model(model), tokens=tokens, logits=logits, generated=generated)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp2_results(references, tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("tp2"))
+    cases = {f: (r["full"], r["tokens"]) for f, r in references.items()}
+    run_ranks(_engine_rank, TP, cases, out_dir, timeout=150)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(TP)]
+
+
+# ---- multi-process tests ----
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_tp2_logits_equal_transformers(family, references, tp2_results):
+    ref = references[family]
+    for rank, results in enumerate(tp2_results):
+        got = results[family]
+        assert got["version"] == 3
+        torch.testing.assert_close(got["logits"], ref["logits"], rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
+        assert torch.equal(got["generated"], ref["generated"]), f"rank {rank}"
+    assert torch.equal(tp2_results[0][family]["logits"], tp2_results[1][family]["logits"])
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_tp2_state_shards_reassemble_bitwise(family, references, tp2_results):
+    full = references[family]["full"]
+    assert set(tp2_results[0][family]["shards"]) == set(full)
+    for name, tensor in full.items():
+        dim = tp2_results[0][family]["dims"][name]
+        pieces = [results[family]["shards"][name] for results in tp2_results]
+        if dim is None:
+            assert all(torch.equal(p, tensor) for p in pieces), name
+        else:
+            assert torch.equal(torch.cat(pieces, dim=dim), tensor), name
+
+
+# ---- pure tests (one process, no group) ----
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_expected_tensors_are_the_checkpoint(family, references):
+    engine = ReferenceEngine(tiny_config(family), tp_rank=0, tp_size=TP)
+    assert isinstance(engine, EngineAdapter)
+    full = references[family]["full"]
+    expected = {m.name: m for m in engine.expected_tensors()}
+    assert set(expected) == set(full)
+    for name, tensor in full.items():
+        assert expected[name].shape == tuple(tensor.shape) and expected[name].dtype == tensor.dtype, name
+
+
+def test_checkpoint_names_per_expert_and_untied_lm_head():
+    moe = {m.name for m in ReferenceEngine(tiny_config("qwen3_moe"), tp_rank=0, tp_size=1).expected_tensors()}
+    assert "model.layers.1.mlp.experts.3.gate_proj.weight" in moe
+    assert not any("gate_up_proj" in n for n in moe)
+    assert "lm_head.weight" in moe
+    dense = {m.name for m in ReferenceEngine(tiny_config("qwen3"), tp_rank=0, tp_size=1).expected_tensors()}
+    assert "lm_head.weight" not in dense  # tied to embed_tokens
+
+
+def test_shard_of_slices_by_rule():
+    cfg = tiny_config("qwen3_moe")
+    engines = [ReferenceEngine(cfg, tp_rank=r, tp_size=TP) for r in range(TP)]
+    cases = {
+        "model.layers.0.self_attn.q_proj.weight": (Split.COLUMN, 0),
+        "model.layers.0.self_attn.k_proj.weight": (Split.KV_HEADS, 0),
+        "model.layers.0.self_attn.o_proj.weight": (Split.ROW, 1),
+        "model.layers.1.mlp.experts.2.up_proj.weight": (Split.COLUMN, 0),
+        "model.layers.1.mlp.experts.2.down_proj.weight": (Split.ROW, 1),
+        "model.layers.1.mlp.gate.weight": (Split.REPLICATED, None),
+        "model.embed_tokens.weight": (Split.REPLICATED, None),
+    }
+    metas = {m.name: m for m in engines[0].expected_tensors()}
+    for name, (_, dim) in cases.items():
+        full = torch.arange(metas[name].numel, dtype=torch.float32).reshape(metas[name].shape)
+        shards = [e.shard_of(name, full) for e in engines]
+        assert all(e.shard_dim(name) == dim for e in engines), name
+        if dim is None:
+            assert all(s is full or torch.equal(s, full) for s in shards)
+        else:
+            assert torch.equal(torch.cat(shards, dim), full), name
+            assert tuple(shards[0].shape) == engines[0].local_shape(name)
+
+
+def test_kv_heads_replicate_when_tp_exceeds_them():
+    full = torch.arange(2 * 3).reshape(2 * 3, 1)  # 2 heads of dim 3
+    shards = [split_kv_heads(full, 2, r, 4) for r in range(4)]
+    assert [s.flatten().tolist() for s in shards] == [[0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]]
+
+
+def test_errors_name_the_tensor_and_the_fix():
+    engine = ReferenceEngine(tiny_config("qwen3"), tp_rank=0, tp_size=TP)
+    with pytest.raises(ValueError, match=r"model.layers.9.self_attn.q_proj.weight.*not a tensor"):
+        engine.shard_of("model.layers.9.self_attn.q_proj.weight", torch.zeros(64, 64))
+    with pytest.raises(ValueError, match=r"not a tensor"):
+        engine.shard_dim("model.layers.0.self_attn.q_proj.bias")  # qwen3 has no qkv bias
+    with pytest.raises(ValueError, match=r"q_proj.weight: got shape \(32, 64\).*expects \(64, 64\)"):
+        engine.shard_of("model.layers.0.self_attn.q_proj.weight", torch.zeros(32, 64))
+    shards = {m.name: torch.zeros(engine.local_shape(m.name)) for m in engine.expected_tensors()}
+    dropped = shards.pop("model.norm.weight")
+    with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):
+        engine.load_shards(shards, version=1)
+    shards["model.norm.weight"] = dropped
+    shards["model.layers.0.mlp.gate.weight"] = torch.zeros(4, 64)
+    with pytest.raises(ValueError, match=r"unexpected \['model.layers.0.mlp.gate.weight'\]"):
+        engine.load_shards(shards, version=1)
+    del shards["model.layers.0.mlp.gate.weight"]
+    shards["model.layers.0.mlp.down_proj.weight"] = torch.zeros(64, 96)
+    with pytest.raises(ValueError, match=r"down_proj.weight: shard shape \(64, 96\) != this rank's \(64, 48\)"):
+        engine.load_shards(shards, version=1)
+    assert engine.version == 0  # nothing applied
+
+
+def test_unsupported_family_and_bad_tp():
+    from transformers import AutoConfig
+
+    with pytest.raises(NotImplementedError, match="gpt2"):
+        ReferenceEngine(AutoConfig.for_model("gpt2"), tp_rank=0, tp_size=1)
+    with pytest.raises(ValueError, match="num_attention_heads=4 does not divide"):
+        ReferenceEngine(tiny_config("qwen3"), tp_rank=0, tp_size=3)
+    assert set(FAMILY_NAMES) == set(FAMILIES)
