@@ -45,6 +45,8 @@ def is_moe_layer(cfg: HFConfig, layer: int) -> bool:
 def _validate(cfg: HFConfig) -> None:
     if cfg.get("attention_bias"):
         raise ConfigError("family 'deepseek_v3' has no rules for attention_bias=true; set it to false")
+    for key in ("n_routed_experts", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        cfg[key]  # raises ConfigError naming the missing key
 
 
 _A = H + "self_attn."

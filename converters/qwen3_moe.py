@@ -12,6 +12,11 @@ from converters.hf_config import HFConfig
 from converters.qwen3 import reject_attention_bias
 
 
+def _validate(cfg: HFConfig) -> None:
+    reject_attention_bias(cfg)
+    cfg["num_experts"]  # required: config.json spells it num_experts, transformers num_local_experts
+
+
 def is_moe_layer(cfg: HFConfig, layer: int) -> bool:
     """Return True if HF Qwen3-MoE builds a sparse MLP at `layer` (same test as modeling_qwen3_moe)."""
     return (
@@ -30,6 +35,6 @@ QWEN3_MOE = Family(
     skip=TIED_OUTPUT_SKIP,
     is_moe_layer=is_moe_layer,
     num_experts_key="num_experts",
-    validate_config=reject_attention_bias,
+    validate_config=_validate,
     layer_kind_keys=("num_experts", "decoder_sparse_step", "mlp_only_layers"),
 )
