@@ -63,8 +63,9 @@ def reference_model(family: str, seed: int = 0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family)).eval()
     with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+        for name, p in model.named_parameters():
+            is_norm = p.dim() == 1 and not name.endswith(".bias")
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if is_norm else 0.0))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.1)
@@ -139,6 +140,12 @@ def _engine_rank(rank, world_size, cases, out_dir):
             shards=engine.state_shards(),
             dims={n: engine.shard_dim(n) for n in full},
         )
+        # Negative control: row-parallel shards of the other rank, column-parallel ones of this rank.
+        other = ReferenceEngine(tiny_config(family), tp_rank=1 - rank, tp_size=world_size)
+        engine.load_shards(
+            {n: (other if engine.shard_dim(n) == 1 else engine).shard_of(n, t) for n, t in full.items()}, version=4
+        )
+        results[family]["mismatched_logits"] = engine.logits(tokens)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -178,6 +185,8 @@ def test_tp2_logits_equal_transformers(family, references, tp2_results):
         torch.testing.assert_close(got["logits"], ref["logits"], rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
         assert torch.equal(got["generated"], ref["generated"]), f"rank {rank}"
     assert torch.equal(tp2_results[0][family]["logits"], tp2_results[1][family]["logits"])
+    # The comparison has power: mismatched shards move the logits by O(1), not 1e-5.
+    assert (tp2_results[0][family]["mismatched_logits"] - ref["logits"]).abs().max() > 0.1
 
 
 @pytest.mark.multiproc
@@ -255,6 +264,8 @@ def test_errors_name_the_tensor_and_the_fix():
         engine.shard_dim("model.layers.0.self_attn.q_proj.bias")  # qwen3 has no qkv bias
     with pytest.raises(ValueError, match=r"q_proj.weight: got shape \(32, 64\).*expects \(64, 64\)"):
         engine.shard_of("model.layers.0.self_attn.q_proj.weight", torch.zeros(32, 64))
+    with pytest.raises(ValueError, match=r"q_proj.weight: got dtype torch.bfloat16.*float32; cast"):
+        engine.shard_of("model.layers.0.self_attn.q_proj.weight", torch.zeros(64, 64, dtype=torch.bfloat16))
     shards = {m.name: torch.zeros(engine.local_shape(m.name)) for m in engine.expected_tensors()}
     dropped = shards.pop("model.norm.weight")
     with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):
@@ -265,7 +276,7 @@ def test_errors_name_the_tensor_and_the_fix():
         engine.load_shards(shards, version=1)
     del shards["model.layers.0.mlp.gate.weight"]
     shards["model.layers.0.mlp.down_proj.weight"] = torch.zeros(64, 96)
-    with pytest.raises(ValueError, match=r"down_proj.weight: shard shape \(64, 96\) != this rank's \(64, 48\)"):
+    with pytest.raises(ValueError, match=r"down_proj.weight: shard \(64, 96\) torch.float32 != this rank's \(64, 48\)"):
         engine.load_shards(shards, version=1)
     assert engine.version == 0  # nothing applied
 

@@ -237,6 +237,8 @@ class ReferenceEngine:
                 f"{name}: got shape {tuple(full.shape)}, this {self.family} config expects {meta.shape}; "
                 "send the full (unsharded, vocab-trimmed) HF tensor for the same config"
             )
+        if full.dtype != meta.dtype:
+            raise ValueError(f"{name}: got dtype {full.dtype}, this engine computes in {meta.dtype}; cast before sending")
         return self._split(rule.split, full)
 
     def local_shape(self, name: str) -> tuple[int, ...]:
@@ -260,10 +262,11 @@ class ReferenceEngine:
                 f"unexpected {unexpected[:8]} ({len(unexpected)})"
             )
         for name, shard in shards.items():
-            if tuple(shard.shape) != tuple(self._live[name].shape):
+            live = self._live[name]
+            if tuple(shard.shape) != tuple(live.shape) or shard.dtype != live.dtype:
                 raise ValueError(
-                    f"{name}: shard shape {tuple(shard.shape)} != this rank's {tuple(self._live[name].shape)}; "
-                    "produce it with shard_of() of the same engine"
+                    f"{name}: shard {tuple(shard.shape)} {shard.dtype} != this rank's "
+                    f"{tuple(live.shape)} {live.dtype}; produce it with shard_of() of the same engine"
                 )
         with torch.no_grad():
             for name, shard in shards.items():
@@ -362,7 +365,7 @@ class ReferenceEngine:
                 split = splits.get(full_name, Split.REPLICATED)
                 if isinstance(child, nn.Linear) and split is not Split.REPLICATED:
                     setattr(module, child_name, self._tp_linear(full_name, child, split))
-            if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+            if isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):  # fused experts
                 self._shard_fused_experts(module)
             if hasattr(module, "num_key_value_groups"):
                 self._localize_attention(module)
