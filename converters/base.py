@@ -75,6 +75,10 @@ class HFTensor:
     layers: str = "all"
     when: ConfigPredicate | None = None
 
+    def __post_init__(self):
+        if self.layers not in ("all", "dense", "moe"):
+            raise ValueError(f"HFTensor {self.name!r}: layers must be 'all', 'dense' or 'moe'")
+
 
 @dataclass(frozen=True)
 class Skip:
@@ -115,6 +119,7 @@ class Converter:
         if family.validate_config is not None:
             family.validate_config(self.config)
         active = [s.megatron for s in family.skip if s.when is None or s.when(self.config)]
+        skip = (skip,) if isinstance(skip, str) else tuple(skip)
         self.skip: tuple[str, ...] = tuple(dict.fromkeys([*active, *skip]))
         self._skip_patterns = tuple(compile_pattern(s) for s in self.skip)
         self.buffer_patterns: tuple[str, ...] = family.buffers
@@ -177,7 +182,10 @@ class Converter:
         )
 
     def convert(self, megatron_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """Return the HF (name, tensor) pairs for one full Megatron tensor; [] if it is skipped."""
+        """Return the HF (name, tensor) pairs for one full Megatron tensor; [] if it is skipped.
+
+        Outputs are contiguous and in the rule's dtype; they may share storage with `tensor`.
+        """
         if self.is_skipped(megatron_name):
             return []
         rule, captures = self._find_rule(megatron_name)
