@@ -1,0 +1,526 @@
+"""Tiny Megatron model families built on CPU with megatron-core's local spec, for tests.
+
+Each family has a ``ModelSpec`` with tiny sizes, the matching Megatron
+``TransformerConfig`` and Hugging Face config, seeded reference weights in the
+single-rank Megatron naming, and a loader that copies each rank's slice of those
+weights into model chunks built under any TP/PP/VPP/EP/ETP layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import zlib
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "FAMILIES",
+    "ModelSpec",
+    "megatron_config",
+    "padded_vocab_size",
+    "build_model_chunks",
+    "hf_config",
+    "reference_shapes",
+    "reference_weights",
+    "load_reference_weights",
+    "megatron_logits",
+]
+
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+_MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
+VOCAB_DIVISOR = 128  # Megatron-LM's default --make-vocab-size-divisible-by
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A tiny model of one family; every size is small enough for CPU tests."""
+
+    family: str
+    hidden_size: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    ffn_hidden_size: int = 128
+    vocab_size: int = 250  # not a multiple of 128: padding matters
+    max_position_embeddings: int = 256
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    # MoE (qwen3_moe, deepseek_v3)
+    num_experts: int = 8
+    moe_topk: int = 2
+    moe_ffn_hidden_size: int = 32
+    num_shared_experts: int = 1  # deepseek_v3 only
+    first_k_dense_replace: int = 1  # deepseek_v3 only
+    # Multi-Latent Attention (deepseek_v3)
+    q_lora_rank: int = 32
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
+        if self.family == "deepseek_v3" and not 0 < self.first_k_dense_replace < self.num_layers:
+            raise ValueError("first_k_dense_replace must leave at least one MoE layer")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.family in _MOE_FAMILIES
+
+    @property
+    def is_mla(self) -> bool:
+        return self.family == "deepseek_v3"
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Global indices of the layers whose MLP is a mixture of experts."""
+        if self.family == "qwen3_moe":
+            return list(range(self.num_layers))
+        if self.family == "deepseek_v3":
+            return list(range(self.first_k_dense_replace, self.num_layers))
+        return []
+
+
+def padded_vocab_size(spec: ModelSpec, tp: int) -> int:
+    """Return the vocabulary size Megatron-LM pads to: a multiple of 128 * TP."""
+    multiple = VOCAB_DIVISOR * tp
+    return math.ceil(spec.vocab_size / multiple) * multiple
+
+
+# ---------------------------------------------------------------- Megatron side
+
+
+def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                    ep: int = 1, etp: int | None = None):
+    """Return the Megatron TransformerConfig (MLATransformerConfig for deepseek_v3) of ``spec``."""
+    from megatron.core.transformer.transformer_config import (
+        MLATransformerConfig,
+        TransformerConfig,
+    )
+
+    kwargs = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_heads if spec.is_mla else spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.family == "qwen2",
+        qk_layernorm=spec.family in ("qwen3", "qwen3_moe", "deepseek_v3"),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp if etp is not None else tp,
+        sequence_parallel=False,
+    )
+    if spec.is_moe:
+        kwargs.update(_moe_config(spec))
+    if spec.is_mla:
+        kwargs.update(
+            q_lora_rank=spec.q_lora_rank,
+            kv_lora_rank=spec.kv_lora_rank,
+            qk_head_dim=spec.qk_nope_head_dim,
+            qk_pos_emb_head_dim=spec.qk_rope_head_dim,
+            v_head_dim=spec.v_head_dim,
+            rope_type="rope",
+            rotary_base=spec.rope_theta,
+            rotary_scaling_factor=1.0,
+            mscale=1.0,
+            mscale_all_dim=0.0,
+        )
+        return MLATransformerConfig(**kwargs)
+    return TransformerConfig(**kwargs)
+
+
+def _moe_config(spec: ModelSpec) -> dict:
+    common = dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.moe_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_layer_freq=[1 if i in spec.moe_layers else 0 for i in range(spec.num_layers)],
+        moe_grouped_gemm=False,  # SequentialMLP: mlp.experts.local_experts.{j}
+        moe_token_dispatcher_type="allgather",  # alltoall builds a torch.cuda.Stream
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32",
+        moe_permute_fusion=False,
+        moe_router_pre_softmax=False,  # top-k, then normalize: HF norm_topk_prob=True
+    )
+    if spec.family == "deepseek_v3":
+        common.update(
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_topk_scaling_factor=1.0,
+            moe_shared_expert_intermediate_size=spec.moe_ffn_hidden_size * spec.num_shared_experts,
+        )
+    else:
+        common.update(moe_router_score_function="softmax")
+    return common
+
+
+def _layer_specs(spec: ModelSpec, config, vp_stage, pp_rank):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megatron_sync.testing.cpu_shim import use_cpu_core_attention
+
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization="RMSNorm",
+        vp_stage=vp_stage, pp_rank=pp_rank,
+    )
+    if spec.is_mla:
+        block.layer_specs = [use_cpu_core_attention(s) for s in block.layer_specs]
+    return block
+
+
+def build_model_chunks(spec: ModelSpec, *, vpp: int | None = None) -> list:
+    """Build this rank's GPTModel chunk(s) under the already initialized ``parallel_state``.
+
+    ``vpp`` defaults to parallel_state's virtual pipeline size; if given it must agree.
+    Chunks are in eval mode, float32, on CPU, with the vocabulary padded per
+    ``padded_vocab_size`` and pre/post_process set per PP/VPP stage.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_sync.testing.cpu_shim import apply_cpu_shims
+
+    apply_cpu_shims()
+    state_vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is not None and state_vpp is not None and vpp != state_vpp:
+        raise ValueError(f"vpp={vpp} disagrees with parallel_state's virtual pipeline size {state_vpp}")
+    vpp = vpp if vpp is not None else state_vpp
+    tp = ps.get_tensor_model_parallel_world_size()
+    config = megatron_config(
+        spec, tp=tp, pp=ps.get_pipeline_model_parallel_world_size(), vpp=vpp,
+        ep=ps.get_expert_model_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
+    )
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=_layer_specs(spec, config, stage, pp_rank),
+            vocab_size=padded_vocab_size(spec, tp),
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=spec.rope_theta,
+            vp_stage=stage,
+        )
+        model.megatron_sync_spec = spec  # lets megatron_logits trim the padded vocabulary
+        chunks.append(model.eval())
+    return chunks
+
+
+# ---------------------------------------------------------------- Hugging Face side
+
+
+def hf_config(spec: ModelSpec):
+    """Return the transformers config of ``spec``'s family that matches the Megatron model exactly."""
+    import transformers
+
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.ffn_hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        hidden_act="silu",
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=spec.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        tie_word_embeddings=spec.tie_word_embeddings,
+        attention_dropout=0.0,
+    )
+    if spec.family == "llama":
+        return transformers.LlamaConfig(
+            **common, head_dim=spec.head_dim, attention_bias=False, mlp_bias=False
+        )
+    if spec.family == "qwen2":  # q/k/v biases are built in, no flag
+        return transformers.Qwen2Config(**common, use_sliding_window=False)
+    if spec.family == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=spec.head_dim, attention_bias=False,
+                                        use_sliding_window=False)
+    if spec.family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **common, head_dim=spec.head_dim, attention_bias=False, use_sliding_window=False,
+            num_experts=spec.num_experts, num_experts_per_tok=spec.moe_topk,
+            moe_intermediate_size=spec.moe_ffn_hidden_size, norm_topk_prob=True,
+            decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0,
+        )
+    common.update(num_key_value_heads=spec.num_heads)
+    return transformers.DeepseekV3Config(
+        **common,
+        moe_intermediate_size=spec.moe_ffn_hidden_size,
+        n_routed_experts=spec.num_experts,
+        n_shared_experts=spec.num_shared_experts,
+        num_experts_per_tok=spec.moe_topk,
+        first_k_dense_replace=spec.first_k_dense_replace,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        q_lora_rank=spec.q_lora_rank,
+        kv_lora_rank=spec.kv_lora_rank,
+        qk_nope_head_dim=spec.qk_nope_head_dim,
+        qk_rope_head_dim=spec.qk_rope_head_dim,
+        v_head_dim=spec.v_head_dim,
+        rope_interleave=True,  # Megatron's MLA RoPE de-interleaves the same way
+        attention_bias=False,
+    )
+
+
+# ---------------------------------------------------------------- reference weights
+
+
+def _attention_shapes(spec: ModelSpec) -> dict[str, tuple]:
+    h, d = spec.hidden_size, spec.head_dim
+    if spec.is_mla:
+        q_head = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+        return {
+            "self_attention.linear_q_down_proj.weight": (spec.q_lora_rank, h),
+            "self_attention.q_layernorm.weight": (spec.q_lora_rank,),
+            "self_attention.linear_q_up_proj.weight": (spec.num_heads * q_head, spec.q_lora_rank),
+            "self_attention.linear_kv_down_proj.weight": (spec.kv_lora_rank + spec.qk_rope_head_dim, h),
+            "self_attention.kv_layernorm.weight": (spec.kv_lora_rank,),
+            "self_attention.linear_kv_up_proj.weight": (
+                spec.num_heads * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank),
+            "self_attention.linear_proj.weight": (h, spec.num_heads * spec.v_head_dim),
+        }
+    qkv_rows = (spec.num_heads + 2 * spec.num_kv_heads) * d
+    shapes = {
+        "self_attention.linear_qkv.weight": (qkv_rows, h),
+        "self_attention.linear_proj.weight": (h, spec.num_heads * d),
+    }
+    if spec.family == "qwen2":
+        shapes["self_attention.linear_qkv.bias"] = (qkv_rows,)
+    if spec.family in ("qwen3", "qwen3_moe"):
+        shapes["self_attention.q_layernorm.weight"] = (d,)
+        shapes["self_attention.k_layernorm.weight"] = (d,)
+    return shapes
+
+
+def _mlp_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple]:
+    h = spec.hidden_size
+    if layer not in spec.moe_layers:
+        f = spec.ffn_hidden_size
+        return {"mlp.linear_fc1.weight": (2 * f, h), "mlp.linear_fc2.weight": (h, f)}
+    f = spec.moe_ffn_hidden_size
+    shapes = {"mlp.router.weight": (spec.num_experts, h)}
+    for e in range(spec.num_experts):
+        shapes[f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
+        shapes[f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)
+    if spec.family == "deepseek_v3":
+        fs = f * spec.num_shared_experts
+        shapes["mlp.router.expert_bias"] = (spec.num_experts,)
+        shapes["mlp.shared_experts.linear_fc1.weight"] = (2 * fs, h)
+        shapes["mlp.shared_experts.linear_fc2.weight"] = (h, fs)
+    return shapes
+
+
+def reference_shapes(spec: ModelSpec) -> dict[str, tuple]:
+    """Return name -> shape of the full single-rank Megatron weights (vocab rows unpadded)."""
+    h = spec.hidden_size
+    shapes = {"embedding.word_embeddings.weight": (spec.vocab_size, h)}
+    for i in range(spec.num_layers):
+        layer = {"input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,)}
+        layer.update(_attention_shapes(spec))
+        layer.update(_mlp_shapes(spec, i))
+        shapes.update({f"decoder.layers.{i}.{k}": v for k, v in layer.items()})
+    shapes["decoder.final_layernorm.weight"] = (h,)
+    if not spec.tie_word_embeddings:
+        shapes["output_layer.weight"] = (spec.vocab_size, h)
+    return shapes
+
+
+def _reference_tensor(name: str, shape: tuple, seed: int) -> torch.Tensor:
+    # One generator per name: a tensor's values do not depend on which other tensors exist.
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if name.endswith("layernorm.weight"):
+        return 1.0 + 0.1 * noise
+    if name.endswith("expert_bias"):
+        return 0.1 * noise  # non-zero, large enough to change some top-k choices
+    if name.endswith(".bias"):
+        return 0.1 * noise
+    return noise / math.sqrt(shape[1])  # fan-in scaling keeps activations O(1)
+
+
+def reference_weights(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
+    """Return the full, unsharded Megatron weights of ``spec``, deterministic from ``seed``.
+
+    Names are those of a TP=1/PP=1/EP=1 local-spec model (global layer and expert
+    indices); vocabulary rows are ``spec.vocab_size`` (unpadded); the router
+    ``expert_bias`` buffer is included where the family has one.
+    """
+    return {name: _reference_tensor(name, shape, seed)
+            for name, shape in reference_shapes(spec).items()}
+
+
+# ---------------------------------------------------------------- loading a rank's slice
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..+)$")
+_VOCAB_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankLayout:
+    tp_size: int
+    tp_rank: int
+    etp_size: int
+    etp_rank: int
+    ep_rank: int
+    local_experts: int
+
+    @classmethod
+    def from_parallel_state(cls, spec: ModelSpec) -> "_RankLayout":
+        from megatron.core import parallel_state as ps
+
+        ep = ps.get_expert_model_parallel_world_size()
+        return cls(
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            etp_size=ps.get_expert_tensor_parallel_world_size(),
+            etp_rank=ps.get_expert_tensor_parallel_rank(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            local_experts=spec.num_experts // ep if spec.is_moe else 0,
+        )
+
+
+def _global_name(local_name: str, layer_numbers: list[int], layout: _RankLayout) -> str:
+    """Map a chunk-local parameter name to its name in the single-rank model."""
+    m = _LAYER.match(local_name)
+    if not m:
+        return local_name
+    name = f"decoder.layers.{layer_numbers[int(m.group(1))] - 1}.{m.group(2)}"
+    e = _EXPERT.match(name)
+    if e:
+        expert = layout.ep_rank * layout.local_experts + int(e.group(2))
+        name = f"{e.group(1)}{expert}{e.group(3)}"
+    return name
+
+
+def _rank_slice(full: torch.Tensor, local: torch.Tensor, name: str, spec: ModelSpec,
+                layout: _RankLayout) -> torch.Tensor:
+    """Return this rank's slice of ``full`` for the local tensor ``local``."""
+    if name in _VOCAB_NAMES:
+        padded = torch.zeros(padded_vocab_size(spec, layout.tp_size), full.shape[1], dtype=full.dtype)
+        padded[: full.shape[0]] = full
+        full = padded
+    if not getattr(local, "tensor_model_parallel", False):
+        return full
+    is_expert = _EXPERT.match(name) is not None
+    size, rank = (layout.etp_size, layout.etp_rank) if is_expert else (layout.tp_size, layout.tp_rank)
+    dim = local.partition_dim
+    if name.endswith("linear_fc1.weight"):  # [gate; up] -> [gate_r; up_r]
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+    return full.chunk(size, dim=dim)[rank]
+
+
+def _expected_names(full: dict, chunks: list, spec: ModelSpec, layout: _RankLayout) -> set[str]:
+    """Names of ``full`` that this rank's chunks must consume."""
+    layers = {layer.layer_number - 1 for c in chunks for layer in c.decoder.layers}
+    first = any(c.pre_process for c in chunks)
+    last = any(c.post_process for c in chunks)
+    experts = range(layout.ep_rank * layout.local_experts, (layout.ep_rank + 1) * layout.local_experts)
+    expected = set()
+    for name in full:
+        m = _LAYER.match(name)
+        if m:
+            e = _EXPERT.match(name)
+            if int(m.group(1)) in layers and (e is None or int(e.group(2)) in experts):
+                expected.add(name)
+        elif name == "embedding.word_embeddings.weight":
+            if first or (last and spec.tie_word_embeddings):
+                expected.add(name)
+        elif last:  # final_layernorm, output_layer
+            expected.add(name)
+    return expected
+
+
+def load_reference_weights(chunks: list, full: dict[str, torch.Tensor], spec: ModelSpec) -> None:
+    """Copy this rank's slice of ``full`` (see ``reference_weights``) into ``chunks`` in place.
+
+    Works for any TP/PP/VPP/EP/ETP layout under the current ``parallel_state``. Raises
+    ``KeyError`` if a local parameter or buffer has no full tensor, ``ValueError`` on a
+    shape mismatch or if a full tensor this rank should hold was not used.
+    """
+    layout = _RankLayout.from_parallel_state(spec)
+    used = set()
+    for chunk in chunks:
+        layer_numbers = [layer.layer_number for layer in chunk.decoder.layers]
+        for local_name, local in chunk.state_dict(keep_vars=True).items():
+            if local is None or local_name.endswith("_extra_state"):
+                continue
+            name = _global_name(local_name, layer_numbers, layout)
+            if name == "output_layer.weight" and spec.tie_word_embeddings:
+                name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied weight
+            if name not in full:
+                raise KeyError(f"local {local_name!r} (global {name!r}) has no reference tensor")
+            piece = _rank_slice(full[name], local, name, spec, layout)
+            if piece.shape != local.shape:
+                raise ValueError(f"{local_name!r}: slice {tuple(piece.shape)} != local {tuple(local.shape)}")
+            with torch.no_grad():
+                local.copy_(piece)
+            used.add(name)
+    unused = _expected_names(full, chunks, spec, layout) - used
+    if unused:
+        raise ValueError(f"reference tensors not loaded on this rank: {sorted(unused)}")
+
+
+# ---------------------------------------------------------------- forward
+
+
+def megatron_logits(chunks: list, tokens: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+    """Return eval-mode logits ``[batch, seq, vocab]`` of a PP=1 model, gathered over TP.
+
+    The padded vocabulary is trimmed to ``vocab_size`` (default: the spec the chunks
+    were built from). Every TP rank returns the same full tensor.
+    """
+    from megatron.core import parallel_state as ps
+
+    if len(chunks) != 1 or not (chunks[0].pre_process and chunks[0].post_process):
+        raise ValueError("megatron_logits supports PP=1 without VPP only (one chunk, pre and post process)")
+    model = chunks[0]
+    vocab_size = vocab_size or model.megatron_sync_spec.vocab_size
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=tokens, position_ids=positions, attention_mask=None)
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        pieces = [torch.empty_like(logits) for _ in range(tp)]
+        torch.distributed.all_gather(pieces, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+        logits = torch.cat(pieces, dim=-1)
+    return logits[..., :vocab_size]
