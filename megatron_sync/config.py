@@ -1,0 +1,199 @@
+"""User-facing weight-sync settings: one keyword-only, frozen, validated dataclass.
+
+Loaded from the `weight_sync:` section of a training YAML
+(`WeightSyncConfig.from_yaml`) or from `--weight-sync-*` flags added to
+Megatron's argument parser (`add_weight_sync_args` / `WeightSyncConfig.from_args`).
+Configuration enters here, at the edge; nothing deeper reads the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from megatron_sync.meta import _DTYPES_BY_NAME
+
+TRANSPORTS_SUPPORTED = ("broadcast",)
+TRANSPORTS_RESERVED = ("p2p", "disk_delta", "ipc")
+BACKENDS = ("gloo", "nccl", "auto")
+INFLIGHT_POLICIES = ("abort", "recompute", "keep")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightSyncConfig:
+    """Settings of one weight-sync job; every field is checked in `__post_init__`."""
+
+    enabled: bool = True
+    """Turn weight sync on. When False the trainer never opens the transport."""
+
+    every_n_steps: int = 1
+    """Sync after every N-th *optimizer update* (a completed optimizer.step()).
+    This counts updates, not rollout iterations: with several optimizer updates
+    per rollout batch, a rollout iteration advances this counter several times."""
+
+    transport: str = "broadcast"
+    """How bytes move: "broadcast" (implemented). "p2p", "disk_delta", "ipc" are reserved."""
+
+    backend: str = "auto"
+    """Collective backend of the transport group: "gloo", "nccl", or "auto"
+    (nccl when CUDA is available, else gloo)."""
+
+    master_address: str = "127.0.0.1"
+    """Host of the TCP rendezvous store (the stage-0 source rank hosts it)."""
+
+    master_port: int = 29600
+    """Port of the TCP rendezvous store; must differ from the training job's MASTER_PORT."""
+
+    num_inference_ranks: int = 1
+    """Total inference ranks across all engines that join the transport group."""
+
+    engine_tp_size: int = 1
+    """Tensor-parallel size of each engine; must divide num_inference_ranks."""
+
+    bucket_size_mb: float = 512.0
+    """Upper bound of one transfer bucket in MiB (a larger single tensor gets its own bucket)."""
+
+    gather_budget_mb: float = 1024.0
+    """Peak extra device memory the gather step may hold, in MiB."""
+
+    timeout_s: float = 300.0
+    """Seconds any collective of the transport group may wait before peers count as failed."""
+
+    family: str = "qwen3"
+    """Model family whose conversion rules apply (a module name under converters/)."""
+
+    hf_config_path: Optional[str] = None
+    """Optional path of the HF config.json of the inference model, to cross-check shapes."""
+
+    dtype: str = "bfloat16"
+    """Dtype the engine computes with; converted tensors are cast to it."""
+
+    metrics_path: Optional[str] = None
+    """If set, each sync's metrics are appended to this file as one JSON line."""
+
+    inflight_policy: str = "abort"
+    """What happens to generations in flight at sync time: "abort" them,
+    "recompute" their KV cache under the new weights, or "keep" them on old weights."""
+
+    def __post_init__(self) -> None:
+        _check_bool("enabled", self.enabled)
+        _check_int("every_n_steps", self.every_n_steps, minimum=1)
+        if self.transport in TRANSPORTS_RESERVED:
+            raise ValueError(
+                f"transport={self.transport!r} is reserved but not yet supported; "
+                f"use transport='broadcast'"
+            )
+        _check_choice("transport", self.transport, TRANSPORTS_SUPPORTED)
+        _check_choice("backend", self.backend, BACKENDS)
+        if not isinstance(self.master_address, str) or not self.master_address:
+            raise ValueError("master_address must be a non-empty host name or IP, e.g. '10.0.0.1'")
+        _check_int("master_port", self.master_port, minimum=1)
+        if self.master_port > 65535:
+            raise ValueError(f"master_port={self.master_port} is not a TCP port; use 1..65535")
+        _check_int("num_inference_ranks", self.num_inference_ranks, minimum=1)
+        _check_int("engine_tp_size", self.engine_tp_size, minimum=1)
+        if self.num_inference_ranks % self.engine_tp_size:
+            raise ValueError(
+                f"engine_tp_size={self.engine_tp_size} must divide "
+                f"num_inference_ranks={self.num_inference_ranks} (each engine spans engine_tp_size ranks)"
+            )
+        _check_positive("bucket_size_mb", self.bucket_size_mb)
+        _check_positive("gather_budget_mb", self.gather_budget_mb)
+        _check_positive("timeout_s", self.timeout_s)
+        if not isinstance(self.family, str) or not self.family:
+            raise ValueError("family must name a model family, e.g. 'qwen3' or 'deepseek_v3'")
+        if self.hf_config_path is not None and not isinstance(self.hf_config_path, str):
+            raise ValueError("hf_config_path must be a path string or null")
+        _check_choice("dtype", self.dtype, tuple(sorted(_DTYPES_BY_NAME)))
+        if self.metrics_path is not None and not isinstance(self.metrics_path, str):
+            raise ValueError("metrics_path must be a file path string or null")
+        _check_choice("inflight_policy", self.inflight_policy, INFLIGHT_POLICIES)
+
+    @property
+    def bucket_size_bytes(self) -> int:
+        """Return the bucket bound in bytes."""
+        return int(self.bucket_size_mb * 1024 * 1024)
+
+    @property
+    def num_engines(self) -> int:
+        """Return how many engines the inference ranks form."""
+        return self.num_inference_ranks // self.engine_tp_size
+
+    def resolved_backend(self, cuda_available: bool) -> str:
+        """Return "gloo" or "nccl", resolving "auto" by whether CUDA is available."""
+        if self.backend == "auto":
+            return "nccl" if cuda_available else "gloo"
+        return self.backend
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "WeightSyncConfig":
+        """Return a config from a mapping; unknown keys raise ValueError listing the valid ones."""
+        valid = field_names()
+        unknown = sorted(set(values) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown weight_sync keys {unknown}; valid keys are {list(valid)}")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "WeightSyncConfig":
+        """Return the config in the `weight_sync:` section of the training YAML at `path`."""
+        import yaml
+
+        with open(path) as f:
+            document = yaml.safe_load(f) or {}
+        if not isinstance(document, dict) or "weight_sync" not in document:
+            raise ValueError(f"{path}: no 'weight_sync:' section; add one (it may be empty: 'weight_sync: {{}}')")
+        section = document["weight_sync"] or {}
+        if not isinstance(section, dict):
+            raise ValueError(f"{path}: 'weight_sync' must be a mapping of settings")
+        return cls.from_dict(section)
+
+    @classmethod
+    def from_args(cls, namespace: argparse.Namespace) -> "WeightSyncConfig":
+        """Return the config from a namespace parsed with `add_weight_sync_args` flags."""
+        return cls(**{name: getattr(namespace, f"weight_sync_{name}") for name in field_names()})
+
+
+def field_names() -> tuple[str, ...]:
+    """Return the names of WeightSyncConfig's fields in declaration order."""
+    return tuple(f.name for f in dataclasses.fields(WeightSyncConfig))
+
+
+def add_weight_sync_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add `--weight-sync-*` flags to `parser` and return it (Megatron's extra_args_provider)."""
+    group = parser.add_argument_group("weight sync")
+    for field in dataclasses.fields(WeightSyncConfig):
+        flag = "--weight-sync-" + field.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"dest": f"weight_sync_{field.name}", "default": field.default}
+        if field.type in ("bool", bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif field.type in ("int", int):
+            kwargs["type"] = int
+        elif field.type in ("float", float):
+            kwargs["type"] = float
+        else:
+            kwargs["type"] = str
+        group.add_argument(flag, **kwargs)
+    return parser
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid; use one of {list(choices)}")

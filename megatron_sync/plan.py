@@ -1,0 +1,194 @@
+"""The sync plan: which bucket every HF tensor travels in, at which byte offset.
+
+Computed once from metadata alone and identical on every rank (compare with
+`SyncPlan.digest()`); executing a sync only walks it.
+
+Rules:
+- Buckets never mix pipeline stages; stage s's buckets all come before stage s+1's.
+- Within a stage, tensors are grouped into buckets greedily in stream order:
+  a bucket closes when the next tensor (or keep-together unit) would push it
+  past `bucket_size_bytes`. A tensor larger than the bound gets a bucket of its own.
+- Keep-together groups: tensors whose names fullmatch the patterns of one
+  group *with the same captured values* (e.g. the same layer index) form one
+  unit that lands in one bucket; the unit sits at its first member's position.
+- Alignment rule: inside a bucket, entries are laid out by dtype itemsize
+  descending (stable in stream order) and packed back to back. Every tensor's
+  nbytes is a multiple of its itemsize, so every offset is a multiple of its own
+  itemsize with no padding at all: the bucket is exactly SGLang's / vLLM's
+  flattened layout (cumulative offsets), and SGLang's "Unaligned received
+  tensor" check passes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from megatron_sync.meta import TensorMeta, dtype_name
+
+KeepTogether = Sequence[Sequence[str]]
+
+# DeepSeek MLA: the fused-at-load q_a_proj / kv_a_proj_with_mqa of one layer
+# must arrive together (SGLang fuses them into one projection).
+DEEPSEEK_MLA_KEEP_TOGETHER: tuple[tuple[str, ...], ...] = (
+    (
+        r"model\.layers\.(\d+)\.self_attn\.q_a_proj\.weight",
+        r"model\.layers\.(\d+)\.self_attn\.kv_a_proj_with_mqa\.weight",
+    ),
+    (
+        r"model\.layers\.(\d+)\.self_attn\.q_a_proj\.weight_scale_inv",
+        r"model\.layers\.(\d+)\.self_attn\.kv_a_proj_with_mqa\.weight_scale_inv",
+    ),
+)
+DEFAULT_KEEP_TOGETHER = DEEPSEEK_MLA_KEEP_TOGETHER
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One tensor's slot: where its raw bytes sit in its bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+
+    @property
+    def meta(self) -> TensorMeta:
+        return TensorMeta(self.name, self.shape, self.dtype)
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """One bucket: its global index, the stage that sends it, its entries and size."""
+
+    index: int
+    stage: int
+    entries: tuple[PlanEntry, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """Ordered buckets of all stages plus the bound they were cut with."""
+
+    buckets: tuple[BucketPlan, ...]
+    bucket_size_bytes: int
+    num_stages: int
+
+    def for_stage(self, stage: int) -> tuple[BucketPlan, ...]:
+        """Return the buckets stage `stage` sends, in send order."""
+        return tuple(b for b in self.buckets if b.stage == stage)
+
+    def tensors(self) -> list[TensorMeta]:
+        """Return every tensor the plan moves, in bucket order."""
+        return [e.meta for b in self.buckets for e in b.entries]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def max_bucket_bytes(self) -> int:
+        return max((b.nbytes for b in self.buckets), default=0)
+
+    def digest(self) -> str:
+        """Return the sha256 hex digest of a canonical JSON encoding of the plan."""
+        canonical = {
+            "bucket_size_bytes": self.bucket_size_bytes,
+            "num_stages": self.num_stages,
+            "buckets": [
+                [b.index, b.stage, b.nbytes,
+                 [[e.name, list(e.shape), dtype_name(e.dtype), e.offset, e.nbytes] for e in b.entries]]
+                for b in self.buckets
+            ],
+        }
+        encoded = json.dumps(canonical, separators=(",", ":"), sort_keys=True).encode()
+        return hashlib.sha256(encoded).hexdigest()
+
+
+def build_plan(
+    stage_metas: Sequence[Sequence[TensorMeta]],
+    bucket_size_bytes: int,
+    keep_together: KeepTogether = DEFAULT_KEEP_TOGETHER,
+) -> SyncPlan:
+    """Return the SyncPlan for per-stage tensor lists given in stream order."""
+    if bucket_size_bytes <= 0:
+        raise ValueError(f"bucket_size_bytes must be > 0, got {bucket_size_bytes}")
+    _check_unique_names(stage_metas)
+    matchers = [[re.compile(p) for p in group] for group in keep_together]
+    buckets: list[BucketPlan] = []
+    for stage, metas in enumerate(stage_metas):
+        for members in _cut_buckets(_units(metas, matchers), bucket_size_bytes):
+            buckets.append(_layout(len(buckets), stage, members))
+    return SyncPlan(tuple(buckets), bucket_size_bytes, len(stage_metas))
+
+
+def _check_unique_names(stage_metas: Sequence[Sequence[TensorMeta]]) -> None:
+    seen: dict[str, int] = {}
+    for stage, metas in enumerate(stage_metas):
+        for m in metas:
+            if m.name in seen:
+                raise ValueError(
+                    f"tensor {m.name!r} is produced by stage {seen[m.name]} and stage {stage}; "
+                    "each HF tensor must come from exactly one stage"
+                )
+            seen[m.name] = stage
+
+
+def _units(metas: Iterable[TensorMeta], matchers: list[list[re.Pattern]]) -> list[list[TensorMeta]]:
+    """Return stream-ordered units: single tensors, or keep-together groups collected at first member."""
+    units: list[list[TensorMeta]] = []
+    unit_of_key: dict[tuple, list[TensorMeta]] = {}
+    for meta in metas:
+        key = _group_key(meta.name, matchers)
+        if key is None:
+            units.append([meta])
+        elif key in unit_of_key:
+            unit_of_key[key].append(meta)
+        else:
+            unit_of_key[key] = [meta]
+            units.append(unit_of_key[key])
+    return units
+
+
+def _group_key(name: str, matchers: list[list[re.Pattern]]) -> tuple | None:
+    for gi, group in enumerate(matchers):
+        for pattern in group:
+            match = pattern.fullmatch(name)
+            if match:
+                return (gi, match.groups())
+    return None
+
+
+def _cut_buckets(units: list[list[TensorMeta]], bound: int) -> list[list[TensorMeta]]:
+    """Return greedy bucket contents; a unit larger than `bound` is alone in its bucket."""
+    cut: list[list[TensorMeta]] = []
+    current: list[TensorMeta] = []
+    size = 0
+    for unit in units:
+        unit_bytes = sum(m.nbytes for m in unit)
+        if current and size + unit_bytes > bound:
+            cut.append(current)
+            current, size = [], 0
+        current.extend(unit)
+        size += unit_bytes
+    if current:
+        cut.append(current)
+    return cut
+
+
+def _layout(index: int, stage: int, members: list[TensorMeta]) -> BucketPlan:
+    """Return the bucket with entries ordered by itemsize descending, packed without gaps."""
+    ordered = sorted(members, key=lambda m: -m.dtype.itemsize)  # sorted() is stable
+    entries, offset = [], 0
+    for m in ordered:
+        assert offset % m.dtype.itemsize == 0, (m.name, offset)
+        entries.append(PlanEntry(m.name, tuple(m.shape), m.dtype, offset, m.nbytes))
+        offset += m.nbytes
+    return BucketPlan(index, stage, tuple(entries), offset)

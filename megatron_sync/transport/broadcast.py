@@ -1,0 +1,90 @@
+"""Broadcast transport: each bucket is a header broadcast then a payload broadcast from its stage.
+
+Stage s's source is transport rank s and the root of its buckets' broadcasts;
+every other rank of the group (other stage sources included) takes part. With
+gloo the payload is the host replica buffer itself; with NCCL it is copied to
+a device buffer first (two, used alternately) and receivers get device bytes.
+Both broadcasts are issued asynchronously so callers overlap them with work.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from megatron_sync.meta import TensorMeta
+from megatron_sync.plan import BucketPlan
+from megatron_sync.transport.base import (
+    BucketHeader, Pending, PendingBucket, Transport, TransportGroup,
+)
+
+
+class BroadcastTransport(Transport):
+    """Transport over one TransportGroup whose first `num_stages` ranks are the stage sources."""
+
+    def __init__(self, group: TransportGroup, num_stages: int) -> None:
+        if not 0 < num_stages < group.world_size:
+            raise ValueError(
+                f"num_stages={num_stages} must be in [1, world_size={group.world_size}): the group "
+                "holds the stage sources and at least one inference rank"
+            )
+        self.group = group
+        self.rank, self.world_size, self.num_stages = group.rank, group.world_size, num_stages
+        self.device = group.device
+        self._device_send: list[torch.Tensor] = []
+        self._send_count = 0
+
+    @property
+    def is_source(self) -> bool:
+        return self.rank < self.num_stages
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """Return an uninitialised receive buffer of `nbytes` on the transport's device."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def exchange_metadata(self, stage_metas: Optional[list[TensorMeta]]) -> list[list[TensorMeta]]:
+        """Return all stages' metadata; stage s's source broadcasts its list, in stage order."""
+        result = []
+        for stage in range(self.num_stages):
+            mine = [list(m.to_wire()) for m in stage_metas] if stage == self.rank else None
+            wire = self.group.broadcast_json(mine, src=stage)
+            result.append([TensorMeta.from_wire((n, tuple(s), d)) for n, s, d in wire])
+        return result
+
+    def send_bucket(self, header: BucketHeader, bucket: BucketPlan, data: torch.Tensor) -> Pending:
+        """Start broadcasting `bucket` from this stage source; the returned handle covers both parts."""
+        assert bucket.stage == self.rank, (bucket.stage, self.rank)
+        header_t = header.to_tensor(self.device)
+        payload = self._device_payload(data) if self.device.type != "cpu" else data
+        self.group.broadcast(header_t, src=self.rank, async_op=True)
+        return self.group.broadcast(payload, src=self.rank, async_op=True)
+
+    def _device_payload(self, data: torch.Tensor) -> torch.Tensor:
+        # Two device buffers used alternately: the sender waits for bucket k
+        # before issuing k+1, so k+2 never overwrites a buffer still on the wire.
+        need = data.numel()
+        slot = self._send_count % 2
+        self._send_count += 1
+        if len(self._device_send) <= slot:
+            self._device_send.append(self.alloc(need))
+        if self._device_send[slot].numel() < need:
+            self._device_send[slot] = self.alloc(need)
+        out = self._device_send[slot][:need]
+        out.copy_(data, non_blocking=True)
+        return out
+
+    def recv_bucket(self, bucket: BucketPlan, out: torch.Tensor) -> PendingBucket:
+        """Start receiving `bucket` from its stage source into `out[:bucket.nbytes]`."""
+        header_t = torch.zeros(4, dtype=torch.int64, device=self.device)
+        payload = out[: bucket.nbytes]
+        header_pending = self.group.broadcast(header_t, src=bucket.stage, async_op=True)
+        payload_pending = self.group.broadcast(payload, src=bucket.stage, async_op=True)
+        return PendingBucket(header_pending, header_t, payload_pending, payload)
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        return self.group.all_gather_json(obj)
+
+    def close(self) -> None:
+        self._device_send.clear()
+        self.group.close()

@@ -1,0 +1,155 @@
+"""Small fakes for the streaming core's tests: a seeded HF stream, a TP-sharding engine,
+and a spawn harness that runs one function per transport rank with hard timeouts.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+import zlib
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.multiprocessing as mp
+
+from megatron_sync.meta import TensorMeta
+
+bf16, f32, i64 = torch.bfloat16, torch.float32, torch.int64
+
+# Two pipeline stages of a tiny DeepSeek-like model, in stream order. Mixed
+# dtypes exercise the alignment rule; q_a/kv_a exercise keep-together.
+STAGES: list[list[TensorMeta]] = [
+    [
+        TensorMeta("model.embed_tokens.weight", (64, 16), bf16),
+        TensorMeta("model.layers.0.input_layernorm.weight", (15,), bf16),
+        TensorMeta("model.layers.0.self_attn.q_a_proj.weight", (24, 16), bf16),
+        TensorMeta("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", (20, 16), bf16),
+        TensorMeta("model.layers.0.mlp.gate_proj.weight", (32, 16), f32),
+        TensorMeta("model.layers.0.mlp.tokens_seen", (3,), i64),
+    ],
+    [
+        TensorMeta("model.layers.1.self_attn.q_a_proj.weight", (24, 16), bf16),
+        TensorMeta("model.layers.1.self_attn.kv_a_proj_with_mqa.weight", (20, 16), bf16),
+        TensorMeta("model.layers.1.mlp.down_proj.weight", (16, 32), f32),
+        TensorMeta("model.norm.weight", (16,), f32),
+        TensorMeta("lm_head.weight", (64, 16), bf16),
+    ],
+]
+
+
+def make_tensor(meta: TensorMeta, version: int) -> torch.Tensor:
+    """Return a deterministic tensor for (name, version): every version changes every tensor."""
+    g = torch.Generator().manual_seed(zlib.crc32(meta.name.encode()) * 1000 + version)
+    if meta.dtype.is_floating_point:
+        return torch.randn(meta.shape, generator=g).to(meta.dtype)
+    return torch.randint(-(2**40), 2**40, meta.shape, generator=g, dtype=meta.dtype)
+
+
+class FakeStream:
+    """HFWeightStream of one stage, yielding seeded tensors for the version set by `set_version`."""
+
+    def __init__(self, stage: int, metas: list[TensorMeta], *, fail_at: Optional[str] = None) -> None:
+        self._stage, self._metas, self.version, self._fail_at = stage, metas, 0, fail_at
+
+    @property
+    def is_source(self) -> bool:
+        return True
+
+    @property
+    def stage(self) -> int:
+        return self._stage
+
+    def metadata(self) -> list[TensorMeta]:
+        return list(self._metas)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for meta in self._metas:
+            if meta.name == self._fail_at:
+                raise RuntimeError(f"fake conversion failure at {meta.name}")
+            yield meta.name, make_tensor(meta, self.version)
+
+
+def shard_rule(full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The fake engine's TP rule: split dim 0 when divisible, else replicate."""
+    if full.dim() >= 1 and full.shape[0] % tp_size == 0:
+        return full.chunk(tp_size, dim=0)[tp_rank]
+    return full
+
+
+class FakeEngine:
+    """EngineAdapter sharding by `shard_rule`; optionally dies (os._exit) after N shard_of calls."""
+
+    def __init__(self, expected: list[TensorMeta], tp_rank: int, tp_size: int,
+                 *, die_after_shards: Optional[int] = None) -> None:
+        self._expected, self.tp_rank, self.tp_size = expected, tp_rank, tp_size
+        self._version = 0
+        self.weights: dict[str, torch.Tensor] = {}
+        self._die_after = die_after_shards
+        self._shard_calls = 0
+
+    def expected_tensors(self) -> list[TensorMeta]:
+        return list(self._expected)
+
+    def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        self._shard_calls += 1
+        if self._die_after is not None and self._shard_calls > self._die_after:
+            os._exit(17)
+        return shard_rule(full, self.tp_rank, self.tp_size)
+
+    def load_shards(self, shards: dict[str, torch.Tensor], version: int) -> None:
+        assert set(shards) == {m.name for m in self._expected}
+        self.weights = dict(shards)
+        self._version = version
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+
+def free_port() -> int:
+    """Return a TCP port that was free a moment ago (bind port 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn: Callable, rank: int, args: tuple, results: Any) -> None:
+    try:
+        out = fn(rank, *args)
+        results.put((rank, "ok", out))
+    except BaseException as e:  # report any failure to the parent
+        results.put((rank, type(e).__name__, f"{e}\n{traceback.format_exc()}"))
+
+
+def run_ranks(fn: Callable, world_size: int, args: tuple, *, timeout: float = 60.0) -> dict[int, tuple[str, Any]]:
+    """Run fn(rank, *args) in `world_size` spawned processes; return {rank: (status, value)}.
+
+    status is "ok" (value = fn's result) or the exception class name (value =
+    message). A rank that exits without reporting maps to ("exited", exitcode).
+    Processes still alive after `timeout` are killed and reported as "hung".
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(fn, r, args, results), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, tuple[str, Any]] = {}
+    import time
+    deadline = time.monotonic() + timeout
+    while len(out) < world_size and time.monotonic() < deadline:
+        try:
+            rank, status, value = results.get(timeout=0.2)
+            out[rank] = (status, value)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs) and results.empty():
+                break
+    for r, p in enumerate(procs):
+        p.join(timeout=max(0.0, deadline - time.monotonic()) if r not in out else 5.0)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)
+            out.setdefault(r, ("hung", None))
+        out.setdefault(r, ("exited", p.exitcode))
+    return out

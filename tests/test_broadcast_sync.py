@@ -1,0 +1,154 @@
+"""Multi-process gloo runs: 2 stage sources -> 2 receivers of one TP=2 fake engine."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from megatron_sync.receiver.receiver import WeightReceiver
+from megatron_sync.sender import WeightSender
+from megatron_sync.transport.base import PeerFailureError, SyncError, init_transport_group
+from megatron_sync.transport.broadcast import BroadcastTransport
+from tests.fakes import STAGES, FakeEngine, FakeStream, free_port, make_tensor, run_ranks, shard_rule
+
+P, N, TP = 2, 2, 2
+BUCKET_BYTES = 2048
+ALL_METAS = [m for stage in STAGES for m in stage]
+
+pytestmark = pytest.mark.multiproc
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _engine_matches(engine: FakeEngine) -> bool:
+    """True when every shard the engine holds equals the reference slice of its version, bit for bit."""
+    if engine.version == 0:
+        return not engine.weights
+    return all(
+        torch.equal(_bits(engine.weights[m.name]),
+                    _bits(shard_rule(make_tensor(m, engine.version), engine.tp_rank, TP)))
+        for m in ALL_METAS
+    )
+
+
+def _rank_main(rank: int, sc: dict) -> list:
+    group = init_transport_group("127.0.0.1", sc["port"], P + N, rank, backend="gloo",
+                                 timeout=sc.get("timeout", 20.0), group_name="test")
+    transport = BroadcastTransport(group, P)
+    bucket = sc.get("bucket_bytes", {}).get(rank, BUCKET_BYTES)
+    try:
+        if rank < P:
+            return _run_sender(rank, transport, bucket, sc)
+        return _run_receiver(rank, transport, bucket, sc)
+    finally:
+        transport.close()
+
+
+def _run_sender(rank: int, transport, bucket: int, sc: dict) -> list:
+    def flip(index: int, data: torch.Tensor) -> None:
+        if (stream.version, index) == sc.get("corrupt"):
+            data[data.numel() // 2] ^= 0xFF
+
+    stream = FakeStream(rank, STAGES[rank], fail_at=sc.get("fail_at") if rank == 1 else None)
+    sender = WeightSender.connect(stream, transport, bucket_size_bytes=bucket, after_checksum=flip)
+    log = []
+    for v in sc["versions"]:
+        stream.version = v
+        start = time.monotonic()
+        try:
+            metrics = sender.sync(v)
+            log.append((v, "ok", metrics.bytes, metrics.num_buckets))
+        except SyncError as e:
+            log.append((v, type(e).__name__, str(e), time.monotonic() - start))
+            if isinstance(e, PeerFailureError):
+                break
+    return log
+
+
+def _run_receiver(rank: int, transport, bucket: int, sc: dict) -> list:
+    die = sc.get("die", {})
+    engine = FakeEngine(ALL_METAS, rank - P, TP, die_after_shards=die.get(rank))
+    receiver = WeightReceiver(engine, transport, bucket_size_bytes=bucket)
+    log = []
+    for v in sc["versions"]:
+        try:
+            receiver.receive(v)
+            outcome = "ok"
+        except SyncError as e:
+            outcome = type(e).__name__
+            log.append((v, outcome, engine.version, _engine_matches(engine), str(e)))
+            if isinstance(e, PeerFailureError):
+                break
+            continue
+        log.append((v, outcome, engine.version, _engine_matches(engine), ""))
+    return log
+
+
+def _run(sc: dict, timeout: float = 60.0) -> dict:
+    sc = {"port": free_port(), **sc}
+    return run_ranks(_rank_main, P + N, (sc,), timeout=timeout)
+
+
+def test_two_syncs_deliver_exact_shards_and_versions():
+    out = _run({"versions": [1, 2]})
+    for rank in range(P):
+        status, log = out[rank]
+        assert status == "ok", log
+        assert [entry[:2] for entry in log] == [(1, "ok"), (2, "ok")]
+    for rank in range(P, P + N):
+        status, log = out[rank]
+        assert status == "ok", log
+        assert [entry[:4] for entry in log] == [(1, "ok", 1, True), (2, "ok", 2, True)]
+
+
+def test_corrupt_bucket_rejected_everywhere_and_next_sync_recovers():
+    out = _run({"versions": [1, 2, 3], "corrupt": (2, 1)})
+    for rank in range(P + N):
+        status, log = out[rank]
+        assert status == "ok", log
+        assert log[1][1] == "SyncAbortedError", log
+        assert "CorruptBucketError" in log[1][-1 if rank >= P else 2] and "bucket 1" in log[1][-1 if rank >= P else 2]
+        assert log[2][1] == "ok"
+    for rank in range(P, P + N):
+        log = out[rank][1]
+        assert log[1][2:4] == (1, True)  # still on version 1, exactly
+        assert log[2][2:4] == (3, True)
+
+
+def test_sender_failure_aborts_every_rank():
+    out = _run({"versions": [1, 2], "fail_at": "model.norm.weight"})
+    for rank in range(P + N):
+        status, log = out[rank]
+        assert status == "ok", log
+        assert log[0][1] == "SyncAbortedError" and log[1][1] == "SyncAbortedError"
+    for rank in range(P, P + N):
+        assert out[rank][1][1][2:4] == (0, True)  # never loaded anything
+
+
+def test_plan_mismatch_fails_every_rank_at_startup():
+    out = _run({"versions": [1], "bucket_bytes": {3: 4096}})
+    for rank in range(P + N):
+        status, message = out[rank]
+        assert status == "PlanMismatchError", (rank, status, message)
+        assert "ranks [0, 1, 2]" in message and "ranks [3]" in message
+
+
+def test_dead_receiver_makes_sender_raise_peer_failure_and_survivor_keeps_version():
+    timeout = 6.0
+    die_after = len(ALL_METAS) + 3  # dies while staging version 2
+    out = _run({"versions": [1, 2], "die": {3: die_after}, "timeout": timeout})
+    assert out[3][0] == "exited" and out[3][1] == 17
+    for rank in range(P):
+        status, log = out[rank]
+        assert status == "ok", log
+        assert log[0][1] == "ok"
+        assert log[1][1] == "PeerFailureError", log
+        assert log[1][3] < timeout + 5
+        assert "expected transport ranks 0..3" in log[1][2]
+    status, log = out[2]
+    assert status == "ok", log
+    assert log[1][1:4] == ("PeerFailureError", 1, True)
