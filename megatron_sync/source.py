@@ -6,14 +6,11 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable
 
 import torch
 
 from megatron_sync.parallel import ParallelLayout
-
-# Buffers that inference needs besides parameters (the MoE router's aux-loss-free bias).
-DEFAULT_BUFFER_SUFFIXES = ("mlp.router.expert_bias",)
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # Routed experts in the two Megatron namings: SequentialMLP and TEGroupedMLP.
@@ -100,9 +97,9 @@ def walk_chunk(
     chunk: torch.nn.Module,
     layout: ParallelLayout,
     *,
-    buffer_suffixes: Iterable[str] = DEFAULT_BUFFER_SUFFIXES,
+    is_buffer: Callable[[str], bool] = lambda name: False,
 ) -> list[SourceTensor]:
-    """Return one model chunk's parameters (and needed buffers) with global names.
+    """Return one model chunk's parameters, and the buffers `is_buffer` names, with global names.
 
     Layer indices get the chunk's PP/VPP offset (read from each layer's own
     `layer_number`), routed experts get their global index
@@ -113,12 +110,11 @@ def walk_chunk(
     layer_numbers = _layer_numbers(model)
     num_experts = getattr(getattr(model, "config", None), "num_moe_experts", None) or 0
     num_local = num_experts // layout.ep if num_experts else 0
-    suffixes = tuple(buffer_suffixes)
-    named: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
-    named += [(n, b) for n, b in model.named_buffers() if n.endswith(suffixes)]
+    named = [(n, p, True) for n, p in model.named_parameters()]
+    named += [(n, b, False) for n, b in model.named_buffers()]
 
     out = []
-    for local_name, tensor in named:
+    for local_name, tensor, is_param in named:
         name, expert = local_name, None
         m = _LOCAL_LAYER.match(local_name)
         if m:
@@ -128,7 +124,8 @@ def walk_chunk(
             found = _expert_slot(rest, layer, num_local, layout.ep_rank) if num_local else None
             if found:
                 name, expert = found
-        out.append(SourceTensor(name, tensor.detach(), _sharding_of(tensor, expert is not None), expert))
+        if is_param or is_buffer(name):
+            out.append(SourceTensor(name, tensor.detach(), _sharding_of(tensor, expert is not None), expert))
     return out
 
 

@@ -87,7 +87,7 @@ class MegatronWeightStream:
         return list(self._meta)
 
     def _units(self) -> list[GatherUnit]:
-        tensors = walk_model_chunks(self._chunks, self.layout)
+        tensors = walk_model_chunks(self._chunks, self.layout, is_buffer=self.converter.is_buffer)
         return [u for u in plan_gather_units(tensors, self.layout) if not self.converter.is_skipped(u.name)]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:

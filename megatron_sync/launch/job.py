@@ -1,0 +1,130 @@
+"""A training-and-sync job described by one YAML file (the format of configs/*.yaml).
+
+Sections: `model` (family and sizes of the tiny CPU model), `trainer`
+(Megatron's parallel layout), `train` (steps and data), `verify` (what is
+checked after each sync) and `weight_sync` (the library's own settings,
+`WeightSyncConfig`). Command-line `--weight-sync-*` flags override the YAML.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from megatron_sync.config import WeightSyncConfig, add_weight_sync_args, field_names
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerLayout:
+    """Megatron parallel sizes of the trainer job; DP is what the world size leaves over."""
+
+    world_size: int = 1
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    ep: int = 1
+    etp: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tp", "pp", "ep"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.world_size % (self.tp * self.pp):
+            raise ValueError(
+                f"trainer.world_size={self.world_size} is not a multiple of tp*pp={self.tp * self.pp}"
+            )
+        etp = self.etp or self.tp
+        if self.world_size % (etp * self.ep * self.pp):
+            raise ValueError(
+                f"trainer.world_size={self.world_size} is not a multiple of etp*ep*pp={etp * self.ep * self.pp}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSettings:
+    """How long and on what the demo trains."""
+
+    steps: int = 3
+    lr: float = 1e-3
+    batch_size: int = 2
+    seq_len: int = 16
+    seed: int = 1234
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifySettings:
+    """What is checked after each sync."""
+
+    logits: bool = True
+    logits_atol: float = 1e-4
+    eval_batch: int = 2
+    eval_seq_len: int = 12
+    dump_dir: str | None = None  # when set, trainer and engines dump what they sent / hold
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    model: dict[str, Any]
+    trainer: TrainerLayout
+    train: TrainSettings = field(default_factory=TrainSettings)
+    verify: VerifySettings = field(default_factory=VerifySettings)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+
+    def model_spec(self):
+        from megatron_sync.testing.models import ModelSpec
+
+        return ModelSpec(**self.model)
+
+    @classmethod
+    def load(cls, path: str, overrides: dict[str, Any] | None = None) -> "JobConfig":
+        """Read a job YAML; `overrides` replace `weight_sync` keys (from --weight-sync-* flags)."""
+        with open(path) as f:
+            doc = yaml.safe_load(f) or {}
+        known = {"model", "trainer", "train", "verify", "weight_sync"}
+        unknown = sorted(set(doc) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown sections {unknown}; valid sections are {sorted(known)}")
+        if "model" not in doc or "family" not in (doc["model"] or {}):
+            raise ValueError(f"{path}: the 'model:' section must name a 'family'")
+        sync_values = dict(doc.get("weight_sync") or {})
+        sync_values.setdefault("family", doc["model"]["family"])
+        sync_values.update(overrides or {})
+        return cls(
+            model=dict(doc["model"]),
+            trainer=_section(TrainerLayout, doc, "trainer", path),
+            train=_section(TrainSettings, doc, "train", path),
+            verify=_section(VerifySettings, doc, "verify", path),
+            weight_sync=WeightSyncConfig.from_dict(sync_values),
+        )
+
+
+def _section(kind, doc: dict, name: str, path: str):
+    values = doc.get(name) or {}
+    valid = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(values) - valid)
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {unknown} in '{name}:'; valid keys are {sorted(valid)}")
+    return kind(**values)
+
+
+def job_arg_parser(description: str) -> argparse.ArgumentParser:
+    """Return a parser with --config and every --weight-sync-* flag (unset flags stay None)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", required=True, help="job YAML (see configs/)")
+    add_weight_sync_args(parser)
+    parser.set_defaults(**{f"weight_sync_{name}": None for name in field_names()})
+    return parser
+
+
+def load_job(args: argparse.Namespace) -> JobConfig:
+    """Return the job config from parsed args: the YAML, with explicit flags on top."""
+    overrides = {
+        name: getattr(args, f"weight_sync_{name}")
+        for name in field_names()
+        if getattr(args, f"weight_sync_{name}") is not None
+    }
+    return JobConfig.load(args.config, overrides)
