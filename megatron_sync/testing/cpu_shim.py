@@ -22,6 +22,9 @@ and nothing else, so tiny models can be built and run on CPU with gloo:
 * ``LanguageModule.setup_embeddings_and_output_layer`` moves the tied output weight
   ``.cuda()`` before the first/last-stage all-reduce (tied embeddings, PP>1) -> run with
   ``Tensor.cuda`` as a no-op, so the all-reduce runs over gloo on CPU.
+* ``tensor_parallel.mappings``' gather / reduce-scatter helpers allocate their output on
+  ``torch.cuda.current_device()`` (the MoE allgather dispatcher uses them) -> run with
+  that call answering "cpu".
 * ``moe_utils.te_general_gemm`` is referenced by the router GEMM but only defined when
   Transformer Engine imports -> set to ``None`` so the router uses ``torch.mm``.
 * ``multi_latent_attention.HAVE_TE`` is True without Transformer Engine (its TE names
@@ -62,6 +65,7 @@ def apply_cpu_shims() -> None:
     _patch_mla_flag()
     _patch_router_buffers()
     _patch_tied_embedding_setup()
+    _patch_tp_collective_buffers()
     _APPLIED = True
 
 
@@ -91,6 +95,18 @@ def _patch_router_buffers() -> None:
 
     TopKRouter.__init__ = _run_on_cpu(TopKRouter.__init__)
     Router.gating = _run_on_cpu(Router.gating)
+
+
+def _patch_tp_collective_buffers() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    for name in (
+        "_gather_along_last_dim",
+        "_gather_along_first_dim",
+        "_reduce_scatter_along_first_dim",
+        "_reduce_scatter_along_last_dim",
+    ):
+        setattr(mappings, name, _run_on_cpu(getattr(mappings, name)))
 
 
 def _patch_tied_embedding_setup() -> None:
