@@ -170,3 +170,33 @@ def test_run_distributed_times_out_and_kills_workers():
     with pytest.raises(TimeoutError):
         run_distributed(_hang, 2, timeout=8)
     assert time.monotonic() - start < 30
+
+
+def _pipeline_layout(rank, world_size, cases):
+    """Worker: build and load PP/VPP chunks; return (pre, post, layer numbers) per chunk."""
+    from megatron_sync.testing.models import build_model_chunks, load_reference_weights
+
+    out = []
+    for family, layout, tie in cases:
+        init_megatron(**layout)
+        try:
+            spec = ModelSpec(family, tie_word_embeddings=tie)
+            chunks = build_model_chunks(spec)
+            load_reference_weights(chunks, reference_weights(spec, 0), spec)
+            out.append([(c.pre_process, c.post_process, [l.layer_number for l in c.decoder.layers])
+                        for c in chunks])
+        finally:
+            teardown_megatron()
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(90)
+def test_pipeline_chunks_build_and_load():
+    cases = [("deepseek_v3", {"pp": 2, "vpp": 2}, True), ("qwen3_moe", {"pp": 2}, False)]
+    rank0, rank1 = run_distributed(_pipeline_layout, 2, cases, timeout=80)
+    # VPP=2 over PP=2 interleaves layers: rank 0 holds 1 and 3, rank 1 holds 2 and 4.
+    assert rank0[0] == [(True, False, [1]), (False, False, [3])]
+    assert rank1[0] == [(False, False, [2]), (False, True, [4])]
+    assert rank0[1] == [(True, False, [1, 2])]
+    assert rank1[1] == [(False, True, [3, 4])]

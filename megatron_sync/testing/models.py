@@ -121,6 +121,7 @@ def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | Non
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,  # required by Megatron when PP > 1
         use_cpu_initialization=True,
         perform_initialization=True,
         gradient_accumulation_fusion=False,
