@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 import traceback
 
 import pytest
@@ -109,9 +110,9 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> None:
     ]
     for p in procs:
         p.start()
-    deadline = __import__("time").monotonic() + timeout
+    deadline = time.monotonic() + timeout
     for p in procs:
-        p.join(max(0.0, deadline - __import__("time").monotonic()))
+        p.join(max(0.0, deadline - time.monotonic()))
     hung = [p for p in procs if p.is_alive()]
     for p in hung:
         p.kill()
@@ -127,11 +128,14 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> None:
     assert not bad, f"ranks exited with codes {bad}"
 
 
-def _engine_rank(rank, world_size, cases, out_dir):
-    """Load every family's shards into a TP engine; save logits, generations and live shards."""
+def _fleet_rank(rank, world_size, cases, out_dir):
+    """Two TP=2 engines (ranks 0-1 and 2-3, each over its own group) load every family; then one
+    TP=4 engine over all ranks loads qwen3. Saves logits, generations and live shards."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
     results = {}
     for family, (full, tokens) in cases.items():
-        engine = ReferenceEngine(tiny_config(family), tp_rank=rank, tp_size=world_size)
+        tp_rank, group = rank % TP, groups[rank // TP]
+        engine = ReferenceEngine(tiny_config(family), tp_rank=tp_rank, tp_size=TP, group=group)
         engine.load_shards({n: engine.shard_of(n, t) for n, t in full.items()}, version=3)
         results[family] = dict(
             version=engine.version,
@@ -141,11 +145,15 @@ def _engine_rank(rank, world_size, cases, out_dir):
             dims={n: engine.shard_dim(n) for n in full},
         )
         # Negative control: row-parallel shards of the other rank, column-parallel ones of this rank.
-        other = ReferenceEngine(tiny_config(family), tp_rank=1 - rank, tp_size=world_size)
+        other = ReferenceEngine(tiny_config(family), tp_rank=1 - tp_rank, tp_size=TP, group=group)
         engine.load_shards(
             {n: (other if engine.shard_dim(n) == 1 else engine).shard_of(n, t) for n, t in full.items()}, version=4
         )
         results[family]["mismatched_logits"] = engine.logits(tokens)
+    full, tokens = cases["qwen3"]
+    tp4 = ReferenceEngine(tiny_config("qwen3"), tp_rank=rank, tp_size=world_size)
+    tp4.load_shards({n: tp4.shard_of(n, t) for n, t in full.items()}, version=1)
+    results["tp4_qwen3_logits"] = tp4.logits(tokens)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -165,11 +173,12 @@ def references():
 
 
 @pytest.fixture(scope="module")
-def tp2_results(references, tmp_path_factory):
-    out_dir = str(tmp_path_factory.mktemp("tp2"))
+def fleet_results(references, tmp_path_factory):
+    """Per rank (4 ranks: two TP=2 engines, then one TP=4 engine), what `_fleet_rank` saved."""
+    out_dir = str(tmp_path_factory.mktemp("fleet"))
     cases = {f: (r["full"], r["tokens"]) for f, r in references.items()}
-    run_ranks(_engine_rank, TP, cases, out_dir, timeout=150)
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(TP)]
+    run_ranks(_fleet_rank, 2 * TP, cases, out_dir, timeout=240)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2 * TP)]
 
 
 # ---- multi-process tests ----
@@ -177,22 +186,24 @@ def tp2_results(references, tmp_path_factory):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_tp2_logits_equal_transformers(family, references, tp2_results):
+def test_tp2_logits_equal_transformers(family, references, fleet_results):
     ref = references[family]
-    for rank, results in enumerate(tp2_results):
+    for rank, results in enumerate(fleet_results):  # both engines of the fleet
         got = results[family]
         assert got["version"] == 3
         torch.testing.assert_close(got["logits"], ref["logits"], rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
         assert torch.equal(got["generated"], ref["generated"]), f"rank {rank}"
-    assert torch.equal(tp2_results[0][family]["logits"], tp2_results[1][family]["logits"])
+    # Ranks of one engine agree bit for bit (they route MoE tokens identically).
+    assert torch.equal(fleet_results[0][family]["logits"], fleet_results[1][family]["logits"])
     # The comparison has power: mismatched shards move the logits by O(1), not 1e-5.
-    assert (tp2_results[0][family]["mismatched_logits"] - ref["logits"]).abs().max() > 0.1
+    assert (fleet_results[0][family]["mismatched_logits"] - ref["logits"]).abs().max() > 0.1
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_tp2_state_shards_reassemble_bitwise(family, references, tp2_results):
+def test_tp2_state_shards_reassemble_bitwise(family, references, fleet_results):
     full = references[family]["full"]
+    tp2_results = fleet_results[:TP]  # the first engine
     assert set(tp2_results[0][family]["shards"]) == set(full)
     for name, tensor in full.items():
         dim = tp2_results[0][family]["dims"][name]
@@ -201,6 +212,15 @@ def test_tp2_state_shards_reassemble_bitwise(family, references, tp2_results):
             assert all(torch.equal(p, tensor) for p in pieces), name
         else:
             assert torch.equal(torch.cat(pieces, dim=dim), tensor), name
+
+
+@pytest.mark.multiproc
+def test_tp4_replicates_kv_heads_and_matches_transformers(references, fleet_results):
+    """TP=4 over 2 key/value heads: each head lives on two ranks, attention still exact."""
+    for rank, results in enumerate(fleet_results):
+        torch.testing.assert_close(
+            results["tp4_qwen3_logits"], references["qwen3"]["logits"], rtol=1e-5, atol=1e-5, msg=f"rank {rank}"
+        )
 
 
 # ---- pure tests (one process, no group) ----
