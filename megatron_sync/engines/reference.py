@@ -161,7 +161,7 @@ def _checkpoint_entries(
         if m is None:
             continue
         entries = []
-        for same_fused in (r for r, _, f in compiled if r.fused == rule.fused):
+        for same_fused in (r for r, _, _ in compiled if r.fused == rule.fused):
             part_shape = shape[1:] if same_fused.part == "down" else (shape[1] // 2, shape[2])
             for e in range(shape[0]):
                 name = same_fused.pattern.replace("{L}", m["L"]).replace("{E}", str(e))
