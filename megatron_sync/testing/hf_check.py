@@ -1,0 +1,65 @@
+"""Independent check of synced weights: load them into Hugging Face transformers and run its forward.
+
+The weights go through transformers' own checkpoint path (``model.safetensors`` +
+``config.json`` in a directory, then ``AutoModelForCausalLM.from_pretrained``), not
+``load_state_dict`` on an instantiated model: transformers 5 keeps MoE experts
+fused in memory and converts per-expert checkpoint names on load, so only the
+checkpoint path checks the HF *checkpoint* names the converters promise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from typing import Any, Iterable
+
+import torch
+
+__all__ = ["HFLoadReport", "hf_logits_from_checkpoint"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HFLoadReport:
+    """What ``from_pretrained`` said about the checkpoint, plus the logits it computed."""
+
+    logits: torch.Tensor
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+    mismatched_keys: list[str]
+    model_class: str
+
+    @property
+    def problems(self) -> list[str]:
+        """Return one line per key that did not load cleanly (empty when the checkpoint was exact)."""
+        return ([f"missing {k}" for k in self.missing_keys]
+                + [f"unexpected {k}" for k in self.unexpected_keys]
+                + [f"mismatched {k}" for k in self.mismatched_keys])
+
+
+def hf_logits_from_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], config: Any,
+                              tokens: torch.Tensor) -> HFLoadReport:
+    """Return transformers' float32 logits ``[batch, seq, vocab]`` for ``tokens`` with ``tensors`` loaded.
+
+    ``tensors`` are ``(hf_name, tensor)`` pairs in checkpoint naming (for example a
+    ``MegatronWeightStream``'s output); ``config`` is the family's ``PretrainedConfig``.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    state = {name: t.detach().to(torch.float32).contiguous() for name, t in tensors}
+    with tempfile.TemporaryDirectory(prefix="hf_check_") as tmp:
+        save_file(state, f"{tmp}/model.safetensors", metadata={"format": "pt"})
+        config.save_pretrained(tmp)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            tmp, dtype=torch.float32, output_loading_info=True
+        )
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=tokens, use_cache=False).logits
+    return HFLoadReport(
+        logits=logits.float(),
+        missing_keys=sorted(info.get("missing_keys", ())),
+        unexpected_keys=sorted(info.get("unexpected_keys", ())),
+        mismatched_keys=sorted(str(k) for k in info.get("mismatched_keys", ())),
+        model_class=type(model).__name__,
+    )
