@@ -32,6 +32,8 @@ class HostReplica:
             e.name: (b, e) for b in self.buckets for e in b.entries
         }
         self._missing: dict[int, set[str]] = {}
+        # Set when a device tensor was copied in asynchronously: host reads must sync first.
+        self._device_copies_pending = False
         self.version = 0  # version of the weights the buffers hold (0: none yet)
         self._filling: Optional[int] = None
 
@@ -49,6 +51,7 @@ class HostReplica:
             )
         bucket, entry = self._slot[name]
         pack_tensor(self._buffers[bucket.index], entry, tensor)
+        self._device_copies_pending |= tensor.device.type == "cuda"
         self._missing[bucket.index].discard(name)
         return bucket
 
@@ -66,7 +69,10 @@ class HostReplica:
         self.version, self._filling = self._filling, None
 
     def data(self, index: int) -> torch.Tensor:
-        """Return the flat uint8 buffer of bucket `index`."""
+        """Return the flat uint8 buffer of bucket `index`, with every pending device copy landed."""
+        if self._device_copies_pending:
+            torch.cuda.current_stream().synchronize()
+            self._device_copies_pending = False
         return self._buffers[index]
 
     def view(self, name: str) -> torch.Tensor:
@@ -76,4 +82,4 @@ class HostReplica:
 
     def checksum(self, index: int) -> int:
         """Return the CRC-32 of bucket `index`."""
-        return checksum(self._buffers[index])
+        return checksum(self.data(index))

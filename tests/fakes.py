@@ -50,7 +50,9 @@ def make_tensor(meta: TensorMeta, version: int) -> torch.Tensor:
 class FakeStream:
     """HFWeightStream of one stage, yielding seeded tensors for the version set by `set_version`."""
 
-    def __init__(self, stage: int, metas: list[TensorMeta], *, fail_at: Optional[str] = None) -> None:
+    def __init__(self, stage: int, metas: list[TensorMeta], *,
+                 fail_at: Optional[tuple[int, str]] = None) -> None:
+        """fail_at=(version, name): raise while producing `name` for that version."""
         self._stage, self._metas, self.version, self._fail_at = stage, metas, 0, fail_at
 
     @property
@@ -66,7 +68,7 @@ class FakeStream:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for meta in self._metas:
-            if meta.name == self._fail_at:
+            if (self.version, meta.name) == self._fail_at:
                 raise RuntimeError(f"fake conversion failure at {meta.name}")
             yield meta.name, make_tensor(meta, self.version)
 

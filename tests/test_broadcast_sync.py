@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 import torch
 
+from megatron_sync.metrics import SyncMetrics, format_table
 from megatron_sync.receiver.receiver import WeightReceiver
 from megatron_sync.sender import WeightSender
 from megatron_sync.transport.base import PeerFailureError, SyncError, init_transport_group
@@ -29,14 +31,17 @@ def _engine_matches(engine: FakeEngine) -> bool:
     if engine.version == 0:
         return not engine.weights
     return all(
-        torch.equal(_bits(engine.weights[m.name]),
+        torch.equal(_bits(engine.weights[m.name].cpu()),
                     _bits(shard_rule(make_tensor(m, engine.version), engine.tp_rank, TP)))
         for m in ALL_METAS
     )
 
 
 def _rank_main(rank: int, sc: dict) -> list:
-    group = init_transport_group("127.0.0.1", sc["port"], P + N, rank, backend="gloo",
+    backend = sc.get("backend", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    group = init_transport_group("127.0.0.1", sc["port"], P + N, rank, backend=backend,
                                  timeout=sc.get("timeout", 20.0), group_name="test")
     transport = BroadcastTransport(group, P)
     bucket = sc.get("bucket_bytes", {}).get(rank, BUCKET_BYTES)
@@ -50,11 +55,12 @@ def _rank_main(rank: int, sc: dict) -> list:
 
 def _run_sender(rank: int, transport, bucket: int, sc: dict) -> list:
     def flip(index: int, data: torch.Tensor) -> None:
-        if (stream.version, index) == sc.get("corrupt"):
+        if [stream.version, index] == list(sc.get("corrupt", ())):
             data[data.numel() // 2] ^= 0xFF
 
-    stream = FakeStream(rank, STAGES[rank], fail_at=sc.get("fail_at") if rank == 1 else None)
-    sender = WeightSender.connect(stream, transport, bucket_size_bytes=bucket, after_checksum=flip)
+    stream = FakeStream(rank, STAGES[rank], fail_at=tuple(sc.get("fail_at", ())) if rank == 1 else None)
+    sender = WeightSender.connect(stream, transport, bucket_size_bytes=bucket, after_checksum=flip,
+                                  metrics_path=sc.get("metrics_path") if rank == 0 else None)
     log = []
     for v in sc["versions"]:
         stream.version = v
@@ -93,40 +99,27 @@ def _run(sc: dict, timeout: float = 60.0) -> dict:
     return run_ranks(_rank_main, P + N, (sc,), timeout=timeout)
 
 
-def test_two_syncs_deliver_exact_shards_and_versions():
-    out = _run({"versions": [1, 2]})
-    for rank in range(P):
-        status, log = out[rank]
-        assert status == "ok", log
-        assert [entry[:2] for entry in log] == [(1, "ok"), (2, "ok")]
-    for rank in range(P, P + N):
-        status, log = out[rank]
-        assert status == "ok", log
-        assert [entry[:4] for entry in log] == [(1, "ok", 1, True), (2, "ok", 2, True)]
-
-
-def test_corrupt_bucket_rejected_everywhere_and_next_sync_recovers():
-    out = _run({"versions": [1, 2, 3], "corrupt": (2, 1)})
+def test_syncs_exact_then_corrupt_and_sender_failure_abort_everywhere(tmp_path):
+    """v1, v2 succeed (exact shards); v3 has a flipped byte; v4's stage-1 stream fails; v5 recovers."""
+    metrics_path = str(tmp_path / "sync.jsonl")
+    out = _run({"versions": [1, 2, 3, 4, 5], "corrupt": (3, 1),
+                "fail_at": (4, "model.norm.weight"), "metrics_path": metrics_path})
+    outcomes = ["ok", "ok", "SyncAbortedError", "SyncAbortedError", "ok"]
     for rank in range(P + N):
         status, log = out[rank]
-        assert status == "ok", log
-        assert log[1][1] == "SyncAbortedError", log
-        assert "CorruptBucketError" in log[1][-1 if rank >= P else 2] and "bucket 1" in log[1][-1 if rank >= P else 2]
-        assert log[2][1] == "ok"
+        assert status == "ok", (rank, log)
+        assert [entry[1] for entry in log] == outcomes, (rank, log)
+        corrupt_msg, failure_msg = (log[2][-1], log[3][-1]) if rank >= P else (log[2][2], log[3][2])
+        assert "CorruptBucketError" in corrupt_msg and "bucket 1 (stage 0" in corrupt_msg
+        assert "fake conversion failure at model.norm.weight" in failure_msg
     for rank in range(P, P + N):
-        log = out[rank][1]
-        assert log[1][2:4] == (1, True)  # still on version 1, exactly
-        assert log[2][2:4] == (3, True)
-
-
-def test_sender_failure_aborts_every_rank():
-    out = _run({"versions": [1, 2], "fail_at": "model.norm.weight"})
-    for rank in range(P + N):
-        status, log = out[rank]
-        assert status == "ok", log
-        assert log[0][1] == "SyncAbortedError" and log[1][1] == "SyncAbortedError"
-    for rank in range(P, P + N):
-        assert out[rank][1][1][2:4] == (0, True)  # never loaded anything
+        versions_held = [entry[2:4] for entry in out[rank][1]]
+        assert versions_held == [(1, True), (2, True), (2, True), (2, True), (5, True)]
+    lines = [json.loads(line) for line in open(metrics_path)]
+    assert [m["version"] for m in lines] == [1, 2, 5]  # only committed syncs are recorded
+    assert all(m["bytes"] > 0 and m["num_buckets"] > 1 for m in lines)
+    rows = [SyncMetrics(m["version"], "sender", 0, phases=m["phases_s"], bytes=m["bytes"]) for m in lines]
+    assert len(format_table(rows).splitlines()) == 4
 
 
 def test_plan_mismatch_fails_every_rank_at_startup():
@@ -152,3 +145,13 @@ def test_dead_receiver_makes_sender_raise_peer_failure_and_survivor_keeps_versio
     status, log = out[2]
     assert status == "ok", log
     assert log[1][1:4] == ("PeerFailureError", 1, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < P + N, reason=f"needs {P + N} GPUs for NCCL")
+def test_nccl_two_syncs_deliver_exact_shards():
+    out = _run({"versions": [1, 2], "backend": "nccl"})
+    for rank in range(P, P + N):
+        status, log = out[rank]
+        assert status == "ok", log
+        assert [entry[:4] for entry in log] == [(1, "ok", 1, True), (2, "ok", 2, True)]

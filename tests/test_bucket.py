@@ -96,3 +96,18 @@ def test_checksum_detects_a_flipped_byte():
         corrupted = data.clone()
         corrupted[position] ^= 0x01
         assert checksum(corrupted) != before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_replica_packs_device_tensors_exactly():
+    plan = build_plan([METAS], 1 << 20)
+    replica = HostReplica(plan, 0)  # pinned because CUDA is available
+    assert replica.data(0).is_pinned()
+    replica.begin(1)
+    for name, t in _tensors().items():
+        replica.pack(name, t.cuda())
+    cpu = flatten([(e, _tensors()[e.name]) for e in plan.buckets[0].entries], plan.buckets[0].nbytes)
+    assert replica.checksum(0) == checksum(cpu)
+    assert torch.equal(replica.data(0), cpu)
+    assert checksum(replica.data(0).cuda()) == checksum(cpu)

@@ -7,6 +7,7 @@ import torch
 
 from megatron_sync.meta import TensorMeta
 from megatron_sync.plan import DEFAULT_KEEP_TOGETHER, build_plan
+from megatron_sync.transport.base import coverage_problem
 
 bf16, f32, i64, u8 = torch.bfloat16, torch.float32, torch.int64, torch.uint8
 
@@ -126,3 +127,13 @@ def test_for_stage_and_totals():
 def test_rejects_bad_input(stages, bound, match):
     with pytest.raises(ValueError, match=match):
         build_plan(stages, bound)
+
+
+def test_coverage_problem_names_missing_unexpected_and_mismatched():
+    sent = [T("a", 4), T("b", 4), T("extra", 1)]
+    expected = [T("a", 4), T("b", 4, bf16), T("gone", 2)]
+    problem = coverage_problem(sent, expected)
+    assert "missing" in problem and "'gone'" in problem
+    assert "unexpected" in problem and "'extra'" in problem
+    assert "b: sent (4,) torch.float32, engine expects (4,) torch.bfloat16" in problem
+    assert coverage_problem(sent, list(sent)) is None
