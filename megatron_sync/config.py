@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron_sync.meta import _DTYPES_BY_NAME
+from megatron_sync.meta import dtype_from_name
 
 TRANSPORTS_SUPPORTED = ("broadcast",)
 TRANSPORTS_RESERVED = ("p2p", "disk_delta", "ipc")
@@ -106,7 +106,10 @@ class WeightSyncConfig:
             raise ValueError("family must name a model family, e.g. 'qwen3' or 'deepseek_v3'")
         if self.hf_config_path is not None and not isinstance(self.hf_config_path, str):
             raise ValueError("hf_config_path must be a path string or null")
-        _check_choice("dtype", self.dtype, tuple(sorted(_DTYPES_BY_NAME)))
+        try:
+            dtype_from_name(self.dtype)
+        except ValueError as e:
+            raise ValueError(f"dtype: {e}") from None
         if self.metrics_path is not None and not isinstance(self.metrics_path, str):
             raise ValueError("metrics_path must be a file path string or null")
         _check_choice("inflight_policy", self.inflight_policy, INFLIGHT_POLICIES)

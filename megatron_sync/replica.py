@@ -50,6 +50,11 @@ class HostReplica:
                 "tensor its metadata() did not list"
             )
         bucket, entry = self._slot[name]
+        if name not in self._missing[bucket.index]:
+            raise ValueError(
+                f"tensor {name!r} was yielded twice for version {self._filling}; each tensor "
+                "must be yielded exactly once per sync"
+            )
         pack_tensor(self._buffers[bucket.index], entry, tensor)
         self._device_copies_pending |= tensor.device.type == "cuda"
         self._missing[bucket.index].discard(name)

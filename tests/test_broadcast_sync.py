@@ -118,6 +118,7 @@ def test_syncs_exact_then_corrupt_and_sender_failure_abort_everywhere(tmp_path):
     lines = [json.loads(line) for line in open(metrics_path)]
     assert [m["version"] for m in lines] == [1, 2, 5]  # only committed syncs are recorded
     assert all(m["bytes"] > 0 and m["num_buckets"] > 1 for m in lines)
+    assert all(m["phases_s"]["gather"] > 0 and m["phases_s"]["total"] > 0 and m["overlap_s"] >= 0 for m in lines)
     rows = [SyncMetrics(m["version"], "sender", 0, phases=m["phases_s"], bytes=m["bytes"]) for m in lines]
     assert len(format_table(rows).splitlines()) == 4
 

@@ -86,6 +86,14 @@ def test_pack_mismatch_names_the_tensor(name, tensor, match):
         replica.pack(name, tensor)
 
 
+def test_pack_twice_is_an_error():
+    replica = HostReplica(build_plan([METAS], 1 << 20), 0)
+    replica.begin(1)
+    replica.pack("w.f32", _tensors()["w.f32"])
+    with pytest.raises(ValueError, match="'w.f32' was yielded twice"):
+        replica.pack("w.f32", _tensors()["w.f32"])
+
+
 def test_checksum_detects_a_flipped_byte():
     plan = build_plan([METAS], 1 << 20)
     (bucket,) = plan.buckets
