@@ -150,7 +150,14 @@ def _batches(units: list[GatherUnit], budget_bytes: int) -> Iterator[list[Gather
 
 
 class ShardGatherer:
-    """Produces full Megatron tensors on the stage source, walking `GatherUnit`s in lockstep."""
+    """Produces full Megatron tensors on the stage source, walking `GatherUnit`s in lockstep.
+
+    Memory bound: gathered bytes alive at once never exceed the budget plus
+    the largest single tensor. Small TP-sharded tensors share one collective
+    (a batch of at most `budget_bytes`) and are merged one at a time; a tensor
+    larger than the budget, and every routed expert, is gathered straight into
+    its full tensor in pieces of at most half the budget.
+    """
 
     def __init__(self, layout: ParallelLayout, *, budget_bytes: int, tracker: GatherMemoryTracker | None = None):
         self.layout = layout
@@ -163,85 +170,125 @@ class ShardGatherer:
         A yielded full tensor counts as gathered until the consumer asks for the
         next one; units this rank takes no part in are not yielded here.
         """
+        layout = self.layout
         for batch in _batches(units, self.budget_bytes):
-            if batch[0].owner_ep is not None:
-                if self.layout.gathers_experts:
-                    yield from self._gather_expert(batch[0])
-            elif self.layout.gathers_dense:
-                if batch[0].sharding.axis == "tp" and self.layout.tp > 1:
-                    yield from self._gather_tp_batch(batch)
-                else:
-                    yield from self._unsharded(batch)
+            first = batch[0]
+            if first.owner_ep is not None:
+                if layout.gathers_experts:
+                    yield from self._gather_expert(first)
+            elif not layout.gathers_dense:
+                continue
+            elif first.sharding.axis != "tp" or layout.tp == 1:
+                yield from self._unsharded(first)
+            elif len(batch) == 1 and first.nbytes > self.budget_bytes:
+                full = self._gather_in_pieces(first, layout.tp_group, layout.tp, layout.tp_rank)
+                yield from self._hold(first, full)
+            else:
+                yield from self._gather_tp_batch(batch)
 
-    def _hold(self, unit: GatherUnit, full: torch.Tensor) -> Iterator[tuple[GatherUnit, torch.Tensor]]:
+    def _hold(self, unit: GatherUnit, full: torch.Tensor | None, *, counted: bool = True):
+        """Hand `full` to the consumer; it stops counting as gathered when the consumer moves on."""
+        if full is None:
+            yield unit, None
+            return
         self.tracker.saw_tensor(unit.nbytes)
-        self.tracker.add(unit.nbytes)
+        if not counted:  # a view of the local parameter: nothing was allocated
+            yield unit, full
+            return
         try:
             yield unit, full
         finally:
             self.tracker.release(unit.nbytes)
 
-    def _unsharded(self, batch: list[GatherUnit]):
-        for unit in batch:
-            if self.layout.is_stage_source:
-                yield from self._hold(unit, unit.local)
-            else:
-                yield unit, None
+    def _unsharded(self, unit: GatherUnit):
+        yield from self._hold(unit, unit.local if self.layout.is_stage_source else None, counted=False)
 
     def _gather_tp_batch(self, batch: list[GatherUnit]):
-        """One gather over the TP group for the whole batch, as flat bytes."""
+        """One gather over the TP group for the whole batch, as flat bytes, merged one unit at a time."""
         layout = self.layout
         flat = torch.cat([u.local.contiguous().view(-1).view(torch.uint8) for u in batch])
-        dst = group_rank0_global(layout.tp_group)
         receiving = layout.tp_rank == 0
         shards = [torch.empty_like(flat) for _ in range(layout.tp)] if receiving else None
-        dist.gather(flat, shards, dst=dst, group=layout.tp_group)
-        if not receiving:
-            for unit in batch:
-                yield unit, None
-            return
-        batch_bytes = flat.numel() * layout.tp
-        self.tracker.add(batch_bytes)
+        if receiving:
+            self.tracker.add(flat.numel() * layout.tp)
         try:
+            dist.gather(flat, shards, dst=group_rank0_global(layout.tp_group), group=layout.tp_group)
             offset = 0
             for unit in batch:
+                if not receiving:
+                    yield unit, None
+                    continue
                 n = unit.local.numel() * unit.dtype.itemsize
                 parts = [s[offset:offset + n].view(unit.dtype).view(unit.local.shape) for s in shards]
                 offset += n
-                full = merge_strided_shards(parts, unit.sharding.dim, unit.sharding.stride)
-                yield from self._hold(unit, full)
-                del full
+                self.tracker.add(unit.nbytes)
+                yield from self._hold(unit, merge_strided_shards(parts, unit.sharding.dim, unit.sharding.stride))
         finally:
-            del shards
-            self.tracker.release(batch_bytes)
+            if receiving:
+                del shards
+                self.tracker.release(flat.numel() * layout.tp)
+
+    def _gather_in_pieces(self, unit: GatherUnit, group, size: int, rank: int) -> torch.Tensor | None:
+        """Gather one tensor to group rank 0 straight into its full tensor, piece by piece.
+
+        Pieces run along a dim other than the partition dim, so each piece of
+        every shard is a slab of the full tensor; shards plus their merge stay
+        within half the budget each.
+        """
+        local, sharding = unit.local, unit.sharding
+        receiving = rank == 0
+        full = torch.empty(unit.full_shape, dtype=unit.dtype, device=unit.device) if receiving else None
+        if receiving:
+            self.tracker.add(unit.nbytes)
+        along = 0 if sharding.dim != 0 else 1
+        if local.dim() < 2:
+            pieces = [(0, local.shape[0])]
+            along = 0
+        else:
+            bytes_per_slab = max(1, local.numel() // local.shape[along]) * unit.dtype.itemsize * size
+            slabs = max(1, (self.budget_bytes // 2) // bytes_per_slab)
+            pieces = [(a, min(slabs, local.shape[along] - a)) for a in range(0, local.shape[along], slabs)]
+        dst = group_rank0_global(group)
+        for start, length in pieces:
+            piece = local if len(pieces) == 1 else local.narrow(along, start, length)
+            piece = piece.contiguous()
+            shards = [torch.empty_like(piece) for _ in range(size)] if receiving else None
+            piece_bytes = piece.numel() * unit.dtype.itemsize * size
+            if receiving:
+                self.tracker.add(2 * piece_bytes)  # the shards and their merge
+            dist.gather(piece, shards, dst=dst, group=group)
+            if receiving:
+                merged = merge_strided_shards(shards, sharding.dim, sharding.stride)
+                target = full if len(pieces) == 1 and local.dim() < 2 else full.narrow(along, start, length)
+                target.copy_(merged)
+                del shards, merged
+                self.tracker.release(2 * piece_bytes)
+        return full
 
     def _gather_expert(self, unit: GatherUnit):
         """ETP gather inside the owning EP rank, then a point-to-point hop to EP rank 0."""
         layout = self.layout
         full = None
         if unit.owner_ep == layout.ep_rank:
-            full = self._gather_etp(unit)
+            if unit.sharding.axis == "etp" and layout.etp > 1:
+                full = self._gather_in_pieces(unit, layout.etp_group, layout.etp, layout.etp_rank)
+            else:
+                full = unit.local
+        counted = full is not None and full is not unit.local
         if layout.etp_rank == 0 and layout.ep > 1:
-            dst = group_rank0_global(layout.ep_group)
             if layout.ep_rank == 0 and unit.owner_ep != 0:
                 full = torch.empty(unit.full_shape, dtype=unit.dtype, device=unit.device)
+                self.tracker.add(unit.nbytes)
+                counted = True
                 dist.recv(full, src=dist.get_global_rank(layout.ep_group, unit.owner_ep), group=layout.ep_group)
             elif layout.ep_rank != 0 and unit.owner_ep == layout.ep_rank:
-                dist.send(full.contiguous(), dst=dst, group=layout.ep_group)
-                full = None
-        if layout.is_stage_source:
-            yield from self._hold(unit, full)
-        else:
+                dist.send(full.contiguous(), dst=group_rank0_global(layout.ep_group), group=layout.ep_group)
+                if counted:
+                    self.tracker.release(unit.nbytes)
+                full, counted = None, False
+        if not layout.is_stage_source:
+            if counted:
+                self.tracker.release(unit.nbytes)
             yield unit, None
-
-    def _gather_etp(self, unit: GatherUnit) -> torch.Tensor | None:
-        layout = self.layout
-        if unit.sharding.axis != "etp" or layout.etp == 1:
-            return unit.local
-        receiving = layout.etp_rank == 0
-        shards = [torch.empty_like(unit.local) for _ in range(layout.etp)] if receiving else None
-        dist.gather(unit.local.contiguous(), shards, dst=group_rank0_global(layout.etp_group), group=layout.etp_group)
-        if not receiving:
-            return None
-        return merge_strided_shards(shards, unit.sharding.dim, unit.sharding.stride)
-
+            return
+        yield from self._hold(unit, full, counted=counted)
