@@ -118,6 +118,9 @@ class WeightSender:
                         self._finish(in_flight, metrics)
                     in_flight = self._issue(version, own[self._sent], metrics)
                     self._sent += 1
+        except BaseException:
+            _drain(items)
+            raise
         finally:
             if in_flight is not None:
                 self._finish(in_flight, metrics)
@@ -160,6 +163,15 @@ class WeightSender:
         failures = self.transport.agree(None)
         if failures:
             raise SyncAbortedError(version, failures)
+
+
+def _drain(items) -> None:
+    """Finish walking the stream after a failure: the stage's other ranks are in its gathers too."""
+    try:
+        for _ in items:
+            pass
+    except Exception:  # noqa: BLE001 — the first error is the one being raised
+        pass
 
 
 class _InFlight:

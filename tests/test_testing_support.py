@@ -200,3 +200,22 @@ def test_pipeline_chunks_build_and_load():
     assert rank1[0] == [(False, False, [2]), (False, True, [4])]
     assert rank0[1] == [(True, False, [1, 2])]
     assert rank1[1] == [(False, True, [3, 4])]
+
+
+def _pipeline_logits(rank, world_size, layout, family):
+    from megatron_sync.testing.models import build_model_chunks, load_reference_weights, megatron_logits
+
+    init_megatron(**layout)
+    spec = ModelSpec(family)
+    chunks = build_model_chunks(spec, vpp=layout.get("vpp"))
+    load_reference_weights(chunks, reference_weights(spec, 3), spec)
+    return megatron_logits(chunks, torch.arange(24).reshape(2, 12) % spec.vocab_size)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_pipeline_forward_matches_single_rank():
+    # Hidden states hop stage to stage (chunk 0 of every stage, then chunk 1): same math, same order.
+    [reference] = run_distributed(_pipeline_logits, 1, {}, "qwen3_moe", timeout=100)
+    for logits in run_distributed(_pipeline_logits, 4, {"pp": 2, "vpp": 2}, "qwen3_moe", timeout=120):
+        assert torch.equal(logits, reference)

@@ -504,24 +504,60 @@ def load_reference_weights(chunks: list, full: dict[str, torch.Tensor], spec: Mo
 
 
 def megatron_logits(chunks: list, tokens: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
-    """Return eval-mode logits ``[batch, seq, vocab]`` of a PP=1 model, gathered over TP.
+    """Return eval-mode logits ``[batch, seq, vocab]``, gathered over TP, on every rank.
 
-    The padded vocabulary is trimmed to ``vocab_size`` (default: the spec the chunks
-    were built from). Every TP rank returns the same full tensor.
+    With PP > 1 (and virtual stages) the hidden states walk the stages in
+    Megatron's order — chunk v of stage 0, 1, ..., then chunk v+1 — over plain
+    point-to-point sends on the pipeline group, because megatron-core 0.16.1's
+    p2p schedule allocates on CUDA. The padded vocabulary is trimmed to
+    ``vocab_size`` (default: the spec the chunks were built from).
     """
     from megatron.core import parallel_state as ps
 
-    if len(chunks) != 1 or not (chunks[0].pre_process and chunks[0].post_process):
-        raise ValueError("megatron_logits supports PP=1 without VPP only (one chunk, pre and post process)")
-    model = chunks[0]
-    vocab_size = vocab_size or model.megatron_sync_spec.vocab_size
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    model.eval()
+    vocab_size = vocab_size or chunks[0].megatron_sync_spec.vocab_size
+    for chunk in chunks:
+        chunk.eval()
     with torch.no_grad():
-        logits = model(input_ids=tokens, position_ids=positions, attention_mask=None)
+        logits = _pipeline_forward(chunks, tokens)
     tp = ps.get_tensor_model_parallel_world_size()
     if tp > 1:
         pieces = [torch.empty_like(logits) for _ in range(tp)]
         torch.distributed.all_gather(pieces, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
         logits = torch.cat(pieces, dim=-1)
     return logits[..., :vocab_size]
+
+
+def _pipeline_forward(chunks: list, tokens: torch.Tensor) -> torch.Tensor:
+    """Run the chunks of every stage in order; return the last stage's local logits on every rank."""
+    from megatron.core import parallel_state as ps
+
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp == 1 and len(chunks) == 1:
+        return chunks[0](input_ids=tokens, position_ids=positions, attention_mask=None)
+    rank = ps.get_pipeline_model_parallel_rank()
+    group = ps.get_pipeline_model_parallel_group()
+    hidden_size = chunks[0].config.hidden_size
+    hidden_shape = (tokens.shape[1], tokens.shape[0], hidden_size)  # Megatron's [seq, batch, hidden]
+    logits = None
+    for v in range(len(chunks)):
+        for stage in range(pp):
+            if stage != rank:
+                continue
+            chunk = chunks[v]
+            if not chunk.pre_process:
+                hidden = torch.empty(hidden_shape, dtype=chunk.config.params_dtype)
+                torch.distributed.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank(), group=group)
+                chunk.set_input_tensor(hidden)
+            out = chunk(input_ids=tokens, position_ids=positions, attention_mask=None)
+            if chunk.post_process:
+                logits = out
+            else:
+                torch.distributed.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank(), group=group)
+    last = torch.distributed.get_global_rank(group, pp - 1)
+    shape = torch.tensor(list(logits.shape) if logits is not None else [0, 0, 0])
+    torch.distributed.broadcast(shape, src=last, group=group)
+    if logits is None:
+        logits = torch.empty(tuple(shape.tolist()), dtype=chunks[0].config.params_dtype)
+    torch.distributed.broadcast(logits.contiguous(), src=last, group=group)
+    return logits
