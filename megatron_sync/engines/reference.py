@@ -27,6 +27,7 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,9 @@ from megatron_sync.engines.tp_layers import (
     split_kv_heads,
 )
 from megatron_sync.meta import TensorMeta
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
 
 R, C, W, KV = Split.REPLICATED, Split.COLUMN, Split.ROW, Split.KV_HEADS
 
@@ -285,11 +289,31 @@ class ReferenceEngine:
         return self.model(input_ids=tokens, use_cache=False).logits
 
     @torch.no_grad()
-    def generate(self, tokens: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Return `tokens` followed by `max_new_tokens` greedily chosen tokens ([B, S + n])."""
+    def forward_cached(self, tokens: torch.Tensor, cache: Cache | None = None) -> tuple[torch.Tensor, Cache]:
+        """Return logits [B, S, V] of `tokens` [B, S] placed after the `cache`d prefix, and the extended cache.
+
+        `cache` is transformers' own KV cache (a `DynamicCache`, holding this
+        rank's key/value heads); None starts a new one, so the call is a
+        prefill. The cache is extended in place and returned.
+        """
+        out = self.model(input_ids=tokens, cache=cache, use_cache=True)
+        return out.logits, out.cache
+
+    @torch.no_grad()
+    def generate(self, tokens: torch.Tensor, max_new_tokens: int, *, use_cache: bool = True) -> torch.Tensor:
+        """Return `tokens` followed by `max_new_tokens` greedily chosen tokens ([B, S + n]).
+
+        With `use_cache` the prompt is prefilled once and each decode step feeds
+        only the newest token; without it every step recomputes the whole sequence.
+        """
+        cache, step_input = None, tokens
         for _ in range(max_new_tokens):
-            next_token = self.logits(tokens)[:, -1].argmax(dim=-1, keepdim=True)
-            tokens = torch.cat([tokens, next_token], dim=1)
+            if use_cache:
+                logits, cache = self.forward_cached(step_input, cache)
+            else:
+                logits = self.logits(tokens)
+            step_input = logits[:, -1].argmax(dim=-1, keepdim=True)
+            tokens = torch.cat([tokens, step_input], dim=1)
         return tokens
 
     @staticmethod

@@ -11,7 +11,7 @@ every surviving rank.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -33,12 +33,17 @@ class WeightReceiver:
     `engine_group` is accepted for transports where one rank per engine
     receives and fans out inside the engine; the broadcast transport puts every
     engine rank in the transport group, so it is unused there.
+    `commit(staged_shards, version)` makes an agreed version live; it defaults
+    to `engine.load_shards` (a serving loop passes its own, which applies the
+    version at a generation step boundary).
     """
 
     def __init__(self, engine: EngineAdapter, transport: Transport, engine_group: Any = None, *,
                  bucket_size_bytes: int, keep_together: KeepTogether = DEFAULT_KEEP_TOGETHER,
-                 metrics_path: Optional[str] = None) -> None:
+                 metrics_path: Optional[str] = None,
+                 commit: Optional[Callable[[dict[str, torch.Tensor], int], None]] = None) -> None:
         self.engine, self.transport, self.engine_group = engine, transport, engine_group
+        self.commit = commit if commit is not None else engine.load_shards
         self.metrics_path = metrics_path
         self.history: list[SyncMetrics] = []
         self.plan = handshake_plan(transport, None, bucket_size_bytes, keep_together,
@@ -117,8 +122,8 @@ class WeightReceiver:
     def _load(self, staging: dict[str, torch.Tensor], version: int, metrics: SyncMetrics) -> Optional[str]:
         try:
             with PhaseTimer(metrics, "apply"):
-                self.engine.load_shards(staging, version)
+                self.commit(staging, version)
         except Exception as e:
-            return (f"engine.load_shards failed: {type(e).__name__}: {e} (this engine rank may hold "
+            return (f"commit failed: {type(e).__name__}: {e} (this engine rank may hold "
                     "a partial load; engines that succeeded hold the new version)")
         return None
