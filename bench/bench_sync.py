@@ -49,11 +49,7 @@ TRAINER_EP, ENGINE_TP = 2, 2
 NUM_STAGES = 1  # PP=1: trainer rank 0 is the only stage source
 TRANSPORT_WORLD = NUM_STAGES + ENGINE_TP
 DTYPE = torch.bfloat16  # what the engine computes in; the converter casts to it
-# Workaround: at TP=1, ShardGatherer.gather hands a batch of TP-axis units to
-# `_unsharded(first)` and drops the rest of the batch (gather.py, commit c4163a0).
-# A 1-byte budget makes every batch a single unit; at TP=1, ETP=1 the budget
-# changes nothing else (no TP gathers, experts move whole). Drop once fixed.
-GATHER_BUDGET_BYTES = 1
+GATHER_BUDGET_BYTES = 256 * 2**20  # the library's default gather budget
 SHOWN_PHASES = ("gather", "convert", "pack", "transfer", "apply", "commit")  # metrics.PHASES less total
 
 

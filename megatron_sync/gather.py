@@ -179,7 +179,8 @@ class ShardGatherer:
             elif not layout.gathers_dense:
                 continue
             elif first.sharding.axis != "tp" or layout.tp == 1:
-                yield from self._unsharded(first)
+                for unit in batch:
+                    yield from self._unsharded(unit)
             elif len(batch) == 1 and first.nbytes > self.budget_bytes:
                 full = self._gather_in_pieces(first, layout.tp_group, layout.tp, layout.tp_rank)
                 yield from self._hold(first, full)

@@ -53,6 +53,15 @@ class SyncMetrics:
             "overlap_s": round(self.overlap_s, 6), "num_buckets": self.num_buckets,
         }, sort_keys=True)
 
+    @classmethod
+    def from_json(cls, line: str) -> "SyncMetrics":
+        """Return the metrics that `to_json()` described (for rows gathered from other ranks)."""
+        d = json.loads(line)
+        return cls(
+            d["version"], role=d["role"], rank=d["rank"], phases=dict(d["phases_s"]),
+            bytes=d["bytes"], overlap_s=d["overlap_s"], num_buckets=d["num_buckets"],
+        )
+
     def append_to(self, path: Optional[str]) -> None:
         """Append `to_json()` as a line to `path` (no-op when path is None)."""
         if path:

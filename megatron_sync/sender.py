@@ -72,6 +72,7 @@ class WeightSender:
                         pass
             else:
                 self._sync_source(version, metrics)
+            _split_convert_time(self.stream, metrics)
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
         return metrics
@@ -163,6 +164,13 @@ class WeightSender:
         failures = self.transport.agree(None)
         if failures:
             raise SyncAbortedError(version, failures)
+
+
+def _split_convert_time(stream: HFWeightStream, metrics: SyncMetrics) -> None:
+    """Move the stream's own conversion time out of "gather", where pulling the stream counted it."""
+    seconds = getattr(stream, "phase_seconds", {}).get("convert", 0.0)
+    metrics.phases["convert"] += seconds
+    metrics.phases["gather"] = max(0.0, metrics.phases["gather"] - seconds)
 
 
 def _drain(items) -> None:

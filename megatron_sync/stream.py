@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
@@ -69,6 +70,7 @@ class MegatronWeightStream:
         self.tracker = tracker or GatherMemoryTracker()
         self._gatherer = ShardGatherer(layout, budget_bytes=gather_budget_bytes, tracker=self.tracker)
         self._meta: list[TensorMeta] = []
+        self.phase_seconds = {"gather": 0.0, "convert": 0.0}  # of the last walk
         with failing_together("planning the weight stream (names, shapes, conversion rules)", group):
             units = self._units()
             self._unit_names = [u.name for u in units]
@@ -98,10 +100,21 @@ class MegatronWeightStream:
                 "rebuild the weight sync after changing the model"
             )
         expected = iter(self._meta)
-        for unit, full in self._gatherer.gather(units):
+        self.phase_seconds = {"gather": 0.0, "convert": 0.0}
+        gathered = self._gatherer.gather(units)
+        while True:
+            start = time.perf_counter()
+            item = next(gathered, None)
+            self.phase_seconds["gather"] += time.perf_counter() - start
+            if item is None:
+                return
+            unit, full = item
             if full is None:
                 continue
-            for hf_name, tensor in self.converter.convert(unit.name, full):
+            start = time.perf_counter()
+            converted = self.converter.convert(unit.name, full)
+            self.phase_seconds["convert"] += time.perf_counter() - start
+            for hf_name, tensor in converted:
                 _check_against_plan(next(expected, None), hf_name, tensor, unit.name)
                 yield hf_name, tensor
 

@@ -52,7 +52,10 @@ def reference():
     return {family: r["tensors"] for family, r in out.items()}
 
 
+LARGE_BUDGET = 1 << 20  # many tensors per batch
+
 LAYOUTS = [
+    pytest.param(1, dict(), DENSE + MOE, id="single-rank-large-budget"),
     pytest.param(2, dict(tp=2), DENSE + MOE, id="tp2"),
     pytest.param(2, dict(ep=2), MOE, id="ep2"),
     pytest.param(4, dict(ep=4), MOE, id="ep4"),
@@ -68,7 +71,8 @@ LAYOUTS = [
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world_size,layout_kw,families", LAYOUTS)
 def test_layout_yields_single_rank_tensors(reference, world_size, layout_kw, families):
-    per_rank = run_distributed(_worker, world_size, layout_kw, families, SMALL_BUDGET, timeout=300)
+    budget = LARGE_BUDGET if world_size == 1 else SMALL_BUDGET
+    per_rank = run_distributed(_worker, world_size, layout_kw, families, budget, timeout=300)
     for family in families:
         merged: dict[str, torch.Tensor] = {}
         for out in per_rank:

@@ -128,3 +128,18 @@ def load_job(args: argparse.Namespace) -> JobConfig:
         if getattr(args, f"weight_sync_{name}") is not None
     }
     return JobConfig.load(args.config, overrides)
+
+
+def job_argv(args: argparse.Namespace) -> list[str]:
+    """Return the command-line arguments that reproduce `args`' job (for launching sub-jobs)."""
+    argv = ["--config", args.config]
+    for name in field_names():
+        value = getattr(args, f"weight_sync_{name}")
+        flag = "--weight-sync-" + name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv

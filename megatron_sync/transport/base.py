@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import datetime
 import json
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -118,6 +119,37 @@ class TransportGroup:
         data = data.to(self.device)
         self.broadcast(data, src)
         return json.loads(data.cpu().numpy().tobytes())
+
+    def post(self, key: str, value: bytes) -> None:
+        """Publish `value` under `key` in the rendezvous store (small control data, not weights)."""
+        try:
+            self._store.set(f"{self.group_name}/post/{key}", value)
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise self._fail(f"posting {key!r}", e) from e
+
+    def fetch(self, key: str, timeout_s: Optional[float] = None) -> bytes:
+        """Return the value posted under `key`, waiting up to `timeout_s` (None: the group timeout).
+
+        Polls rather than blocking in the store, so a store whose host died
+        (the trainer) is noticed at once as a PeerFailureError.
+        """
+        full_key = f"{self.group_name}/post/{key}"
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        pause = 0.005
+        try:
+            while not self._store.check([full_key]):
+                if time.monotonic() > deadline:
+                    raise PeerFailureError(
+                        f"[transport rank {self.rank}] nothing was posted under {key!r} within {limit:g}s"
+                    )
+                time.sleep(pause)
+                pause = min(pause * 2, 0.1)
+            return self._store.get(full_key)
+        except SyncError:
+            raise
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise self._fail(f"waiting for {key!r}", e) from e
 
     def close(self) -> None:
         """Shut the group down; safe to call twice and after a peer failure."""

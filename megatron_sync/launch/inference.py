@@ -1,0 +1,89 @@
+"""Inference job: reference engines (transformers on CPU, their own TP) that receive every sync.
+
+Run under torchrun (one process per inference rank), e.g.
+    torchrun --nproc-per-node 2 -m megatron_sync.launch.inference --config configs/demo_qwen3_moe_ep2.yaml
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron_sync.launch.job import JobConfig, job_arg_parser, load_job
+from megatron_sync.meta import dtype_from_name
+from megatron_sync.sync import InferenceWeightSync
+
+
+def engine_groups(world_size: int, tp: int):
+    """Create one process group per engine (collective: every rank creates all); return this rank's."""
+    mine = None
+    for first in range(0, world_size, tp):
+        ranks = list(range(first, first + tp))
+        group = dist.new_group(ranks) if tp > 1 else None
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def run(job: JobConfig) -> int:
+    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.testing.models import hf_config
+
+    ws = job.weight_sync
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != ws.num_inference_ranks:
+        raise ValueError(
+            f"the inference job has {world} ranks but weight_sync.num_inference_ranks={ws.num_inference_ranks}; "
+            "launch as many inference processes as the config says"
+        )
+    tp = ws.engine_tp_size
+    group = engine_groups(world, tp)
+    engine_index, tp_rank = divmod(rank, tp)
+    engine = ReferenceEngine(
+        hf_config(job.model_spec()), tp_rank=tp_rank, tp_size=tp, group=group, dtype=dtype_from_name(ws.dtype)
+    )
+    isync = InferenceWeightSync(ws, engine, num_trainer_stages=job.trainer.pp, inference_rank=rank, engine_group=group)
+
+    def verify(message: dict) -> None:
+        version = message["version"]
+        if engine.version != version:
+            raise RuntimeError(f"engine {engine_index} is on version {engine.version}, expected {version}")
+        logits = engine.logits(torch.tensor(message["tokens"]))
+        if tp_rank == 0:
+            buffer = io.BytesIO()
+            torch.save(logits, buffer)
+            isync.transport.group.post(f"logits/{version}/{engine_index}", buffer.getvalue())
+        if job.verify.dump_dir:
+            folder = os.path.join(job.verify.dump_dir, f"v{version}")
+            os.makedirs(folder, exist_ok=True)
+            torch.save({"version": engine.version, "shards": engine.state_shards()},
+                       os.path.join(folder, f"engine{engine_index}_rank{tp_rank}.pt"))
+
+    try:
+        isync.serve({"verify": verify})
+    finally:
+        isync.close()
+    print(f"[inference rank {rank}] stopped on version {engine.version}", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = job_arg_parser("megatron-sync inference job (run under torchrun)").parse_args(argv)
+    job = load_job(args)
+    logging.basicConfig(level=logging.WARNING, format=f"[inference rank {os.environ.get('RANK', '?')}] %(message)s")
+    logging.getLogger("megatron_sync").setLevel(logging.INFO)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        return run(job)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

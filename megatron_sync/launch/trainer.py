@@ -1,0 +1,146 @@
+"""Trainer job: train a tiny Megatron model on CPU and sync it to the engines after optimizer steps.
+
+Run under torchrun (one process per trainer rank), e.g.
+    torchrun --nproc-per-node 2 -m megatron_sync.launch.trainer --config configs/demo_qwen3_moe_ep2.yaml
+with the inference job (`megatron_sync.launch.inference`) started separately
+against the same `weight_sync.master_address:master_port`.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron_sync.callback import WeightSyncCallback
+from megatron_sync.launch.job import JobConfig, job_arg_parser, load_job
+from megatron_sync.meta import dtype_from_name
+from megatron_sync.metrics import format_table
+from megatron_sync.parallel import ParallelLayout
+from megatron_sync.sync import TrainerWeightSync
+
+log = logging.getLogger("megatron_sync.trainer")
+
+
+def build_trainer(job: JobConfig):
+    """Return (chunks, layout, converter) for this rank: a seeded tiny model under the job's layout."""
+    from converters import get_converter
+    from megatron_sync.testing import models
+    from megatron_sync.testing.dist import init_megatron
+
+    t = job.trainer
+    init_megatron(tp=t.tp, pp=t.pp, vpp=t.vpp, ep=t.ep, etp=t.etp, seed=job.train.seed)
+    spec = job.model_spec()
+    chunks = models.build_model_chunks(spec, vpp=t.vpp)
+    models.load_reference_weights(chunks, models.reference_weights(spec, seed=job.train.seed), spec)
+    converter = get_converter(spec.family, models.hf_config(spec), dtype=dtype_from_name(job.weight_sync.dtype))
+    return chunks, ParallelLayout.from_megatron(), converter
+
+
+def batch(job: JobConfig, step: int, vocab_size: int) -> torch.Tensor:
+    """Return the token batch of `step` (seeded, identical on every rank)."""
+    gen = torch.Generator().manual_seed(job.train.seed * 1000 + step)
+    return torch.randint(0, vocab_size, (job.train.batch_size, job.train.seq_len), generator=gen)
+
+
+def eval_tokens(job: JobConfig, vocab_size: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(job.train.seed + 17)
+    return torch.randint(0, vocab_size, (job.verify.eval_batch, job.verify.eval_seq_len), generator=gen)
+
+
+class Verifier:
+    """After each sync: engine logits must equal the trainer's; optionally dump what was sent."""
+
+    def __init__(self, job: JobConfig, sync: TrainerWeightSync, chunks: list):
+        self.job, self.sync, self.chunks = job, sync, chunks
+        self.vocab_size = job.model_spec().vocab_size
+        self.failures: list[str] = []
+        self.rows = []
+
+    def after_sync(self, version: int, metrics) -> None:
+        from megatron_sync.testing.models import megatron_logits
+
+        tokens = eval_tokens(self.job, self.vocab_size)
+        logits = megatron_logits(self.chunks, tokens) if self.job.verify.logits else None
+        self._dump_sent(version)
+        if not self.sync.is_leader:
+            return
+        self.rows.append(metrics)
+        self.sync.post_control({"op": "verify", "version": version, "tokens": tokens.tolist()})
+        self.rows.extend(self.sync.receiver_metrics(version))
+        if logits is None:
+            return
+        group = self.sync.transport.group
+        for engine in range(self.job.weight_sync.num_engines):
+            got = torch.load(io.BytesIO(group.fetch(f"logits/{version}/{engine}")))
+            diff = float((got - logits).abs().max())
+            ok = diff <= self.job.verify.logits_atol
+            print(f"[trainer] version {version}: engine {engine} logits max |diff| = {diff:.3e} "
+                  f"({'ok' if ok else 'MISMATCH'}, atol {self.job.verify.logits_atol:g})", flush=True)
+            if not ok:
+                self.failures.append(f"version {version} engine {engine}: logits differ by {diff:.3e}")
+
+    def _dump_sent(self, version: int) -> None:
+        sender = self.sync.sender
+        if not self.job.verify.dump_dir or sender.replica is None:
+            return
+        folder = os.path.join(self.job.verify.dump_dir, f"v{version}")
+        os.makedirs(folder, exist_ok=True)
+        sent = {e.name: sender.replica.view(e.name).clone() for b in sender.replica.buckets for e in b.entries}
+        torch.save(sent, os.path.join(folder, f"sent_stage{self.sync.stream.stage}.pt"))
+
+
+def run(job: JobConfig) -> int:
+    """Train for `job.train.steps` optimizer updates, syncing per the config; return an exit code."""
+    from megatron_sync.testing.train import make_optimizer, train_step
+
+    chunks, layout, converter = build_trainer(job)
+    sync = TrainerWeightSync(job.weight_sync, chunks, converter, layout)
+    verifier = Verifier(job, sync, chunks)
+    callback = WeightSyncCallback(sync, chunks, every_n_steps=job.weight_sync.every_n_steps)
+    optimizer = make_optimizer(chunks, job.train.lr)
+    try:
+        verifier.after_sync(1, sync.sync())  # version 1: the engines start from the trainer's weights
+        for step in range(job.train.steps):
+            for chunk in chunks:
+                chunk.train()
+            loss = train_step(chunks, optimizer, batch(job, step, verifier.vocab_size), layout)
+            if sync.is_leader:
+                print(f"[trainer] step {step + 1}: loss {loss:.4f}", flush=True)
+            metrics = callback.after_optimizer_step()
+            if metrics is not None:
+                verifier.after_sync(sync.version, metrics)
+    finally:
+        sync.close()
+    failures = [verifier.failures]
+    dist.broadcast_object_list(failures, src=0)
+    if sync_is_rank0():
+        print("\n" + format_table(verifier.rows), flush=True)
+        print(f"\n[trainer] {sync.version} versions synced; "
+              f"{'all checks passed' if not failures[0] else 'FAILED: ' + '; '.join(failures[0])}", flush=True)
+    return 1 if failures[0] else 0
+
+
+def sync_is_rank0() -> bool:
+    return dist.get_rank() == 0
+
+
+def main(argv=None) -> int:
+    args = job_arg_parser("megatron-sync trainer job (run under torchrun)").parse_args(argv)
+    job = load_job(args)
+    logging.basicConfig(level=logging.WARNING, format=f"[trainer rank {os.environ.get('RANK', '?')}] %(message)s")
+    logging.getLogger("megatron_sync").setLevel(logging.INFO)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        return run(job)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
