@@ -27,14 +27,15 @@ def torchrun(nprocs: int, module: str, argv: list[str]) -> list[str]:
     ]
 
 
-def run_jobs(argv: list[str], trainer_procs: int, inference_procs: int, time_limit_s: float) -> int:
+def run_jobs(argv: list[str], trainer_procs: int, inference_procs: int, time_limit_s: float,
+             inference_extra: list[str] = ()) -> int:
     """Run both jobs to completion; return the first non-zero exit code (0 if both succeeded)."""
     # Megatron and torchrun warn about missing TE/Apex and CUDA on every rank; keep the demo readable.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     jobs = {
         "trainer": subprocess.Popen(torchrun(trainer_procs, "megatron_sync.launch.trainer", argv),
                                     env=env, start_new_session=True),
-        "inference": subprocess.Popen(torchrun(inference_procs, "megatron_sync.launch.inference", argv),
+        "inference": subprocess.Popen(torchrun(inference_procs, "megatron_sync.launch.inference", [*argv, *inference_extra]),
                                       env=env, start_new_session=True),
     }
     deadline = time.monotonic() + time_limit_s
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = job_arg_parser("megatron-sync demo: train on CPU, sync to a separately launched engine")
     parser.add_argument("--time-limit", type=float, default=900.0, help="seconds before both jobs are stopped")
+    parser.add_argument("--test-exit-during-version", type=int, default=0,
+                        help="fault injection: inference rank 1 exits while receiving this version")
     args = parser.parse_args(argv)
     if args.weight_sync_master_port is None:
         args.weight_sync_master_port = free_port()
@@ -74,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[demo] {job.model['family']}: trainer world {t.world_size} (tp={t.tp} pp={t.pp} vpp={t.vpp} "
           f"ep={t.ep} etp={t.etp}) -> {ws.num_engines} engine(s) of tp={ws.engine_tp_size}; "
           f"{job.train.steps} optimizer steps, bucket {ws.bucket_size_mb:g} MiB", flush=True)
-    code = run_jobs(passthrough, t.world_size, ws.num_inference_ranks, args.time_limit)
+    fault = ["--test-exit-during-version", str(args.test_exit_during_version)] if args.test_exit_during_version else []
+    code = run_jobs(passthrough, t.world_size, ws.num_inference_ranks, args.time_limit, fault)
     print(f"[demo] {'ok' if code == 0 else f'FAILED (exit {code})'}", flush=True)
     return code
 

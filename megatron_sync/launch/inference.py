@@ -6,6 +6,7 @@ Run under torchrun (one process per inference rank), e.g.
 
 from __future__ import annotations
 
+import argparse
 import io
 import logging
 import os
@@ -30,7 +31,25 @@ def engine_groups(world_size: int, tp: int):
     return mine
 
 
-def run(job: JobConfig) -> int:
+class _DiesMidSync:
+    """Fault injection for tests: the wrapped engine's process exits while staging `version`."""
+
+    def __init__(self, engine, version: int):
+        self._engine, self._version, self._seen = engine, version, 0
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def shard_of(self, name, full):
+        if self._engine.version == self._version - 1:
+            self._seen += 1
+            if self._seen > 3:  # a few tensors into the sync
+                print(f"[inference] fault injection: exiting while receiving version {self._version}", flush=True)
+                os._exit(17)
+        return self._engine.shard_of(name, full)
+
+
+def run(job: JobConfig, fault: argparse.Namespace) -> int:
     from megatron_sync.engines.reference import ReferenceEngine
     from megatron_sync.testing.models import hf_config
 
@@ -47,6 +66,8 @@ def run(job: JobConfig) -> int:
     engine = ReferenceEngine(
         hf_config(job.model_spec()), tp_rank=tp_rank, tp_size=tp, group=group, dtype=dtype_from_name(ws.dtype)
     )
+    if fault.test_exit_during_version and rank == fault.test_exit_rank:
+        engine = _DiesMidSync(engine, fault.test_exit_during_version)
     isync = InferenceWeightSync(ws, engine, num_trainer_stages=job.trainer.pp, inference_rank=rank, engine_group=group)
 
     def verify(message: dict) -> None:
@@ -66,6 +87,12 @@ def run(job: JobConfig) -> int:
 
     try:
         isync.serve({"verify": verify})
+    except Exception:
+        print(f"[inference rank {rank}] sync failed; the engine stays on version {engine.version}", flush=True)
+        if job.verify.dump_dir:
+            torch.save({"version": engine.version, "shards": engine.state_shards()},
+                       os.path.join(job.verify.dump_dir, f"survivor_engine{engine_index}_rank{tp_rank}.pt"))
+        raise
     finally:
         isync.close()
     print(f"[inference rank {rank}] stopped on version {engine.version}", flush=True)
@@ -73,14 +100,19 @@ def run(job: JobConfig) -> int:
 
 
 def main(argv=None) -> int:
-    args = job_arg_parser("megatron-sync inference job (run under torchrun)").parse_args(argv)
+    parser = job_arg_parser("megatron-sync inference job (run under torchrun)")
+    faults = parser.add_argument_group("fault injection (tests)")
+    faults.add_argument("--test-exit-during-version", type=int, default=0,
+                        help="make one inference rank exit while it receives this version")
+    faults.add_argument("--test-exit-rank", type=int, default=1, help="the inference rank that exits")
+    args = parser.parse_args(argv)
     job = load_job(args)
     logging.basicConfig(level=logging.WARNING, format=f"[inference rank {os.environ.get('RANK', '?')}] %(message)s")
     logging.getLogger("megatron_sync").setLevel(logging.INFO)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        return run(job)
+        return run(job, args)
     finally:
         dist.destroy_process_group()
 

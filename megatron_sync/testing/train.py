@@ -25,9 +25,28 @@ def make_optimizer(chunks: list[torch.nn.Module], lr: float = 1e-3) -> torch.opt
     return torch.optim.Adam(params, lr=lr)
 
 
+def _reduce_replicated_tp_gradients(chunks: list[torch.nn.Module], layout: ParallelLayout) -> None:
+    """Sum over TP the gradients of replicated params that see only local heads (QK layernorm).
+
+    Megatron's finalize_model_grads does this; without it TP ranks' copies drift apart.
+    """
+    if layout.tp == 1:
+        return
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if param.grad is None or getattr(param, "tensor_model_parallel", False):
+                continue
+            if getattr(param, "average_gradients_across_tp_domain", False):
+                dist.all_reduce(param.grad, group=layout.tp_group)
+                param.grad /= layout.tp
+            elif chunk.config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name):
+                dist.all_reduce(param.grad, group=layout.tp_group)
+
+
 def _average_gradients(chunks: list[torch.nn.Module], layout: ParallelLayout) -> None:
     from megatron.core import parallel_state as ps
 
+    _reduce_replicated_tp_gradients(chunks, layout)
     for chunk in chunks:
         for param in chunk.parameters():
             if param.grad is None:
