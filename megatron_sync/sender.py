@@ -142,7 +142,8 @@ class WeightSender:
         header = BucketHeader(version, bucket.index, bucket.nbytes, crc)
         metrics.bytes += bucket.nbytes
         metrics.num_buckets += 1
-        return _InFlight(self.transport.send_bucket(header, bucket, data))
+        with PhaseTimer(metrics, "transfer"):  # issuing the (asynchronous) broadcasts
+            return _InFlight(self.transport.send_bucket(header, bucket, data))
 
     def _finish(self, in_flight: "_InFlight", metrics: SyncMetrics) -> None:
         wait_start = time.perf_counter()

@@ -101,3 +101,46 @@ def test_gathered_bytes_stay_within_budget_plus_largest_tensor(budget):
     if budget > source["largest"]:
         # A budget above one tensor is actually used: several tensors gathered per collective.
         assert source["peak"] > source["largest"]
+
+
+def _start_up_errors(rank, world_size):
+    """Worker: three bad set-ups of the weight stream; return each rank's error text."""
+    import dataclasses
+
+    from converters import get_converter
+    from megatron_sync.agreement import AgreedFailure
+    from megatron_sync.parallel import ParallelLayout
+    from megatron_sync.stream import MegatronWeightStream, check_model_complete
+    from megatron_sync.testing import models
+    from megatron_sync.testing.dist import init_megatron
+
+    init_megatron(tp=2)
+    spec = models.ModelSpec(family="qwen3")
+    chunks = models.build_model_chunks(spec)
+    layout = ParallelLayout.from_megatron()
+    errors = {}
+    wrong_family = get_converter("llama", models.hf_config(dataclasses.replace(spec, family="llama")))
+    wider = get_converter("qwen3", models.hf_config(dataclasses.replace(spec, hidden_size=96)))
+    for case, converter in (("unmapped", wrong_family), ("shape", wider)):
+        try:
+            MegatronWeightStream(chunks, layout, converter)
+        except AgreedFailure as e:
+            errors[case] = str(e)
+    skipping = get_converter("qwen3", models.hf_config(spec), skip=["decoder.final_layernorm.weight"])
+    stream = MegatronWeightStream(chunks, layout, skipping)
+    try:
+        if stream.is_source:
+            check_model_complete([stream.metadata()], skipping)
+    except ValueError as e:
+        errors["missing"] = str(e)
+    return errors
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+def test_bad_names_and_shapes_fail_on_every_rank_before_data_moves():
+    rank0, rank1 = run_distributed(_start_up_errors, 2, timeout=150)
+    for errors in (rank0, rank1):  # both ranks raise, naming the parameter and the fix
+        assert "self_attention.q_layernorm.weight" in errors["unmapped"] and "skip" in errors["unmapped"]
+        assert "hidden_size" in errors["shape"]
+    assert "model.norm.weight" in rank0["missing"]

@@ -90,8 +90,8 @@ class WeightReceiver:
             if error is not None:
                 continue
             try:
-                self._verify(version, bucket, header, data)
-                with PhaseTimer(metrics, "apply"):
+                with PhaseTimer(metrics, "apply"):  # checksum verification + staging this rank's slices
+                    self._verify(version, bucket, header, data)
                     self._stage(bucket, data, staging)
             except PeerFailureError:
                 raise

@@ -1,0 +1,83 @@
+"""Source walk on hand-built modules: global layer and expert indices in both expert namings."""
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from megatron_sync.parallel import ParallelLayout
+from megatron_sync.source import walk_model_chunks
+
+
+def _param(*shape, tp=False, dim=0, stride=1):
+    p = nn.Parameter(torch.zeros(*shape))
+    if tp:
+        p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, stride
+    return p
+
+
+def _layer(layer_number: int, grouped: bool, num_local: int) -> nn.Module:
+    layer = nn.Module()
+    layer.layer_number = layer_number
+    layer.mlp = nn.Module()
+    layer.mlp.router = nn.Module()
+    layer.mlp.router.weight = _param(4, 8)
+    layer.mlp.router.register_buffer("expert_bias", torch.zeros(4))
+    layer.mlp.experts = nn.Module()
+    if grouped:  # TEGroupedMLP: linear_fc1.weight{j}
+        for fc, shape in (("linear_fc1", (6, 8)), ("linear_fc2", (8, 3))):
+            module = nn.Module()
+            for j in range(num_local):
+                module.register_parameter(f"weight{j}", _param(*shape, tp=True, dim=0 if fc == "linear_fc1" else 1))
+            setattr(layer.mlp.experts, fc, module)
+    else:  # SequentialMLP: local_experts.{j}.linear_fc1.weight
+        layer.mlp.experts.local_experts = nn.ModuleList()
+        for _ in range(num_local):
+            expert = nn.Module()
+            expert.linear_fc1 = nn.Module()
+            expert.linear_fc1.weight = _param(6, 8, tp=True, dim=0, stride=2)
+            layer.mlp.experts.local_experts.append(expert)
+    return layer
+
+
+def _chunk(first_layer_number: int, grouped: bool) -> nn.Module:
+    chunk = nn.Module()
+    chunk.config = SimpleNamespace(num_moe_experts=4)
+    chunk.decoder = nn.Module()
+    chunk.decoder.layers = nn.ModuleList([_layer(first_layer_number, grouped, num_local=2)])
+    return chunk
+
+
+def test_grouped_experts_get_global_layer_and_expert_indices():
+    layout = ParallelLayout(ep=2, ep_rank=1, dp=2, dp_rank=1)
+    tensors = walk_model_chunks([_chunk(3, grouped=True)], layout, is_buffer=lambda n: n.endswith("expert_bias"))
+    names = {t.name: t for t in tensors}
+    assert set(names) == {
+        "decoder.layers.2.mlp.router.weight",
+        "decoder.layers.2.mlp.router.expert_bias",
+        "decoder.layers.2.mlp.experts.linear_fc1.weight2",
+        "decoder.layers.2.mlp.experts.linear_fc1.weight3",
+        "decoder.layers.2.mlp.experts.linear_fc2.weight2",
+        "decoder.layers.2.mlp.experts.linear_fc2.weight3",
+    }
+    fc2 = names["decoder.layers.2.mlp.experts.linear_fc2.weight3"]
+    assert (fc2.sharding.axis, fc2.sharding.dim) == ("etp", 1)
+    assert fc2.expert.template == "decoder.layers.2.mlp.experts.linear_fc2.weight{expert}"
+    assert names["decoder.layers.2.mlp.router.weight"].sharding.axis is None
+
+
+def test_sequential_experts_keep_stride_and_buffers_are_opt_in():
+    layout = ParallelLayout(ep=2, ep_rank=0, dp=2, dp_rank=0)
+    tensors = walk_model_chunks([_chunk(1, grouped=False)], layout)
+    names = {t.name: t for t in tensors}
+    assert "decoder.layers.0.mlp.router.expert_bias" not in names  # the converter did not ask for it
+    fc1 = names["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"]
+    assert (fc1.sharding.axis, fc1.sharding.dim, fc1.sharding.stride) == ("etp", 0, 2)
+    assert fc1.expert.local_index == 1
+
+
+def test_layer_eleven_is_not_layer_one():
+    layout = ParallelLayout()
+    [chunk] = [_chunk(12, grouped=False)]
+    names = [t.name for t in walk_model_chunks([chunk], layout)]
+    assert all(n.startswith("decoder.layers.11.") for n in names)
