@@ -15,7 +15,6 @@ import logging
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_sync.agreement import failing_together
 from megatron_sync.config import WeightSyncConfig

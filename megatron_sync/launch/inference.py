@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import io
-import logging
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-from megatron_sync.launch.job import JobConfig, job_arg_parser, load_job
+from megatron_sync.launch.job import JobConfig, job_arg_parser, run_under_torchrun
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.sync import InferenceWeightSync
 
@@ -106,15 +105,7 @@ def main(argv=None) -> int:
                         help="make one inference rank exit while it receives this version")
     faults.add_argument("--test-exit-rank", type=int, default=1, help="the inference rank that exits")
     args = parser.parse_args(argv)
-    job = load_job(args)
-    logging.basicConfig(level=logging.WARNING, format=f"[inference rank {os.environ.get('RANK', '?')}] %(message)s")
-    logging.getLogger("megatron_sync").setLevel(logging.INFO)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        return run(job, args)
-    finally:
-        dist.destroy_process_group()
+    return run_under_torchrun("inference", args, lambda job: run(job, args))
 
 
 if __name__ == "__main__":

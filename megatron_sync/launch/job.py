@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -143,3 +143,26 @@ def job_argv(args: argparse.Namespace) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
+
+
+def run_under_torchrun(role: str, args: argparse.Namespace, run: Callable[[JobConfig], int]) -> int:
+    """Set up one torchrun process of a job (rank-prefixed logs, gloo world) and return `run`'s code.
+
+    The environment (RANK, WORLD_SIZE, MASTER_*) is torchrun's; this is the
+    edge where it is read.
+    """
+    import logging
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    job = load_job(args)
+    logging.basicConfig(level=logging.WARNING, format=f"[{role} rank {os.environ.get('RANK', '?')}] %(message)s")
+    logging.getLogger("megatron_sync").setLevel(logging.INFO)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        return run(job)
+    finally:
+        dist.destroy_process_group()

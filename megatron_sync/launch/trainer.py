@@ -9,7 +9,6 @@ against the same `weight_sync.master_address:master_port`.
 from __future__ import annotations
 
 import io
-import logging
 import os
 import sys
 
@@ -17,13 +16,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_sync.callback import WeightSyncCallback
-from megatron_sync.launch.job import JobConfig, job_arg_parser, load_job
+from megatron_sync.launch.job import JobConfig, job_arg_parser, run_under_torchrun
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.metrics import format_table
 from megatron_sync.parallel import ParallelLayout
 from megatron_sync.sync import TrainerWeightSync
-
-log = logging.getLogger("megatron_sync.trainer")
 
 
 def build_trainer(job: JobConfig):
@@ -96,19 +93,18 @@ class Verifier:
 
 def run(job: JobConfig) -> int:
     """Train for `job.train.steps` optimizer updates, syncing per the config; return an exit code."""
-    from megatron_sync.testing.train import make_optimizer, train_step
+    from megatron_sync.testing.train import make_optimizer, train_step, wrap_in_ddp
 
     chunks, layout, converter = build_trainer(job)
-    sync = TrainerWeightSync(job.weight_sync, chunks, converter, layout)
+    model = wrap_in_ddp(chunks)  # what a Megatron job hands the library: DDP-wrapped chunks
+    sync = TrainerWeightSync(job.weight_sync, model, converter, layout)
     verifier = Verifier(job, sync, chunks)
-    callback = WeightSyncCallback(sync, chunks, every_n_steps=job.weight_sync.every_n_steps)
-    optimizer = make_optimizer(chunks, job.train.lr)
+    callback = WeightSyncCallback(sync, model, every_n_steps=job.weight_sync.every_n_steps)
+    optimizer = make_optimizer(model, job.train.lr)
     try:
         verifier.after_sync(1, sync.sync())  # version 1: the engines start from the trainer's weights
         for step in range(job.train.steps):
-            for chunk in chunks:
-                chunk.train()
-            loss = train_step(chunks, optimizer, batch(job, step, verifier.vocab_size), layout)
+            loss = train_step(model, optimizer, batch(job, step, verifier.vocab_size), layout)
             if sync.is_leader:
                 print(f"[trainer] step {step + 1}: loss {loss:.4f}", flush=True)
             metrics = callback.after_optimizer_step()
@@ -118,28 +114,16 @@ def run(job: JobConfig) -> int:
         sync.close()
     failures = [verifier.failures]
     dist.broadcast_object_list(failures, src=0)
-    if sync_is_rank0():
+    if dist.get_rank() == 0:
         print("\n" + format_table(verifier.rows), flush=True)
         print(f"\n[trainer] {sync.version} versions synced; "
               f"{'all checks passed' if not failures[0] else 'FAILED: ' + '; '.join(failures[0])}", flush=True)
     return 1 if failures[0] else 0
 
 
-def sync_is_rank0() -> bool:
-    return dist.get_rank() == 0
-
-
 def main(argv=None) -> int:
     args = job_arg_parser("megatron-sync trainer job (run under torchrun)").parse_args(argv)
-    job = load_job(args)
-    logging.basicConfig(level=logging.WARNING, format=f"[trainer rank {os.environ.get('RANK', '?')}] %(message)s")
-    logging.getLogger("megatron_sync").setLevel(logging.INFO)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        return run(job)
-    finally:
-        dist.destroy_process_group()
+    return run_under_torchrun("trainer", args, run)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,10 @@ and nothing else, so tiny models can be built and run on CPU with gloo:
 * ``tensor_parallel.mappings``' gather / reduce-scatter helpers allocate their output on
   ``torch.cuda.current_device()`` (the MoE allgather dispatcher uses them) -> run with
   that call answering "cpu".
+* ``_ParamAndGradBuffer.__init__`` (inside ``DistributedDataParallel``) allocates the
+  grad/param buffers on ``torch.cuda.current_device()`` -> allocated on CPU, so the real
+  DDP wrapper and ``finalize_model_grads`` run over gloo (Megatron's optimizer still
+  allocates on "cuda" and is not used on CPU).
 * ``moe_utils.te_general_gemm`` is referenced by the router GEMM but only defined when
   Transformer Engine imports -> set to ``None`` so the router uses ``torch.mm``.
 * ``multi_latent_attention.HAVE_TE`` is True without Transformer Engine (its TE names
@@ -66,6 +70,7 @@ def apply_cpu_shims() -> None:
     _patch_router_buffers()
     _patch_tied_embedding_setup()
     _patch_tp_collective_buffers()
+    _patch_ddp_buffers()
     _APPLIED = True
 
 
@@ -107,6 +112,13 @@ def _patch_tp_collective_buffers() -> None:
         "_reduce_scatter_along_last_dim",
     ):
         setattr(mappings, name, _run_on_cpu(getattr(mappings, name)))
+
+
+def _patch_ddp_buffers() -> None:
+    from megatron.core.distributed import param_and_grad_buffer
+
+    cls = param_and_grad_buffer._ParamAndGradBuffer
+    cls.__init__ = _run_on_cpu(cls.__init__)
 
 
 def _patch_tied_embedding_setup() -> None:
