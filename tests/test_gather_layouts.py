@@ -62,8 +62,8 @@ LAYOUTS = [
     pytest.param(4, dict(tp=2, ep=2), MOE, id="tp2-ep2"),
     pytest.param(4, dict(ep=2, etp=2), MOE, id="ep2-etp2"),
     pytest.param(2, dict(pp=2), DENSE + MOE, id="pp2"),
-    pytest.param(4, dict(pp=2, vpp=2), ("qwen3", "qwen3_moe"), id="pp2-vpp2"),
-    pytest.param(4, dict(tp=2), ("qwen3", "qwen3_moe"), id="tp2-dp2"),
+    pytest.param(4, dict(pp=2, vpp=2), DENSE + MOE, id="pp2-vpp2"),
+    pytest.param(4, dict(tp=2), DENSE + MOE, id="tp2-dp2"),
 ]
 
 
