@@ -102,21 +102,28 @@ class MegatronWeightStream:
         expected = iter(self._meta)
         self.phase_seconds = {"gather": 0.0, "convert": 0.0}
         gathered = self._gatherer.gather(units)
+        failure: Exception | None = None
         while True:
             start = time.perf_counter()
             item = next(gathered, None)
             self.phase_seconds["gather"] += time.perf_counter() - start
             if item is None:
-                return
+                break
             unit, full = item
-            if full is None:
+            if full is None or failure is not None:
+                continue  # after a local failure keep gathering: the stage's other ranks are in the collectives
+            try:
+                start = time.perf_counter()
+                converted = self.converter.convert(unit.name, full)
+                self.phase_seconds["convert"] += time.perf_counter() - start
+                for hf_name, tensor in converted:
+                    _check_against_plan(next(expected, None), hf_name, tensor, unit.name)
+            except Exception as exc:  # noqa: BLE001 — raised once the walk is complete
+                failure = exc
                 continue
-            start = time.perf_counter()
-            converted = self.converter.convert(unit.name, full)
-            self.phase_seconds["convert"] += time.perf_counter() - start
-            for hf_name, tensor in converted:
-                _check_against_plan(next(expected, None), hf_name, tensor, unit.name)
-                yield hf_name, tensor
+            yield from converted
+        if failure is not None:
+            raise failure
 
 
 def _check_against_plan(meta: TensorMeta | None, name: str, tensor: torch.Tensor, source: str) -> None:

@@ -144,3 +144,46 @@ def test_bad_names_and_shapes_fail_on_every_rank_before_data_moves():
         assert "self_attention.q_layernorm.weight" in errors["unmapped"] and "skip" in errors["unmapped"]
         assert "hidden_size" in errors["shape"]
     assert "model.norm.weight" in rank0["missing"]
+
+
+class _FailsOn:
+    """A converter that raises on one Megatron name (a stand-in for a bad value found mid-sync)."""
+
+    def __init__(self, converter, name):
+        self._converter, self._name = converter, name
+
+    def __getattr__(self, attr):
+        return getattr(self._converter, attr)
+
+    def convert(self, name, tensor):
+        if name == self._name:
+            raise ValueError(f"refusing to convert {name}")
+        return self._converter.convert(name, tensor)
+
+
+def _convert_fails_mid_stream(rank, world_size):
+    from converters import get_converter
+    from megatron_sync.parallel import ParallelLayout
+    from megatron_sync.stream import MegatronWeightStream
+    from megatron_sync.testing import models
+    from megatron_sync.testing.dist import init_megatron
+
+    init_megatron(tp=2)
+    spec = models.ModelSpec(family="qwen3")
+    chunks = models.build_model_chunks(spec)
+    converter = _FailsOn(get_converter("qwen3", models.hf_config(spec)), "decoder.layers.0.mlp.linear_fc1.weight")
+    stream = MegatronWeightStream(chunks, ParallelLayout.from_megatron(), converter, gather_budget_bytes=4096)
+    try:
+        count = sum(1 for _ in stream)
+    except ValueError as e:
+        return f"raised: {e}"
+    return f"walked: {count}"
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_conversion_error_mid_stream_still_finishes_the_collectives():
+    # Rank 1 only takes part in gathers; it must not be left waiting in one when rank 0 fails.
+    rank0, rank1 = run_distributed(_convert_fails_mid_stream, 2, timeout=90)
+    assert rank0 == "raised: refusing to convert decoder.layers.0.mlp.linear_fc1.weight"
+    assert rank1 == "walked: 0"
