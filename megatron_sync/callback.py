@@ -39,13 +39,29 @@ class WeightSyncCallback:
     returns with `update_successful`); it is collective when it syncs.
     """
 
-    def __init__(self, syncer: Syncer, chunks: list[torch.nn.Module], *, every_n_steps: int = 1):
+    def __init__(self, syncer: Syncer | None, chunks: list[torch.nn.Module], *, every_n_steps: int = 1):
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.syncer = syncer
         self.chunks = chunks
         self.every_n_steps = every_n_steps
         self.updates = 0
+
+    @classmethod
+    def from_config(cls, config: Any, chunks: list[torch.nn.Module], **sync_kwargs) -> "WeightSyncCallback":
+        """Return the callback a training config asks for (collective when sync is enabled).
+
+        With `enabled: false` nothing is connected and the callback only counts updates.
+        `sync_kwargs` go to `TrainerWeightSync` (converter or hf_config, layout, trainer_group).
+        """
+        from megatron_sync.sync import TrainerWeightSync, build_converter
+
+        syncer = None
+        if config.enabled:
+            hf_config = sync_kwargs.pop("hf_config", None)
+            converter = sync_kwargs.pop("converter", None) or build_converter(config, hf_config)
+            syncer = TrainerWeightSync(config, chunks, converter, **sync_kwargs)
+        return cls(syncer, chunks, every_n_steps=config.every_n_steps)
 
     def after_optimizer_step(self, update_successful: bool = True) -> Any:
         """Count one optimizer update and sync when it is the N-th; return metrics or None.
@@ -56,7 +72,7 @@ class WeightSyncCallback:
         if not update_successful:
             return None
         self.updates += 1
-        if self.updates % self.every_n_steps:
+        if self.syncer is None or self.updates % self.every_n_steps:
             return None
         ensure_params_gathered(self.chunks)
         return self.syncer.sync()

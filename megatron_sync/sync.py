@@ -18,6 +18,7 @@ import torch
 
 from megatron_sync.agreement import failing_together
 from megatron_sync.config import WeightSyncConfig
+from megatron_sync.meta import dtype_from_name
 from megatron_sync.metrics import SyncMetrics
 from megatron_sync.parallel import ParallelLayout
 from megatron_sync.receiver.engine import EngineAdapter
@@ -29,6 +30,25 @@ from megatron_sync.transport.broadcast import BroadcastTransport
 
 log = logging.getLogger("megatron_sync")
 MiB = 2**20
+
+
+def build_converter(config: WeightSyncConfig, hf_config: Any = None) -> Any:
+    """Return the converter for `config.family` and `config.dtype`.
+
+    The HF config is `hf_config` when given (a transformers config or a dict),
+    else the JSON file at `config.hf_config_path`.
+    """
+    from converters import get_converter
+
+    if hf_config is None:
+        if config.hf_config_path is None:
+            raise ValueError(
+                "no HF config for the inference model: set weight_sync.hf_config_path to its config.json "
+                "or pass hf_config= (the shapes every converted tensor is checked against)"
+            )
+        with open(config.hf_config_path) as f:
+            hf_config = json.load(f)
+    return get_converter(config.family, hf_config, dtype=dtype_from_name(config.dtype))
 
 
 def _transport(config: WeightSyncConfig, num_stages: int, rank: int) -> BroadcastTransport:
@@ -54,11 +74,14 @@ class TrainerWeightSync:
         self,
         config: WeightSyncConfig,
         chunks: list[torch.nn.Module],
-        converter: Any,
+        converter: Any = None,
         layout: Optional[ParallelLayout] = None,
         *,
         trainer_group: Any = None,
     ):
+        if not config.enabled:
+            raise ValueError("weight_sync.enabled is false; build no TrainerWeightSync (WeightSyncCallback.from_config skips it)")
+        converter = converter if converter is not None else build_converter(config)
         self.config = config
         self.layout = layout or ParallelLayout.from_megatron()
         self.trainer_group = trainer_group

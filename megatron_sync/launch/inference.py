@@ -24,7 +24,7 @@ def engine_groups(world_size: int, tp: int):
     mine = None
     for first in range(0, world_size, tp):
         ranks = list(range(first, first + tp))
-        group = dist.new_group(ranks) if tp > 1 else None
+        group = dist.new_group(ranks)  # also for tp=1: the engine's step agreement is per engine
         if dist.get_rank() in ranks:
             mine = group
     return mine
@@ -50,6 +50,7 @@ class _DiesMidSync:
 
 def run(job: JobConfig, fault: argparse.Namespace) -> int:
     from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.serving import GenerationServer
     from megatron_sync.testing.models import hf_config
 
     ws = job.weight_sync
@@ -67,7 +68,12 @@ def run(job: JobConfig, fault: argparse.Namespace) -> int:
     )
     if fault.test_exit_during_version and rank == fault.test_exit_rank:
         engine = _DiesMidSync(engine, fault.test_exit_during_version)
-    isync = InferenceWeightSync(ws, engine, num_trainer_stages=job.trainer.pp, inference_rank=rank, engine_group=group)
+    # Commits go through the generation server, so a version switches only at a step boundary
+    # agreed by the engine's ranks, with weight_sync.inflight_policy for requests in flight.
+    server = GenerationServer(engine, engine_group=group, inflight_policy=ws.inflight_policy,
+                              commit_timeout_s=ws.timeout_s)
+    isync = InferenceWeightSync(ws, engine, num_trainer_stages=job.trainer.pp, inference_rank=rank,
+                                engine_group=group, commit=server.commit)
 
     def verify(message: dict) -> None:
         version = message["version"]

@@ -93,6 +93,11 @@ class JobConfig:
         sync_values = dict(doc.get("weight_sync") or {})
         sync_values.setdefault("family", doc["model"]["family"])
         sync_values.update(overrides or {})
+        if sync_values["family"] != doc["model"]["family"]:
+            raise ValueError(
+                f"{path}: weight_sync.family={sync_values['family']!r} but the model is "
+                f"{doc['model']['family']!r}; drop weight_sync.family or make them agree"
+            )
         return cls(
             model=dict(doc["model"]),
             trainer=_section(TrainerLayout, doc, "trainer", path),

@@ -17,15 +17,13 @@ import torch.distributed as dist
 
 from megatron_sync.callback import WeightSyncCallback
 from megatron_sync.launch.job import JobConfig, job_arg_parser, run_under_torchrun
-from megatron_sync.meta import dtype_from_name
 from megatron_sync.metrics import format_table
 from megatron_sync.parallel import ParallelLayout
-from megatron_sync.sync import TrainerWeightSync
+from megatron_sync.sync import TrainerWeightSync, build_converter
 
 
 def build_trainer(job: JobConfig):
     """Return (chunks, layout, converter) for this rank: a seeded tiny model under the job's layout."""
-    from converters import get_converter
     from megatron_sync.testing import models
     from megatron_sync.testing.dist import init_megatron
 
@@ -34,8 +32,7 @@ def build_trainer(job: JobConfig):
     spec = job.model_spec()
     chunks = models.build_model_chunks(spec, vpp=t.vpp)
     models.load_reference_weights(chunks, models.reference_weights(spec, seed=job.train.seed), spec)
-    converter = get_converter(spec.family, models.hf_config(spec), dtype=dtype_from_name(job.weight_sync.dtype))
-    return chunks, ParallelLayout.from_megatron(), converter
+    return chunks, ParallelLayout.from_megatron(), build_converter(job.weight_sync, models.hf_config(spec))
 
 
 def batch(job: JobConfig, step: int, vocab_size: int) -> torch.Tensor:
