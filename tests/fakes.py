@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 import zlib
 from typing import Any, Callable, Iterator, Optional
@@ -14,6 +13,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.multiprocessing as mp
 
+from megatron_sync.testing.dist import free_port  # noqa: F401 — re-exported for the tests
 from megatron_sync.meta import TensorMeta
 
 bf16, f32, i64 = torch.bfloat16, torch.float32, torch.int64
@@ -81,11 +81,13 @@ def shard_rule(full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
 
 
 class FakeEngine:
-    """EngineAdapter sharding by `shard_rule`; optionally dies (os._exit) after N shard_of calls."""
+    """EngineAdapter sharding by `shard_rule`; optionally dies (os._exit) after N shard_of calls
+    or fails its load of one version."""
 
     def __init__(self, expected: list[TensorMeta], tp_rank: int, tp_size: int,
-                 *, die_after_shards: Optional[int] = None) -> None:
+                 *, die_after_shards: Optional[int] = None, fail_load_at: Optional[int] = None) -> None:
         self._expected, self.tp_rank, self.tp_size = expected, tp_rank, tp_size
+        self._fail_load_at = fail_load_at
         self._version = 0
         self.weights: dict[str, torch.Tensor] = {}
         self._die_after = die_after_shards
@@ -102,19 +104,18 @@ class FakeEngine:
 
     def load_shards(self, shards: dict[str, torch.Tensor], version: int) -> None:
         assert set(shards) == {m.name for m in self._expected}
+        if version == self._fail_load_at:
+            raise RuntimeError(f"fake load failure at version {version}")
         self.weights = dict(shards)
         self._version = version
+
+    def state_shards(self) -> dict[str, torch.Tensor]:
+        return {name: t.clone() for name, t in self.weights.items()}
 
     @property
     def version(self) -> int:
         return self._version
 
-
-def free_port() -> int:
-    """Return a TCP port that was free a moment ago (bind port 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(fn: Callable, rank: int, args: tuple, results: Any) -> None:

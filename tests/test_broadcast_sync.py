@@ -77,7 +77,8 @@ def _run_sender(rank: int, transport, bucket: int, sc: dict) -> list:
 
 def _run_receiver(rank: int, transport, bucket: int, sc: dict) -> list:
     die = sc.get("die", {})
-    engine = FakeEngine(ALL_METAS, rank - P, TP, die_after_shards=die.get(rank))
+    engine = FakeEngine(ALL_METAS, rank - P, TP, die_after_shards=die.get(rank),
+                        fail_load_at=sc.get("fail_load", {}).get(rank))
     receiver = WeightReceiver(engine, transport, bucket_size_bytes=bucket)
     log = []
     for v in sc["versions"]:
@@ -156,3 +157,17 @@ def test_nccl_two_syncs_deliver_exact_shards():
         status, log = out[rank]
         assert status == "ok", log
         assert [entry[:4] for entry in log] == [(1, "ok", 1, True), (2, "ok", 2, True)]
+
+
+def test_a_load_failing_on_one_rank_rolls_the_other_ranks_back():
+    # Rank 3's load of version 2 fails after every rank agreed the buckets were intact; rank 2 has
+    # loaded it by then and must go back, so the engine never serves a mix of versions 1 and 2.
+    out = _run({"versions": [1, 2, 3], "fail_load": {3: 2}})
+    for rank in range(P + N):
+        status, log = out[rank]
+        assert status == "ok", (rank, log)
+        assert [entry[1] for entry in log] == ["ok", "SyncAbortedError", "ok"], (rank, log)
+    for rank in range(P, P + N):
+        versions_held = [entry[2:4] for entry in out[rank][1]]
+        assert versions_held == [(1, True), (1, True), (3, True)], (rank, versions_held)
+        assert "fake load failure at version 2" in out[rank][1][1][4]

@@ -14,20 +14,16 @@ these seeds.
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
-import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_sync.engines.reference import FAMILIES, ReferenceEngine, full_state_from_hf_model
 from megatron_sync.engines.tp_layers import Split, split_kv_heads
 from megatron_sync.receiver.engine import EngineAdapter
+from megatron_sync.testing.dist import run_distributed
 
 TP = 2
 VOCAB = 250
@@ -77,55 +73,7 @@ def _tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
 
 
-# ---- multi-process harness ----
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_entry(fn, rank, world_size, port, errors, args):
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        fn(rank, world_size, *args)
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put(f"[rank {rank}] " + traceback.format_exc())
-        raise
-
-
-def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> None:
-    """Run fn(rank, world_size, *args) on `world_size` spawned gloo ranks; raise remote tracebacks."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, errors, args), daemon=True)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-        p.join()
-    remote = []
-    while not errors.empty():
-        remote.append(errors.get())
-    if remote:
-        raise RuntimeError("rank failure:\n" + "\n".join(remote))
-    if hung:
-        raise TimeoutError(f"ranks {[procs.index(p) for p in hung]} still running after {timeout}s; killed")
-    bad = {i: p.exitcode for i, p in enumerate(procs) if p.exitcode != 0}
-    assert not bad, f"ranks exited with codes {bad}"
+# ---- multi-process runs (megatron_sync.testing.dist.run_distributed) ----
 
 
 def _fleet_rank(rank, world_size, cases, out_dir):
@@ -177,7 +125,7 @@ def fleet_results(references, tmp_path_factory):
     """Per rank (4 ranks: two TP=2 engines, then one TP=4 engine), what `_fleet_rank` saved."""
     out_dir = str(tmp_path_factory.mktemp("fleet"))
     cases = {f: (r["full"], r["tokens"]) for f, r in references.items()}
-    run_ranks(_fleet_rank, 2 * TP, cases, out_dir, timeout=240)
+    run_distributed(_fleet_rank, 2 * TP, cases, out_dir, timeout=240)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2 * TP)]
 
 

@@ -35,14 +35,20 @@ class WeightReceiver:
     engine rank in the transport group, so it is unused there.
     `commit(staged_shards, version)` makes an agreed version live; it defaults
     to `engine.load_shards` (a serving loop passes its own, which applies the
-    version at a generation step boundary).
+    version at a generation step boundary). With `rollback` (default) and an
+    engine that has `state_shards()`, the live shards are copied before each
+    load; if the load then fails on another rank, this rank loads the copy
+    back, so no engine is left holding a mix of versions (the price is one
+    extra copy of this rank's shards during the load).
     """
 
     def __init__(self, engine: EngineAdapter, transport: Transport, engine_group: Any = None, *,
                  bucket_size_bytes: int, keep_together: KeepTogether = DEFAULT_KEEP_TOGETHER,
                  metrics_path: Optional[str] = None,
-                 commit: Optional[Callable[[dict[str, torch.Tensor], int], None]] = None) -> None:
+                 commit: Optional[Callable[[dict[str, torch.Tensor], int], None]] = None,
+                 rollback: bool = True) -> None:
         self.engine, self.transport, self.engine_group = engine, transport, engine_group
+        self.rollback = rollback
         self.commit = commit if commit is not None else engine.load_shards
         self.metrics_path = metrics_path
         self.history: list[SyncMetrics] = []
@@ -62,10 +68,13 @@ class WeightReceiver:
                     failures = self.transport.agree(error)
                 if failures:
                     raise SyncAbortedError(version, failures)
+                old_version, snapshot = self.engine.version, self._snapshot()
                 load_error = self._load(staging, version, metrics)
                 with PhaseTimer(metrics, "commit"):
                     failures = self.transport.agree(load_error)
                 if failures:
+                    if load_error is None:  # this rank loaded it, another did not: go back
+                        self._roll_back(snapshot, old_version, failures)
                     raise SyncAbortedError(version, failures)
             finally:
                 staging.clear()  # on failure: drop the new version; the engine keeps the old one
@@ -119,11 +128,28 @@ class WeightReceiver:
             # clone: the receive buffer is reused by the next bucket
             staging[name] = self.engine.shard_of(name, full).clone(memory_format=torch.contiguous_format)
 
+    def _snapshot(self) -> Optional[dict[str, torch.Tensor]]:
+        """Copy the live shards before a load, so a load that fails elsewhere can be undone here."""
+        if not self.rollback or not hasattr(self.engine, "state_shards"):
+            return None
+        return self.engine.state_shards() or None
+
+    def _roll_back(self, snapshot: Optional[dict[str, torch.Tensor]], old_version: int,
+                   failures: list[tuple[int, str]]) -> None:
+        if snapshot is None:
+            failures.append((self.transport.rank, "loaded the new version and has no snapshot to roll back to; "
+                             "this engine rank now differs from ranks that failed to load"))
+            return
+        try:
+            self.commit(snapshot, old_version)
+        except Exception as e:
+            failures.append((self.transport.rank, f"rolling back to version {old_version} failed: {e}"))
+
     def _load(self, staging: dict[str, torch.Tensor], version: int, metrics: SyncMetrics) -> Optional[str]:
         try:
             with PhaseTimer(metrics, "apply"):
                 self.commit(staging, version)
         except Exception as e:
-            return (f"commit failed: {type(e).__name__}: {e} (this engine rank may hold "
-                    "a partial load; engines that succeeded hold the new version)")
+            return (f"commit failed: {type(e).__name__}: {e} (ranks that loaded the new version "
+                    "roll back to the previous one)")
         return None
