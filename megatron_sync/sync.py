@@ -137,13 +137,20 @@ class TrainerWeightSync:
         ]
 
     def close(self) -> None:
-        """Tell the engines to stop (leader) and release the transport group."""
+        """Tell the engines to stop (leader) and release the transport group.
+
+        The leader hosts the rendezvous store, so it waits (up to `timeout_s`)
+        until every engine rank has read "stop" before the store goes away.
+        """
         if self.transport is not None:
             if self.is_leader:
                 try:
                     self.post_control({"op": "stop"})
+                    group = self.transport.group
+                    for rank in range(self.layout.pp, group.world_size):
+                        group.fetch(f"stopped/{rank}")
                 except Exception:  # noqa: BLE001 — closing after a failure must not mask it
-                    log.warning("could not tell the engines to stop", exc_info=True)
+                    log.warning("the engines did not all acknowledge 'stop'", exc_info=True)
             self.transport.close()
             self.transport = None
 
@@ -202,6 +209,7 @@ class InferenceWeightSync:
             message = self.next_control()
             op = message["op"]
             if op == "stop":
+                self.transport.group.post(f"stopped/{self.transport.rank}", b"1")
                 return
             if op == "sync":
                 self.apply(message["version"])

@@ -156,6 +156,7 @@ def run_under_torchrun(role: str, args: argparse.Namespace, run: Callable[[JobCo
     The environment (RANK, WORLD_SIZE, MASTER_*) is torchrun's; this is the
     edge where it is read.
     """
+    import datetime
     import logging
     import os
 
@@ -166,7 +167,10 @@ def run_under_torchrun(role: str, args: argparse.Namespace, run: Callable[[JobCo
     logging.basicConfig(level=logging.WARNING, format=f"[{role} rank {os.environ.get('RANK', '?')}] %(message)s")
     logging.getLogger("megatron_sync").setLevel(logging.INFO)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    # The job's own collectives (Megatron's, the trainer's agreement rounds) wait at most a few
+    # weight-sync timeouts rather than torch's default 30 minutes, so a dead rank ends the job.
+    timeout = datetime.timedelta(seconds=max(120.0, 4 * job.weight_sync.timeout_s))
+    dist.init_process_group("gloo", timeout=timeout)
     try:
         return run(job)
     finally:

@@ -9,6 +9,7 @@ against the same `weight_sync.master_address:master_port`.
 from __future__ import annotations
 
 import io
+import math
 import os
 import sys
 
@@ -28,7 +29,8 @@ def build_trainer(job: JobConfig):
     from megatron_sync.testing.dist import init_megatron
 
     t = job.trainer
-    init_megatron(tp=t.tp, pp=t.pp, vpp=t.vpp, ep=t.ep, etp=t.etp, seed=job.train.seed)
+    minutes = max(2, math.ceil(4 * job.weight_sync.timeout_s / 60))  # Megatron's groups: bounded too
+    init_megatron(tp=t.tp, pp=t.pp, vpp=t.vpp, ep=t.ep, etp=t.etp, seed=job.train.seed, timeout_minutes=minutes)
     spec = job.model_spec()
     chunks = models.build_model_chunks(spec, vpp=t.vpp)
     models.load_reference_weights(chunks, models.reference_weights(spec, seed=job.train.seed), spec)

@@ -148,6 +148,7 @@ def init_megatron(
     ep: int = 1,
     etp: int | None = None,
     seed: int = 1234,
+    timeout_minutes: int = 30,
 ) -> None:
     """Initialize Megatron's parallel_state, the CPU shims and all seeds inside a gloo worker."""
     import torch
@@ -162,6 +163,7 @@ def init_megatron(
         virtual_pipeline_model_parallel_size=vpp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        distributed_timeout_minutes=timeout_minutes,
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
