@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import signal
 import sys
 
 import torch
@@ -28,6 +29,14 @@ def engine_groups(world_size: int, tp: int):
         if dist.get_rank() in ranks:
             mine = group
     return mine
+
+
+class _Terminated(BaseException):
+    """SIGTERM from torchrun (another rank of this job died)."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
 
 
 class _DiesMidSync:
@@ -90,10 +99,14 @@ def run(job: JobConfig, fault: argparse.Namespace) -> int:
             torch.save({"version": engine.version, "shards": engine.state_shards()},
                        os.path.join(folder, f"engine{engine_index}_rank{tp_rank}.pt"))
 
+    # torchrun stops the other ranks of a job with SIGTERM when one rank dies; turn that into an
+    # exception so a surviving rank still reports (and, for tests, dumps) the version it holds.
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         isync.serve({"verify": verify})
-    except Exception:
-        print(f"[inference rank {rank}] sync failed; the engine stays on version {engine.version}", flush=True)
+    except (Exception, _Terminated) as e:
+        print(f"[inference rank {rank}] sync failed ({type(e).__name__}); the engine stays on version "
+              f"{engine.version}", flush=True)
         if job.verify.dump_dir:
             torch.save({"version": engine.version, "shards": engine.state_shards()},
                        os.path.join(job.verify.dump_dir, f"survivor_engine{engine_index}_rank{tp_rank}.pt"))
