@@ -113,3 +113,18 @@ def routed_expert_hf(num_experts_key: str) -> tuple[HFTensor, ...]:
         HFTensor(_X + "up_proj.weight", ("moe_intermediate_size", "hidden_size"), layers="moe"),
         HFTensor(_X + "down_proj.weight", ("hidden_size", "moe_intermediate_size"), layers="moe"),
     )
+
+
+def reject_unmapped_flags(*keys: str):
+    """Return a config validator raising ConfigError when any of `keys` is true (no rows map it)."""
+    from converters.errors import ConfigError
+
+    def validate(cfg) -> None:
+        for key in keys:
+            if cfg.get(key):
+                raise ConfigError(
+                    f"family {cfg.family!r} has no rules for {key}=true (biases on the projections); "
+                    f"add Rules for those tensors or use a config with {key}=false"
+                )
+
+    return validate

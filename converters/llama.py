@@ -6,19 +6,8 @@ from converters.base import Family
 from converters.common import (
     DENSE_MLP_HF, DENSE_MLP_RULES, EMBEDDING_HF, EMBEDDING_RULES, GQA_HF, GQA_RULES,
     INPUT_NORM_RULES, NORM_HF, POST_ATTENTION_NORM_RULES, QKV_BIAS_HF, QKV_BIAS_RULES,
-    TIED_OUTPUT_SKIP,
+    TIED_OUTPUT_SKIP, reject_unmapped_flags,
 )
-from converters.errors import ConfigError
-from converters.hf_config import HFConfig
-
-
-def _reject_llama_biases(cfg: HFConfig) -> None:
-    for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key):
-            raise ConfigError(
-                f"family 'llama' has no rules for {key}=true (biases on the projections); "
-                f"add Rules for the bias tensors or use a config with {key}=false"
-            )
 
 
 LLAMA = Family(
@@ -27,7 +16,7 @@ LLAMA = Family(
     + DENSE_MLP_RULES,
     hf_tensors=EMBEDDING_HF + NORM_HF + GQA_HF + DENSE_MLP_HF,
     skip=TIED_OUTPUT_SKIP,
-    validate_config=_reject_llama_biases,
+    validate_config=reject_unmapped_flags("attention_bias", "mlp_bias"),
 )
 
 QWEN2 = Family(

@@ -6,19 +6,11 @@ from converters.base import Family
 from converters.common import (
     DENSE_MLP_HF, DENSE_MLP_RULES, EMBEDDING_HF, EMBEDDING_RULES, GQA_HF, GQA_RULES,
     INPUT_NORM_RULES, NORM_HF, POST_ATTENTION_NORM_RULES, QK_NORM_HF, QK_NORM_RULES,
-    TIED_OUTPUT_SKIP,
+    TIED_OUTPUT_SKIP, reject_unmapped_flags,
 )
-from converters.errors import ConfigError
-from converters.hf_config import HFConfig
 
 
-def reject_attention_bias(cfg: HFConfig) -> None:
-    """Raise ConfigError when the config asks for projection biases, which Qwen3 tables do not map."""
-    if cfg.get("attention_bias"):
-        raise ConfigError(
-            f"family {cfg.family!r} has no rules for attention_bias=true; add Rules for "
-            f"self_attention.linear_qkv.bias / linear_proj.bias or set attention_bias=false"
-        )
+reject_attention_bias = reject_unmapped_flags("attention_bias")
 
 
 QWEN3 = Family(
