@@ -20,11 +20,11 @@ from megatron_sync.callback import WeightSyncCallback
 from megatron_sync.launch.job import JobConfig, job_arg_parser, run_under_torchrun
 from megatron_sync.metrics import format_table
 from megatron_sync.parallel import ParallelLayout
-from megatron_sync.sync import TrainerWeightSync, build_converter
+from megatron_sync.sync import TrainerWeightSync
 
 
 def build_trainer(job: JobConfig):
-    """Return (chunks, layout, converter) for this rank: a seeded tiny model under the job's layout."""
+    """Return (chunks, layout, HF config) for this rank: a seeded tiny model under the job's layout."""
     from megatron_sync.testing import models
     from megatron_sync.testing.dist import init_megatron
 
@@ -34,7 +34,7 @@ def build_trainer(job: JobConfig):
     spec = job.model_spec()
     chunks = models.build_model_chunks(spec, vpp=t.vpp)
     models.load_reference_weights(chunks, models.reference_weights(spec, seed=job.train.seed), spec)
-    return chunks, ParallelLayout.from_megatron(), build_converter(job.weight_sync, models.hf_config(spec))
+    return chunks, ParallelLayout.from_megatron(), models.hf_config(spec)
 
 
 def batch(job: JobConfig, step: int, vocab_size: int) -> torch.Tensor:
@@ -94,11 +94,13 @@ def run(job: JobConfig) -> int:
     """Train for `job.train.steps` optimizer updates, syncing per the config; return an exit code."""
     from megatron_sync.testing.train import make_optimizer, train_step, wrap_in_ddp
 
-    chunks, layout, converter = build_trainer(job)
+    if not job.weight_sync.enabled:
+        raise ValueError("this job checks every sync against the engines; set weight_sync.enabled: true")
+    chunks, layout, hf_config = build_trainer(job)
     model = wrap_in_ddp(chunks)  # what a Megatron job hands the library: DDP-wrapped chunks
-    sync = TrainerWeightSync(job.weight_sync, model, converter, layout)
+    callback = WeightSyncCallback.from_config(job.weight_sync, model, hf_config=hf_config, layout=layout)
+    sync = callback.syncer
     verifier = Verifier(job, sync, chunks)
-    callback = WeightSyncCallback(sync, model, every_n_steps=job.weight_sync.every_n_steps)
     optimizer = make_optimizer(model, job.train.lr)
     try:
         verifier.after_sync(1, sync.sync())  # version 1: the engines start from the trainer's weights
