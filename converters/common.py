@@ -94,8 +94,7 @@ DENSE_MLP_HF = (
 # -- routed experts and router -----------------------------------------------------------------
 
 _X = H + "mlp.experts.{expert}."
-ROUTED_EXPERT_RULES = (
-    Rule(L + "mlp.router.weight", H + "mlp.gate.weight"),  # fp32 in Megatron; sent in target dtype
+EXPERT_RULES = (
     Rule(L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
          (_X + "gate_proj.weight", _X + "up_proj.weight"), gate_up),  # SequentialMLP
     Rule(L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", _X + "down_proj.weight"),
@@ -103,6 +102,8 @@ ROUTED_EXPERT_RULES = (
          (_X + "gate_proj.weight", _X + "up_proj.weight"), gate_up),  # TEGroupedMLP
     Rule(L + "mlp.experts.linear_fc2.weight{expert}", _X + "down_proj.weight"),
 )
+# The router is fp32 in Megatron; Qwen3-MoE checkpoints hold it in the model dtype.
+ROUTED_EXPERT_RULES = (Rule(L + "mlp.router.weight", H + "mlp.gate.weight"),) + EXPERT_RULES
 
 
 def routed_expert_hf(num_experts_key: str) -> tuple[HFTensor, ...]:

@@ -14,7 +14,7 @@ import torch
 from converters.base import Family, HFTensor, Rule
 from converters.common import (
     DENSE_MLP_HF, DENSE_MLP_RULES, EMBEDDING_HF, EMBEDDING_RULES, H, L, NORM_HF,
-    POST_ATTENTION_NORM_RULES, ROUTED_EXPERT_RULES, TIED_OUTPUT_SKIP, routed_expert_hf,
+    POST_ATTENTION_NORM_RULES, EXPERT_RULES, TIED_OUTPUT_SKIP, routed_expert_hf,
 )
 from converters.errors import ConfigError
 from converters.hf_config import HFConfig
@@ -78,6 +78,9 @@ MLA_HF = (
     HFTensor(_A + "o_proj.weight", ("hidden_size", "num_attention_heads*v_head_dim")),
 )
 
+# DeepSeek-V3 routes in fp32: the gate and its score-correction bias stay float32 whatever the
+# model dtype (transformers keeps them fp32; a bf16 gate flips near-tie top-k choices).
+FP32_ROUTER_RULES = (Rule(L + "mlp.router.weight", H + "mlp.gate.weight", dtype=torch.float32),)
 ROUTER_BIAS = L + "mlp.router.expert_bias"
 MOE_EXTRA_RULES = (
     Rule(ROUTER_BIAS, H + "mlp.gate.e_score_correction_bias", dtype=torch.float32),
@@ -96,7 +99,7 @@ MOE_EXTRA_HF = (
 DEEPSEEK_V3 = Family(
     name="deepseek_v3",
     rules=EMBEDDING_RULES + MLA_RULES + POST_ATTENTION_NORM_RULES + DENSE_MLP_RULES
-    + ROUTED_EXPERT_RULES + MOE_EXTRA_RULES,
+    + FP32_ROUTER_RULES + EXPERT_RULES + MOE_EXTRA_RULES,
     hf_tensors=EMBEDDING_HF + NORM_HF + MLA_HF + DENSE_MLP_HF + routed_expert_hf("n_routed_experts")
     + MOE_EXTRA_HF,
     skip=TIED_OUTPUT_SKIP,

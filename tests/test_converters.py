@@ -220,17 +220,22 @@ def test_expected_layout_equals_what_transformers_saves(key, tmp_path):
 
 def test_target_dtype_and_float32_router_bias():
     conv = get_converter("deepseek_v3", CONFIGS["deepseek_v3"])  # bfloat16 default
-    router = torch.arange(3 * 8, dtype=torch.float32).reshape(3, 8)
+    router = torch.arange(3 * 8, dtype=torch.float32).reshape(3, 8) / 7
+    # DeepSeek-V3 routes in fp32 (transformers keeps the gate fp32): the gate is not rounded to bf16.
     [(name, gate)] = conv.convert("decoder.layers.1.mlp.router.weight", router)
-    assert name == "model.layers.1.mlp.gate.weight" and gate.dtype == torch.bfloat16
-    assert torch.equal(gate, router.to(torch.bfloat16))
+    assert name == "model.layers.1.mlp.gate.weight" and gate.dtype == torch.float32
+    assert torch.equal(gate, router)
+    # Qwen3-MoE checkpoints hold the gate in the model dtype.
+    qwen = get_converter("qwen3_moe", CONFIGS["qwen3_moe"])
+    [(_, qwen_gate)] = qwen.convert("decoder.layers.1.mlp.router.weight", router)
+    assert qwen_gate.dtype == torch.bfloat16 and torch.equal(qwen_gate, router.to(torch.bfloat16))
     bias = torch.arange(3, dtype=torch.float32) / 7
     [(name, out)] = conv.convert("decoder.layers.2.mlp.router.expert_bias", bias)
     assert name == "model.layers.2.mlp.gate.e_score_correction_bias"
     assert out.dtype == torch.float32 and torch.equal(out, bias)
     expected = conv.expected_hf_tensors()
     assert expected["model.layers.2.mlp.gate.e_score_correction_bias"][1] == torch.float32
-    assert expected["model.layers.2.mlp.gate.weight"][1] == torch.bfloat16
+    assert expected["model.layers.2.mlp.gate.weight"][1] == torch.float32
     assert conv.is_buffer("decoder.layers.2.mlp.router.expert_bias")
     assert not conv.is_buffer("decoder.layers.2.mlp.router.weight")
     assert conv.buffer_patterns == ("decoder.layers.{layer}.mlp.router.expert_bias",)

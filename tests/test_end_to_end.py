@@ -44,11 +44,12 @@ def _run_demo(path: str, *extra: str, time_limit: int = 240) -> subprocess.Compl
 
 def _engine_slicer(job: dict, tp_rank: int):
     from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.meta import dtype_from_name
     from megatron_sync.testing.models import ModelSpec, hf_config
 
     ws = job["weight_sync"]
     return ReferenceEngine(hf_config(ModelSpec(**job["model"])), tp_rank=tp_rank, tp_size=ws["engine_tp_size"],
-                           group=None, dtype=torch.float32)
+                           group=None, dtype=dtype_from_name(ws.get("dtype", "bfloat16")))
 
 
 def _sent(folder: str) -> dict[str, torch.Tensor]:
@@ -65,6 +66,7 @@ CASES = [
     pytest.param("e2e_qwen3_tp2_to_2x_tp1.yaml", id="qwen3-tp2-to-2-engines-tp1"),
     pytest.param("e2e_qwen3_moe_pp2_vpp2.yaml", id="qwen3_moe-pp2-vpp2-to-engine-tp2"),
     pytest.param("e2e_deepseek_v3_ep2.yaml", id="deepseek_v3-ep2-to-engine-tp2"),
+    pytest.param("e2e_deepseek_v3_ep2_bf16.yaml", id="deepseek_v3-ep2-to-engine-tp2-bf16-mixed-dtype-buckets"),
 ]
 
 
@@ -76,6 +78,10 @@ def test_every_sync_lands_exactly_on_every_engine_rank(tmp_path, config):
     done = _run_demo(path)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "all checks passed" in done.stdout
+
+    if job["weight_sync"].get("dtype") == "bfloat16":
+        sent = _sent(str(tmp_path / "dumps" / "v1"))
+        assert {t.dtype for t in sent.values()} == {torch.bfloat16, torch.float32}  # fp32 router parts
 
     ws = job["weight_sync"]
     versions = job["train"].get("steps", 3) + 1  # version 1 before training, then one per step
