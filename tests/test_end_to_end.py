@@ -130,3 +130,21 @@ def test_engine_rank_dying_mid_sync_fails_the_trainer_and_leaves_survivors_on_th
     assert set(survivor["shards"]) == set(before["shards"])
     for name, shard in survivor["shards"].items():
         assert torch.equal(shard, before["shards"][name]), name
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("policy", ["abort", "keep"])
+def test_generation_in_flight_records_the_versions_it_used(tmp_path, policy):
+    # The engines take each new version in mid-generation (after 4 tokens); the trainer checks every
+    # response's weight_versions / kv_versions spans for the policy and fails the job otherwise.
+    # (recompute runs in the demo case above.)
+    path, _ = _write_job(tmp_path, "e2e_qwen3_moe_ep2_rollout.yaml")
+    done = _run_demo(path, "--weight-sync-inflight-policy", policy)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    reports = [line for line in done.stdout.splitlines() if "rollout started on version" in line]
+    assert len(reports) == 4 and all(line.endswith("(ok)") for line in reports), reports
+    if policy == "abort":
+        assert all("weight_versions [(1, 0, 5)]" in r or "weight_versions [(2, 0, 5)]" in r for r in reports)
+    else:
+        assert "kv_versions [(1, 0, 10), (2, 10, 21)]" in reports[0]

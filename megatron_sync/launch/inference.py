@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import signal
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -102,8 +104,30 @@ def run(job: JobConfig, fault: argparse.Namespace) -> int:
     # torchrun stops the other ranks of a job with SIGTERM when one rank dies; turn that into an
     # exception so a surviving rank still reports (and, for tests, dumps) the version it holds.
     signal.signal(signal.SIGTERM, _raise_terminated)
+    def rollout(message: dict) -> None:
+        """Generate while the trainer's next sync arrives; the switch obeys inflight_policy."""
+        receiving: list[Future] = []
+
+        def take_in_the_next_sync(step: int) -> None:
+            switch = job.verify.rollout_switch_step
+            if step == switch:  # a step boundary mid-generation: the trainer's next sync starts now
+                sync = isync.next_control()
+                assert sync["op"] == "sync", f"expected the next sync during a rollout, got {sync}"
+                receiving.append(background.submit(isync.apply, sync["version"]))
+            elif step == switch + 1:  # make the switch land at a known boundary
+                server.wait_for_commit(engine.version + 1, timeout=ws.timeout_s)
+
+        responses = server.generate(message["prompts"], message["max_new_tokens"], before_step=take_in_the_next_sync)
+        for future in receiving:
+            future.result(timeout=ws.timeout_s)
+        if tp_rank == 0:
+            report = [{"tokens": r.tokens, "finish_reason": r.finish_reason, "weight_versions": r.weight_versions,
+                       "kv_versions": r.kv_versions, "off_policy_kv": r.off_policy_kv} for r in responses]
+            isync.transport.group.post(f"rollout/{message['version']}/{engine_index}", json.dumps(report).encode())
+
+    background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-receive")
     try:
-        isync.serve({"verify": verify})
+        isync.serve({"verify": verify, "rollout": rollout})
     except (Exception, _Terminated) as e:
         print(f"[inference rank {rank}] sync failed ({type(e).__name__}); the engine stays on version "
               f"{engine.version}", flush=True)
@@ -112,6 +136,7 @@ def run(job: JobConfig, fault: argparse.Namespace) -> int:
                        os.path.join(job.verify.dump_dir, f"survivor_engine{engine_index}_rank{tp_rank}.pt"))
         raise
     finally:
+        background.shutdown(wait=False)
         isync.close()
     print(f"[inference rank {rank}] stopped on version {engine.version}", flush=True)
     return 0

@@ -64,6 +64,8 @@ class VerifySettings:
     eval_batch: int = 2
     eval_seq_len: int = 12
     dump_dir: str | None = None  # when set, trainer and engines dump what they sent / hold
+    rollout_tokens: int = 0  # > 0: engines generate this many tokens while the next sync arrives
+    rollout_switch_step: int = 4  # the engines take the next sync in after this many tokens
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,6 +9,7 @@ against the same `weight_sync.master_address:master_port`.
 from __future__ import annotations
 
 import io
+import json
 import math
 import os
 import sys
@@ -80,6 +81,35 @@ class Verifier:
             if not ok:
                 self.failures.append(f"version {version} engine {engine}: logits differ by {diff:.3e}")
 
+    def start_rollout(self, version: int) -> None:
+        """Ask the engines to generate on `version` while the next sync arrives (leader only)."""
+        if self.job.verify.rollout_tokens and self.sync.is_leader:
+            gen = torch.Generator().manual_seed(version)
+            prompts = torch.randint(0, self.vocab_size, (2, 6), generator=gen).tolist()
+            self.sync.post_control({"op": "rollout", "version": version, "prompts": prompts,
+                                    "max_new_tokens": self.job.verify.rollout_tokens})
+
+    def check_rollout(self, version: int) -> None:
+        """Check the versions recorded by the rollout that started on `version` (leader only)."""
+        if not self.job.verify.rollout_tokens or not self.sync.is_leader:
+            return
+        policy, switch = self.job.weight_sync.inflight_policy, self.job.verify.rollout_switch_step + 1
+        group = self.sync.transport.group
+        for engine in range(self.job.weight_sync.num_engines):
+            for index, response in enumerate(json.loads(group.fetch(f"rollout/{version}/{engine}"))):
+                spans = [tuple(s) for s in response["weight_versions"]]
+                if policy == "abort":
+                    want = [(version, 0, switch)]
+                    ok = spans == want and response["finish_reason"] == "aborted"
+                else:
+                    want = [(version, 0, switch), (version + 1, switch, self.job.verify.rollout_tokens)]
+                    ok = spans == want and response["off_policy_kv"] == (policy == "keep")
+                print(f"[trainer] rollout started on version {version} (policy {policy}): engine {engine} request {index} "
+                      f"weight_versions {spans}, kv_versions {[tuple(s) for s in response['kv_versions']]}, "
+                      f"finish {response['finish_reason']} ({'ok' if ok else 'UNEXPECTED'})", flush=True)
+                if not ok:
+                    self.failures.append(f"rollout on version {version} engine {engine}: spans {spans}, want {want}")
+
     def _dump_sent(self, version: int) -> None:
         sender = self.sync.sender
         if not self.job.verify.dump_dir or sender.replica is None:
@@ -105,12 +135,15 @@ def run(job: JobConfig) -> int:
     try:
         verifier.after_sync(1, sync.sync())  # version 1: the engines start from the trainer's weights
         for step in range(job.train.steps):
+            if job.weight_sync.every_n_steps == 1:
+                verifier.start_rollout(sync.version)  # generation in flight when the next sync arrives
             loss = train_step(model, optimizer, batch(job, step, verifier.vocab_size), layout)
             if sync.is_leader:
                 print(f"[trainer] step {step + 1}: loss {loss:.4f}", flush=True)
             metrics = callback.after_optimizer_step()
             if metrics is not None:
                 verifier.after_sync(sync.version, metrics)
+                verifier.check_rollout(sync.version - 1)
     finally:
         sync.close()
     failures = [verifier.failures]
