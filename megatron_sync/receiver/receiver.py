@@ -68,7 +68,8 @@ class WeightReceiver:
                     failures = self.transport.agree(error)
                 if failures:
                     raise SyncAbortedError(version, failures)
-                old_version, snapshot = self.engine.version, self._snapshot()
+                with PhaseTimer(metrics, "commit"):  # the rollback snapshot is part of committing
+                    old_version, snapshot = self.engine.version, self._snapshot()
                 load_error = self._load(staging, version, metrics)
                 with PhaseTimer(metrics, "commit"):
                     failures = self.transport.agree(load_error)
