@@ -92,12 +92,7 @@ def _trainer_main(rank: int, world_size: int, spec: ModelSpec, cfg: dict) -> dic
         version = 0
         for mb in cfg["bucket_mb"]:
             sender = WeightSender.connect(stream, transport, bucket_size_bytes=int(mb * 2**20))
-            rows = []
-            for i in range(cfg["warmup"] + cfg["syncs"]):
-                version += 1
-                metrics = sender.sync(version)
-                if i >= cfg["warmup"]:
-                    rows.append(_metrics_row(metrics))
+            version, rows = _measured_syncs(sender.sync, version, cfg)
             raw = []
             if transport is not None:
                 raw = [_raw_broadcast_s(transport, sender.plan, sender.replica.data) for _ in range(cfg["syncs"])]
@@ -106,6 +101,18 @@ def _trainer_main(rank: int, world_size: int, spec: ModelSpec, cfg: dict) -> dic
         if transport is not None:
             transport.close()
     return results if stream.is_source else {}
+
+
+def _measured_syncs(run_sync, version: int, cfg: dict) -> tuple[int, list]:
+    """Run warm-up then measured syncs (`run_sync(version)` returns SyncMetrics); return the
+    last version and the measured rows. Sender and engines call it in lockstep."""
+    rows = []
+    for i in range(cfg["warmup"] + cfg["syncs"]):
+        version += 1
+        metrics = run_sync(version)
+        if i >= cfg["warmup"]:
+            rows.append(_metrics_row(metrics))
+    return version, rows
 
 
 def _engine_main(rank: int, world_size: int, spec: ModelSpec, cfg: dict) -> dict:
@@ -122,12 +129,7 @@ def _engine_main(rank: int, world_size: int, spec: ModelSpec, cfg: dict) -> dict
         version = 0
         for mb in cfg["bucket_mb"]:
             receiver = WeightReceiver(engine, transport, bucket_size_bytes=int(mb * 2**20))
-            rows = []
-            for i in range(cfg["warmup"] + cfg["syncs"]):
-                version += 1
-                metrics = receiver.receive(version)
-                if i >= cfg["warmup"]:
-                    rows.append(_metrics_row(metrics))
+            version, rows = _measured_syncs(receiver.receive, version, cfg)
             scratch = [transport.alloc(receiver.plan.max_bucket_bytes) for _ in range(2)]
             raw = [_raw_broadcast_s(transport, receiver.plan, None, scratch) for _ in range(cfg["syncs"])]
             results[mb] = {"syncs": rows, "raw_s": raw}

@@ -82,16 +82,20 @@ class TransportGroup:
             pending.wait()
         return pending
 
-    def all_gather_int64(self, values: Sequence[int]) -> list[list[int]]:
-        """Return every rank's `values` (same length on every rank), indexed by rank."""
-        mine = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+    def _all_gather(self, mine: torch.Tensor) -> list[torch.Tensor]:
+        """Return every rank's `mine` (same shape on every rank), indexed by rank."""
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
         try:
             work = self._pg.allgather([out], [mine])
         except RuntimeError as e:
             raise self._fail("all_gather", e) from e
         Pending(self, "all_gather", work).wait()
-        return [t.tolist() for t in out]
+        return out
+
+    def all_gather_int64(self, values: Sequence[int]) -> list[list[int]]:
+        """Return every rank's `values` (same length on every rank), indexed by rank."""
+        mine = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        return [t.tolist() for t in self._all_gather(mine)]
 
     def all_gather_json(self, obj: Any) -> list[Any]:
         """Return every rank's JSON-serialisable `obj`, indexed by rank (no pickle on the wire)."""
@@ -99,13 +103,7 @@ class TransportGroup:
         sizes = [s[0] for s in self.all_gather_int64([len(payload)])]
         padded = torch.zeros(max(sizes), dtype=torch.uint8)
         padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        padded = padded.to(self.device)
-        out = [torch.empty_like(padded) for _ in range(self.world_size)]
-        try:
-            work = self._pg.allgather([out], [padded])
-        except RuntimeError as e:
-            raise self._fail("all_gather", e) from e
-        Pending(self, "all_gather", work).wait()
+        out = self._all_gather(padded.to(self.device))
         return [json.loads(t.cpu()[:n].numpy().tobytes()) for t, n in zip(out, sizes)]
 
     def broadcast_json(self, obj: Any, src: int) -> Any:
