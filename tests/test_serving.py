@@ -150,8 +150,8 @@ def _greedy(model, sequence: list[int], n: int, cache=None) -> list[int]:
                 logits = model(input_ids=torch.tensor([sequence + tokens]), use_cache=False).logits[0, -1]
             else:
                 step_input = (sequence + tokens)[-1:]
-                out = model(input_ids=torch.tensor([step_input]), cache=cache, use_cache=True)
-                logits, cache = out.logits[0, -1], out.cache
+                out = model(input_ids=torch.tensor([step_input]), past_key_values=cache, use_cache=True)
+                logits, cache = out.logits[0, -1], out.past_key_values
             top2 = logits.topk(2).values
             assert top2[0] - top2[1] > MIN_GAP, "near-tie: choose other seeds or prompts"
             tokens.append(int(logits.argmax()))
@@ -161,7 +161,7 @@ def _greedy(model, sequence: list[int], n: int, cache=None) -> list[int]:
 def _keep_reference(models, prompt: list[int], prefix: list[int], n: int) -> list[int]:
     """B decoding over A's KV cache of prompt + prefix[:-1] (what "keep" computes), with transformers alone."""
     with torch.no_grad():
-        cache = models["A"](input_ids=torch.tensor([prompt + prefix[:-1]]), use_cache=True).cache
+        cache = models["A"](input_ids=torch.tensor([prompt + prefix[:-1]]), use_cache=True).past_key_values
     return _greedy(models["B"], prompt + prefix, n, cache=cache)
 
 

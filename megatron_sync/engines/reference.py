@@ -296,8 +296,8 @@ class ReferenceEngine:
         rank's key/value heads); None starts a new one, so the call is a
         prefill. The cache is extended in place and returned.
         """
-        out = self.model(input_ids=tokens, cache=cache, use_cache=True)
-        return out.logits, out.cache
+        out = self.model(input_ids=tokens, past_key_values=cache, use_cache=True)
+        return out.logits, out.past_key_values
 
     @torch.no_grad()
     def generate(self, tokens: torch.Tensor, max_new_tokens: int, *, use_cache: bool = True) -> torch.Tensor:
