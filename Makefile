@@ -24,7 +24,7 @@ $(BIN)/.installed: requirements-cpu.txt pyproject.toml
 setup: $(BIN)/.installed
 
 demo: setup
-	$(BIN)/python -m megatron_sync.demo --config $(CONFIG)
+	$(BIN)/python -m examples.demo --config $(CONFIG)
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

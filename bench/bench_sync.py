@@ -28,8 +28,8 @@ import warnings
 
 import torch
 
-from megatron_sync.testing.dist import free_port, run_distributed
-from megatron_sync.testing.models import ModelSpec
+from tests.support.dist import free_port, run_distributed
+from tests.support.models import ModelSpec
 
 SIZES = {
     # ~4.6 MB of bf16 weights (one bucket from 16 MiB up)
@@ -77,8 +77,8 @@ def _trainer_main(rank: int, world_size: int, spec: ModelSpec, cfg: dict) -> dic
     from megatron_sync.parallel import ParallelLayout
     from megatron_sync.sender import WeightSender
     from megatron_sync.stream import MegatronWeightStream
-    from megatron_sync.testing import models
-    from megatron_sync.testing.dist import init_megatron
+    from tests.support import models
+    from tests.support.dist import init_megatron
 
     init_megatron(ep=TRAINER_EP)
     chunks = models.build_model_chunks(spec)
@@ -119,8 +119,8 @@ def _engine_main(rank: int, world_size: int, spec: ModelSpec, cfg: dict) -> dict
     """Build one TP rank of the reference engine and receive every version the trainer sends."""
     warnings.filterwarnings("ignore")
     from megatron_sync.engines.reference import ReferenceEngine
-    from megatron_sync.receiver.receiver import WeightReceiver
-    from megatron_sync.testing import models
+    from megatron_sync.receiver import WeightReceiver
+    from tests.support import models
 
     engine = ReferenceEngine(models.hf_config(spec), tp_rank=rank, tp_size=world_size, dtype=DTYPE)
     transport = _transport(NUM_STAGES + rank, cfg)

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 import torch
 
-from converters.base import Converter, Family, HFTensor, Rule, Skip
+from converters.base import Converter, Family, HFTensor, Rule, Shard, Skip
 from converters.deepseek_v3 import DEEPSEEK_V3
 from converters.errors import (
     ConfigError, ConversionError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError,
@@ -24,23 +24,45 @@ from converters.qwen3 import QWEN3
 from converters.qwen3_moe import QWEN3_MOE
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V3)}
+BUILTIN_FAMILIES: tuple[str, ...] = tuple(FAMILIES)  # the families this package ships (others register)
+
+
+def register_family(family: Family) -> None:
+    """Make `family` available by its name (a new family is one module plus this call)."""
+    if family.name in FAMILIES and FAMILIES[family.name] is not family:
+        raise ValueError(f"a different family is already registered as {family.name!r}")
+    FAMILIES[family.name] = family
+
+
+def get_family(name: str) -> Family:
+    """Return the registered family `name`; UnknownFamilyError lists the known ones."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise UnknownFamilyError(
+            f"unknown model family {name!r}; use one of {sorted(FAMILIES)} "
+            f"or add a module under converters/ and register it with register_family"
+        ) from None
+
+
+def family_of_model_type(model_type: str) -> Family:
+    """Return the family that converts HF configs of `model_type` (config.json's "model_type")."""
+    for family in FAMILIES.values():
+        if model_type in family.hf_model_types:
+            return family
+    known = sorted(t for f in FAMILIES.values() for t in f.hf_model_types)
+    raise UnknownFamilyError(f"no model family converts HF model_type {model_type!r}; known: {known}")
 
 
 def get_converter(family: str, hf_config: Any, *, dtype: torch.dtype = torch.bfloat16,
                   skip: Iterable[str] = ()) -> Converter:
     """Return a `Converter` for `family` bound to `hf_config` (PretrainedConfig or config.json dict)."""
-    try:
-        table = FAMILIES[family]
-    except KeyError:
-        raise UnknownFamilyError(
-            f"unknown model family {family!r}; use one of {sorted(FAMILIES)} "
-            f"or add a module under converters/ and register it in FAMILIES"
-        ) from None
-    return Converter(table, hf_config, dtype=dtype, skip=skip)
+    return Converter(get_family(family), hf_config, dtype=dtype, skip=skip)
 
 
 __all__ = [
-    "get_converter", "FAMILIES", "Converter", "Family", "Rule", "HFTensor", "Skip",
+    "get_converter", "get_family", "register_family", "family_of_model_type", "FAMILIES", "BUILTIN_FAMILIES",
+    "Converter", "Family", "Rule", "HFTensor", "Shard", "Skip",
     "ConversionError", "ConfigError", "UnknownFamilyError", "UnmappedParameterError",
     "MissingTensorError", "UnexpectedTensorError", "ShapeMismatchError",
 ]

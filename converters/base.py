@@ -10,6 +10,7 @@ name and shape against that description.
 from __future__ import annotations
 
 import ast
+import enum
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -62,9 +63,30 @@ class Rule:
         return tuple(compile_pattern(h) for h in self.hf)
 
 
+class Shard(enum.Enum):
+    """How inference engines split one HF tensor over their tensor-parallel ranks (its role).
+
+    Each engine maps a role to its own slicing: the reference engine replicates
+    VOCAB tensors, vLLM splits them; routed experts (`{expert}` rows) may also
+    be split over an engine's expert parallelism.
+    """
+
+    REPLICATED = "replicated"  # every rank holds the whole tensor (norms, routers, low-rank MLA downs)
+    COLUMN = "column"  # dim 0 in contiguous equal chunks (q, MLA up-projections, gate/up)
+    ROW = "row"  # dim 1 in contiguous equal chunks; partial outputs are summed (o_proj, down)
+    KV_HEADS = "kv_heads"  # dim 0 by key/value heads, a head replicated on tp/kv ranks when tp > kv
+    VOCAB = "vocab"  # dim 0 rows of the vocabulary (embeddings, lm_head)
+
+    @property
+    def dim(self) -> int | None:
+        """The tensor dimension this role splits (None when replicated)."""
+        return {Shard.REPLICATED: None, Shard.ROW: 1}.get(self, 0)
+
+
 @dataclass(frozen=True)
 class HFTensor:
-    """One row of the HF checkpoint layout: name pattern, shape as config expressions, where it exists.
+    """One row of the HF checkpoint layout: name pattern, shape as config expressions, how engines
+    shard it, and where it exists.
 
     `layers` is "all", "dense" or "moe" (for `{layer}` patterns); `when` is an
     optional predicate on the config (e.g. lm_head only when embeddings are untied).
@@ -72,10 +94,13 @@ class HFTensor:
 
     name: str
     shape: tuple[str, ...]
+    shard: Shard | None = None
     layers: str = "all"
     when: ConfigPredicate | None = None
 
     def __post_init__(self):
+        if not isinstance(self.shard, Shard):
+            raise ValueError(f"HFTensor {self.name!r}: say how engines shard it (shard=Shard.<role>)")
         if self.layers not in ("all", "dense", "moe"):
             raise ValueError(f"HFTensor {self.name!r}: layers must be 'all', 'dense' or 'moe'")
 
@@ -95,7 +120,15 @@ def _never(cfg: HFConfig, layer: int) -> bool:
 
 @dataclass(frozen=True)
 class Family:
-    """A model family: its rule table, its HF layout, and the config facts the table depends on."""
+    """A model family, in one place: its rule table, its HF layout (with each tensor's shard role),
+    which tensors must share a bucket, and the config facts the tables depend on.
+
+    `hf_model_types` are the `model_type` values of the HF configs this family
+    converts (engines pick the family of a model directory by it);
+    `keep_together` lists groups of HF name patterns that must arrive in one
+    bucket, a group's members with equal `{layer}` sharing it (an engine fuses
+    them at load).
+    """
 
     name: str
     rules: tuple[Rule, ...]
@@ -106,6 +139,15 @@ class Family:
     num_experts_key: str = "num_experts"
     validate_config: Callable[[HFConfig], None] | None = None
     layer_kind_keys: tuple[str, ...] = ()
+    keep_together: tuple[tuple[str, ...], ...] = ()
+    hf_model_types: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not self.hf_model_types:
+            object.__setattr__(self, "hf_model_types", (self.name,))
+        for group in self.keep_together:
+            for pattern in group:
+                compile_pattern(pattern)  # a typo fails at import, not mid-sync
 
 
 class Converter:
@@ -160,6 +202,25 @@ class Converter:
     def expected_hf_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Return every HF tensor a complete checkpoint holds: name -> (shape, dtype), from the config alone."""
         return {name: (shape, dtype) for name, (shape, dtype, _) in self._expected.items()}
+
+    def expected_metas(self) -> list[TensorMeta]:
+        """Return the HF checkpoint's tensors as metadata, in `expected_hf_tensors` order."""
+        return [TensorMeta(name, shape, dtype) for name, (shape, dtype, _) in self._expected.items()]
+
+    def shard_role(self, hf_name: str) -> Shard:
+        """Return how engines split HF tensor `hf_name` over their TP ranks (its row's `shard`)."""
+        try:
+            return self._expected[hf_name][2].shard
+        except KeyError:
+            raise UnexpectedTensorError(
+                f"{hf_name!r} is not a tensor of family {self.family.name!r} under this HF config: "
+                f"{self._why_unexpected(hf_name)}"
+            ) from None
+
+    @property
+    def keep_together(self) -> tuple[tuple[str, ...], ...]:
+        """The family's groups of HF name patterns that must share a bucket."""
+        return self.family.keep_together
 
     # -- the Megatron side --------------------------------------------------------------------
 
@@ -294,4 +355,4 @@ def untied(cfg: HFConfig) -> bool:
     return not tied(cfg)
 
 
-__all__ = ["Rule", "HFTensor", "Skip", "Family", "Converter", "ConfigError", "tied", "untied"]
+__all__ = ["Rule", "HFTensor", "Shard", "Skip", "Family", "Converter", "ConfigError", "tied", "untied"]

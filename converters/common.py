@@ -9,7 +9,7 @@ present in a given model, so both rows produce the same HF name.
 
 from __future__ import annotations
 
-from converters.base import HFTensor, Rule, Skip, tied, untied
+from converters.base import HFTensor, Rule, Shard, Skip, tied, untied
 from converters.layout import gate_up, qkv, vocab
 
 L = "decoder.layers.{layer}."  # Megatron, global layer index
@@ -23,9 +23,9 @@ EMBEDDING_RULES = (
     Rule("output_layer.weight", "lm_head.weight", vocab),
 )
 EMBEDDING_HF = (
-    HFTensor("model.embed_tokens.weight", ("vocab_size", "hidden_size")),
-    HFTensor("model.norm.weight", ("hidden_size",)),
-    HFTensor("lm_head.weight", ("vocab_size", "hidden_size"), when=untied),
+    HFTensor("model.embed_tokens.weight", ("vocab_size", "hidden_size"), Shard.VOCAB),
+    HFTensor("model.norm.weight", ("hidden_size",), Shard.REPLICATED),
+    HFTensor("lm_head.weight", ("vocab_size", "hidden_size"), Shard.VOCAB, when=untied),
 )
 TIED_OUTPUT_SKIP = (
     Skip("output_layer.weight", "a copy of embedding.word_embeddings.weight when "
@@ -43,8 +43,8 @@ POST_ATTENTION_NORM_RULES = (
     Rule(L + "mlp.linear_fc1.layer_norm_weight", H + "post_attention_layernorm.weight"),  # TE dense
 )
 NORM_HF = (
-    HFTensor(H + "input_layernorm.weight", ("hidden_size",)),
-    HFTensor(H + "post_attention_layernorm.weight", ("hidden_size",)),
+    HFTensor(H + "input_layernorm.weight", ("hidden_size",), Shard.REPLICATED),
+    HFTensor(H + "post_attention_layernorm.weight", ("hidden_size",), Shard.REPLICATED),
 )
 
 # -- grouped-query attention -----------------------------------------------------------------------
@@ -56,27 +56,27 @@ GQA_RULES = (
     Rule(L + "self_attention.linear_proj.weight", _A + "o_proj.weight"),
 )
 GQA_HF = (
-    HFTensor(_A + "q_proj.weight", ("num_attention_heads*head_dim", "hidden_size")),
-    HFTensor(_A + "k_proj.weight", ("num_key_value_heads*head_dim", "hidden_size")),
-    HFTensor(_A + "v_proj.weight", ("num_key_value_heads*head_dim", "hidden_size")),
-    HFTensor(_A + "o_proj.weight", ("hidden_size", "num_attention_heads*head_dim")),
+    HFTensor(_A + "q_proj.weight", ("num_attention_heads*head_dim", "hidden_size"), Shard.COLUMN),
+    HFTensor(_A + "k_proj.weight", ("num_key_value_heads*head_dim", "hidden_size"), Shard.KV_HEADS),
+    HFTensor(_A + "v_proj.weight", ("num_key_value_heads*head_dim", "hidden_size"), Shard.KV_HEADS),
+    HFTensor(_A + "o_proj.weight", ("hidden_size", "num_attention_heads*head_dim"), Shard.ROW),
 )
 QKV_BIAS_RULES = (
     Rule(L + "self_attention.linear_qkv.bias",
          (_A + "q_proj.bias", _A + "k_proj.bias", _A + "v_proj.bias"), qkv),
 )
 QKV_BIAS_HF = (
-    HFTensor(_A + "q_proj.bias", ("num_attention_heads*head_dim",)),
-    HFTensor(_A + "k_proj.bias", ("num_key_value_heads*head_dim",)),
-    HFTensor(_A + "v_proj.bias", ("num_key_value_heads*head_dim",)),
+    HFTensor(_A + "q_proj.bias", ("num_attention_heads*head_dim",), Shard.COLUMN),
+    HFTensor(_A + "k_proj.bias", ("num_key_value_heads*head_dim",), Shard.KV_HEADS),
+    HFTensor(_A + "v_proj.bias", ("num_key_value_heads*head_dim",), Shard.KV_HEADS),
 )
 QK_NORM_RULES = (
     Rule(L + "self_attention.q_layernorm.weight", _A + "q_norm.weight"),
     Rule(L + "self_attention.k_layernorm.weight", _A + "k_norm.weight"),
 )
 QK_NORM_HF = (
-    HFTensor(_A + "q_norm.weight", ("head_dim",)),
-    HFTensor(_A + "k_norm.weight", ("head_dim",)),
+    HFTensor(_A + "q_norm.weight", ("head_dim",), Shard.REPLICATED),
+    HFTensor(_A + "k_norm.weight", ("head_dim",), Shard.REPLICATED),
 )
 
 # -- dense gated MLP (every layer of a dense model, the dense layers of a MoE model) ---------------
@@ -86,9 +86,9 @@ DENSE_MLP_RULES = (
     Rule(L + "mlp.linear_fc2.weight", H + "mlp.down_proj.weight"),
 )
 DENSE_MLP_HF = (
-    HFTensor(H + "mlp.gate_proj.weight", ("intermediate_size", "hidden_size"), layers="dense"),
-    HFTensor(H + "mlp.up_proj.weight", ("intermediate_size", "hidden_size"), layers="dense"),
-    HFTensor(H + "mlp.down_proj.weight", ("hidden_size", "intermediate_size"), layers="dense"),
+    HFTensor(H + "mlp.gate_proj.weight", ("intermediate_size", "hidden_size"), Shard.COLUMN, layers="dense"),
+    HFTensor(H + "mlp.up_proj.weight", ("intermediate_size", "hidden_size"), Shard.COLUMN, layers="dense"),
+    HFTensor(H + "mlp.down_proj.weight", ("hidden_size", "intermediate_size"), Shard.ROW, layers="dense"),
 )
 
 # -- routed experts and router -----------------------------------------------------------------
@@ -109,10 +109,10 @@ ROUTED_EXPERT_RULES = (Rule(L + "mlp.router.weight", H + "mlp.gate.weight"),) + 
 def routed_expert_hf(num_experts_key: str) -> tuple[HFTensor, ...]:
     """Return the HF layout of a MoE layer's router and routed experts; the expert count is `num_experts_key`."""
     return (
-        HFTensor(H + "mlp.gate.weight", (num_experts_key, "hidden_size"), layers="moe"),
-        HFTensor(_X + "gate_proj.weight", ("moe_intermediate_size", "hidden_size"), layers="moe"),
-        HFTensor(_X + "up_proj.weight", ("moe_intermediate_size", "hidden_size"), layers="moe"),
-        HFTensor(_X + "down_proj.weight", ("hidden_size", "moe_intermediate_size"), layers="moe"),
+        HFTensor(H + "mlp.gate.weight", (num_experts_key, "hidden_size"), Shard.REPLICATED, layers="moe"),
+        HFTensor(_X + "gate_proj.weight", ("moe_intermediate_size", "hidden_size"), Shard.COLUMN, layers="moe"),
+        HFTensor(_X + "up_proj.weight", ("moe_intermediate_size", "hidden_size"), Shard.COLUMN, layers="moe"),
+        HFTensor(_X + "down_proj.weight", ("hidden_size", "moe_intermediate_size"), Shard.ROW, layers="moe"),
     )
 
 

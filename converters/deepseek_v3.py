@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from converters.base import Family, HFTensor, Rule
+from converters.base import Family, HFTensor, Rule, Shard
 from converters.common import (
     DENSE_MLP_HF, DENSE_MLP_RULES, EMBEDDING_HF, EMBEDDING_RULES, H, L, NORM_HF,
     POST_ATTENTION_NORM_RULES, EXPERT_RULES, TIED_OUTPUT_SKIP, routed_expert_hf,
@@ -67,15 +67,15 @@ MLA_RULES = (
     Rule(L + "self_attention.linear_proj.weight", _A + "o_proj.weight"),
 )
 MLA_HF = (
-    HFTensor(_A + "q_a_proj.weight", ("q_lora_rank", "hidden_size"), when=_has_q_lora),
-    HFTensor(_A + "q_a_layernorm.weight", ("q_lora_rank",), when=_has_q_lora),
-    HFTensor(_A + "q_b_proj.weight", (_QK, "q_lora_rank"), when=_has_q_lora),
-    HFTensor(_A + "q_proj.weight", (_QK, "hidden_size"), when=_no_q_lora),
-    HFTensor(_A + "kv_a_proj_with_mqa.weight", ("kv_lora_rank+qk_rope_head_dim", "hidden_size")),
-    HFTensor(_A + "kv_a_layernorm.weight", ("kv_lora_rank",)),
+    HFTensor(_A + "q_a_proj.weight", ("q_lora_rank", "hidden_size"), Shard.REPLICATED, when=_has_q_lora),
+    HFTensor(_A + "q_a_layernorm.weight", ("q_lora_rank",), Shard.REPLICATED, when=_has_q_lora),
+    HFTensor(_A + "q_b_proj.weight", (_QK, "q_lora_rank"), Shard.COLUMN, when=_has_q_lora),
+    HFTensor(_A + "q_proj.weight", (_QK, "hidden_size"), Shard.COLUMN, when=_no_q_lora),
+    HFTensor(_A + "kv_a_proj_with_mqa.weight", ("kv_lora_rank+qk_rope_head_dim", "hidden_size"), Shard.REPLICATED),
+    HFTensor(_A + "kv_a_layernorm.weight", ("kv_lora_rank",), Shard.REPLICATED),
     HFTensor(_A + "kv_b_proj.weight",
-             ("num_attention_heads*(qk_nope_head_dim+v_head_dim)", "kv_lora_rank")),
-    HFTensor(_A + "o_proj.weight", ("hidden_size", "num_attention_heads*v_head_dim")),
+             ("num_attention_heads*(qk_nope_head_dim+v_head_dim)", "kv_lora_rank"), Shard.COLUMN),
+    HFTensor(_A + "o_proj.weight", ("hidden_size", "num_attention_heads*v_head_dim"), Shard.ROW),
 )
 
 # DeepSeek-V3 routes in fp32: the gate and its score-correction bias stay float32 whatever the
@@ -90,10 +90,10 @@ MOE_EXTRA_RULES = (
 )
 _SHARED_F = "moe_intermediate_size*n_shared_experts"
 MOE_EXTRA_HF = (
-    HFTensor(H + "mlp.gate.e_score_correction_bias", ("n_routed_experts",), layers="moe"),
-    HFTensor(_S + "gate_proj.weight", (_SHARED_F, "hidden_size"), layers="moe", when=_has_shared_experts),
-    HFTensor(_S + "up_proj.weight", (_SHARED_F, "hidden_size"), layers="moe", when=_has_shared_experts),
-    HFTensor(_S + "down_proj.weight", ("hidden_size", _SHARED_F), layers="moe", when=_has_shared_experts),
+    HFTensor(H + "mlp.gate.e_score_correction_bias", ("n_routed_experts",), Shard.REPLICATED, layers="moe"),
+    HFTensor(_S + "gate_proj.weight", (_SHARED_F, "hidden_size"), Shard.COLUMN, layers="moe", when=_has_shared_experts),
+    HFTensor(_S + "up_proj.weight", (_SHARED_F, "hidden_size"), Shard.COLUMN, layers="moe", when=_has_shared_experts),
+    HFTensor(_S + "down_proj.weight", ("hidden_size", _SHARED_F), Shard.ROW, layers="moe", when=_has_shared_experts),
 )
 
 DEEPSEEK_V3 = Family(
@@ -108,4 +108,10 @@ DEEPSEEK_V3 = Family(
     num_experts_key="n_routed_experts",
     validate_config=_validate,
     layer_kind_keys=("n_routed_experts", "first_k_dense_replace", "moe_layer_freq"),
+    # SGLang fuses q_a_proj and kv_a_proj_with_mqa (and their FP8 scales) into one projection only
+    # when both arrive in the same load_weights call: they travel in one bucket.
+    keep_together=(
+        (_A + "q_a_proj.weight", _A + "kv_a_proj_with_mqa.weight"),
+        (_A + "q_a_proj.weight_scale_inv", _A + "kv_a_proj_with_mqa.weight_scale_inv"),
+    ),
 )

@@ -102,11 +102,6 @@ def identity(tensor: torch.Tensor) -> tuple[torch.Tensor]:
     return (tensor,)
 
 
-def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Return `tensor` in `dtype` (no copy when it already is)."""
-    return tensor.to(dtype)
-
-
 # Rule transforms: adapt the pure functions above to `(tensor, HFConfig) -> tuple of HF tensors`.
 
 def rename(tensor, cfg):

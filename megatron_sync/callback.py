@@ -11,6 +11,9 @@ class Syncer(Protocol):
     def sync(self) -> Any:
         """Stream the current weights as the next version; return that sync's metrics."""
 
+    def close(self) -> None:
+        """Tell the engines to stop and release the transport."""
+
 
 def ensure_params_gathered(chunks: list[torch.nn.Module]) -> None:
     """Finish Megatron's distributed-optimizer parameter all-gather before weights are read.
@@ -52,15 +55,12 @@ class WeightSyncCallback:
         """Return the callback a training config asks for (collective when sync is enabled).
 
         With `enabled: false` nothing is connected and the callback only counts updates.
-        `sync_kwargs` go to `TrainerWeightSync` (converter or hf_config, layout, trainer_group).
+        `sync_kwargs` go to `TrainerWeightSync` (converter or hf_config, layout, trainer_group,
+        engine_client).
         """
-        from megatron_sync.sync import TrainerWeightSync, build_converter
+        from megatron_sync.sync import TrainerWeightSync
 
-        syncer = None
-        if config.enabled:
-            hf_config = sync_kwargs.pop("hf_config", None)
-            converter = sync_kwargs.pop("converter", None) or build_converter(config, hf_config)
-            syncer = TrainerWeightSync(config, chunks, converter, **sync_kwargs)
+        syncer = TrainerWeightSync(config, chunks, **sync_kwargs) if config.enabled else None
         return cls(syncer, chunks, every_n_steps=config.every_n_steps)
 
     def after_optimizer_step(self, update_successful: bool = True) -> Any:
@@ -76,3 +76,15 @@ class WeightSyncCallback:
             return None
         ensure_params_gathered(self.chunks)
         return self.syncer.sync()
+
+    def close(self) -> None:
+        """Stop the engines' sync loop and release the transport (call once training ends)."""
+        if self.syncer is not None:
+            self.syncer.close()
+            self.syncer = None
+
+    def __enter__(self) -> "WeightSyncCallback":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_sync.meta import dtype_from_name
+from megatron_sync.transport import transport_names
 
-TRANSPORTS_SUPPORTED = ("broadcast",)
-TRANSPORTS_RESERVED = ("p2p", "disk_delta", "ipc")
 BACKENDS = ("gloo", "nccl", "auto")
 INFLIGHT_POLICIES = ("abort", "recompute", "keep")
+DEFAULT_GATHER_BUDGET_MB = 1024.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +34,7 @@ class WeightSyncConfig:
     per rollout batch, a rollout iteration advances this counter several times."""
 
     transport: str = "broadcast"
-    """How bytes move: "broadcast" (implemented). "p2p", "disk_delta", "ipc" are reserved."""
+    """How bytes move: a name registered in `megatron_sync.transport` ("broadcast")."""
 
     backend: str = "auto"
     """Collective backend of the transport group: "gloo", "nccl", or "auto"
@@ -55,17 +55,20 @@ class WeightSyncConfig:
     bucket_size_mb: float = 512.0
     """Upper bound of one transfer bucket in MiB (a larger single tensor gets its own bucket)."""
 
-    gather_budget_mb: float = 1024.0
+    gather_budget_mb: float = DEFAULT_GATHER_BUDGET_MB
     """Peak extra device memory the gather step may hold, in MiB."""
 
     timeout_s: float = 300.0
     """Seconds any collective of the transport group may wait before peers count as failed."""
 
-    family: str = "qwen3"
-    """Model family whose conversion rules apply (a module name under converters/)."""
+    family: Optional[str] = None
+    """Model family whose conversion rules apply (a family registered in converters/, e.g. "qwen3").
+    Required on the trainer side; there is no default, so a forgotten family is an error, not a guess."""
 
     hf_config_path: Optional[str] = None
-    """Optional path of the HF config.json of the inference model, to cross-check shapes."""
+    """The inference model's HF config.json, which every converted shape is checked against. The
+    trainer needs an HF config: this path, or `hf_config=` passed to `WeightSyncCallback.from_config`
+    / `TrainerWeightSync` (which then wins); without either it refuses to start."""
 
     dtype: str = "bfloat16"
     """Dtype the engine computes with; converted tensors are cast to it."""
@@ -80,12 +83,7 @@ class WeightSyncConfig:
     def __post_init__(self) -> None:
         _check_bool("enabled", self.enabled)
         _check_int("every_n_steps", self.every_n_steps, minimum=1)
-        if self.transport in TRANSPORTS_RESERVED:
-            raise ValueError(
-                f"transport={self.transport!r} is reserved but not yet supported; "
-                f"use transport='broadcast'"
-            )
-        _check_choice("transport", self.transport, TRANSPORTS_SUPPORTED)
+        _check_choice("transport", self.transport, tuple(transport_names()))
         _check_choice("backend", self.backend, BACKENDS)
         if not isinstance(self.master_address, str) or not self.master_address:
             raise ValueError("master_address must be a non-empty host name or IP, e.g. '10.0.0.1'")
@@ -102,7 +100,7 @@ class WeightSyncConfig:
         _check_positive("bucket_size_mb", self.bucket_size_mb)
         _check_positive("gather_budget_mb", self.gather_budget_mb)
         _check_positive("timeout_s", self.timeout_s)
-        if not isinstance(self.family, str) or not self.family:
+        if self.family is not None and (not isinstance(self.family, str) or not self.family):
             raise ValueError("family must name a model family, e.g. 'qwen3' or 'deepseek_v3'")
         if self.hf_config_path is not None and not isinstance(self.hf_config_path, str):
             raise ValueError("hf_config_path must be a path string or null")
@@ -113,6 +111,15 @@ class WeightSyncConfig:
         if self.metrics_path is not None and not isinstance(self.metrics_path, str):
             raise ValueError("metrics_path must be a file path string or null")
         _check_choice("inflight_policy", self.inflight_policy, INFLIGHT_POLICIES)
+
+    def require_family(self) -> str:
+        """Return `family`, or raise ValueError saying where to set it."""
+        if self.family is None:
+            raise ValueError(
+                "weight_sync.family is not set: name the model family being trained (e.g. family: qwen3 "
+                "in the weight_sync: section, or --weight-sync-family qwen3)"
+            )
+        return self.family
 
     @property
     def bucket_size_bytes(self) -> int:
@@ -159,17 +166,31 @@ class WeightSyncConfig:
         return cls(**{name: getattr(namespace, f"weight_sync_{name}") for name in field_names()})
 
 
+def explicit_flags(namespace: argparse.Namespace) -> dict[str, Any]:
+    """Return the `--weight-sync-*` values given on the command line, by field name.
+
+    Needs a parser whose weight-sync defaults are None (`add_weight_sync_args(parser, defaults=False)`),
+    so that flags override a YAML section only where given.
+    """
+    return {name: getattr(namespace, f"weight_sync_{name}") for name in field_names()
+            if getattr(namespace, f"weight_sync_{name}") is not None}
+
+
 def field_names() -> tuple[str, ...]:
     """Return the names of WeightSyncConfig's fields in declaration order."""
     return tuple(f.name for f in dataclasses.fields(WeightSyncConfig))
 
 
-def add_weight_sync_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add `--weight-sync-*` flags to `parser` and return it (Megatron's extra_args_provider)."""
+def add_weight_sync_args(parser: argparse.ArgumentParser, *, defaults: bool = True) -> argparse.ArgumentParser:
+    """Add `--weight-sync-*` flags to `parser` and return it (Megatron's extra_args_provider).
+
+    With `defaults=False` unset flags stay None, for jobs whose YAML supplies the rest.
+    """
     group = parser.add_argument_group("weight sync")
     for field in dataclasses.fields(WeightSyncConfig):
         flag = "--weight-sync-" + field.name.replace("_", "-")
-        kwargs: dict[str, Any] = {"dest": f"weight_sync_{field.name}", "default": field.default}
+        default = field.default if defaults else None
+        kwargs: dict[str, Any] = {"dest": f"weight_sync_{field.name}", "default": default}
         if field.type in ("bool", bool):
             kwargs["action"] = argparse.BooleanOptionalAction
         elif field.type in ("int", int):

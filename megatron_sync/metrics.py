@@ -34,10 +34,6 @@ class SyncMetrics:
         assert phase in self.phases, phase
         self.phases[phase] += seconds
 
-    def time(self, phase: str) -> "PhaseTimer":
-        """Return a context manager adding its elapsed time to `phase`."""
-        return PhaseTimer(self, phase)
-
     @property
     def gbps(self) -> float:
         """Return bytes moved per total second, in GB/s (1e9 bytes)."""

@@ -23,29 +23,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
 
+from converters.patterns import Pattern, compile_pattern
+from megatron_sync.errors import PlanMismatchError
 from megatron_sync.meta import TensorMeta, dtype_name
 
-KeepTogether = Sequence[Sequence[str]]
+if TYPE_CHECKING:
+    from megatron_sync.transport.base import BucketTransport
 
-# DeepSeek MLA: the fused-at-load q_a_proj / kv_a_proj_with_mqa of one layer
-# must arrive together (SGLang fuses them into one projection).
-DEEPSEEK_MLA_KEEP_TOGETHER: tuple[tuple[str, ...], ...] = (
-    (
-        r"model\.layers\.(\d+)\.self_attn\.q_a_proj\.weight",
-        r"model\.layers\.(\d+)\.self_attn\.kv_a_proj_with_mqa\.weight",
-    ),
-    (
-        r"model\.layers\.(\d+)\.self_attn\.q_a_proj\.weight_scale_inv",
-        r"model\.layers\.(\d+)\.self_attn\.kv_a_proj_with_mqa\.weight_scale_inv",
-    ),
-)
-DEFAULT_KEEP_TOGETHER = DEEPSEEK_MLA_KEEP_TOGETHER
+KeepTogether = Sequence[Sequence[str]]
+"""Groups of name patterns in the converters' grammar (`{layer}`, `{expert}`, whole-name match); names
+of one group with equal captured indices share a bucket. A model family declares its groups
+(`converters.Family.keep_together`); the default is none."""
 
 
 @dataclass(frozen=True)
@@ -115,13 +108,13 @@ class SyncPlan:
 def build_plan(
     stage_metas: Sequence[Sequence[TensorMeta]],
     bucket_size_bytes: int,
-    keep_together: KeepTogether = DEFAULT_KEEP_TOGETHER,
+    keep_together: KeepTogether = (),
 ) -> SyncPlan:
     """Return the SyncPlan for per-stage tensor lists given in stream order."""
     if bucket_size_bytes <= 0:
         raise ValueError(f"bucket_size_bytes must be > 0, got {bucket_size_bytes}")
     _check_unique_names(stage_metas)
-    matchers = [[re.compile(p) for p in group] for group in keep_together]
+    matchers = [[compile_pattern(p) for p in group] for group in keep_together]
     buckets: list[BucketPlan] = []
     for stage, metas in enumerate(stage_metas):
         for members in _cut_buckets(_units(metas, matchers), bucket_size_bytes):
@@ -141,7 +134,7 @@ def _check_unique_names(stage_metas: Sequence[Sequence[TensorMeta]]) -> None:
             seen[m.name] = stage
 
 
-def _units(metas: Iterable[TensorMeta], matchers: list[list[re.Pattern]]) -> list[list[TensorMeta]]:
+def _units(metas: Iterable[TensorMeta], matchers: list[list[Pattern]]) -> list[list[TensorMeta]]:
     """Return stream-ordered units: single tensors, or keep-together groups collected at first member."""
     units: list[list[TensorMeta]] = []
     unit_of_key: dict[tuple, list[TensorMeta]] = {}
@@ -157,12 +150,12 @@ def _units(metas: Iterable[TensorMeta], matchers: list[list[re.Pattern]]) -> lis
     return units
 
 
-def _group_key(name: str, matchers: list[list[re.Pattern]]) -> tuple | None:
+def _group_key(name: str, matchers: list[list[Pattern]]) -> tuple | None:
     for gi, group in enumerate(matchers):
         for pattern in group:
-            match = pattern.fullmatch(name)
-            if match:
-                return (gi, match.groups())
+            captures = pattern.match(name)
+            if captures is not None:
+                return (gi, tuple(sorted(captures.items())))
     return None
 
 
@@ -192,3 +185,55 @@ def _layout(index: int, stage: int, members: list[TensorMeta]) -> BucketPlan:
         entries.append(PlanEntry(m.name, tuple(m.shape), m.dtype, offset, m.nbytes))
         offset += m.nbytes
     return BucketPlan(index, stage, tuple(entries), offset)
+
+
+def handshake_plan(transport: "BucketTransport", stage_metas: Optional[list[TensorMeta]],
+                   bucket_size_bytes: int, keep_together: KeepTogether,
+                   expected: Optional[list[TensorMeta]] = None) -> SyncPlan:
+    """Return the SyncPlan every rank agrees on, or raise PlanMismatchError on every rank.
+
+    Stage sources pass their stage's metadata, other ranks None. Each rank builds
+    the plan with its *own* bucket size and keep-together groups, then all ranks
+    all-gather (digest, coverage problem); a differing digest, or an engine whose
+    expected tensors the plan does not cover exactly, fails every rank alike.
+    """
+    plan = build_plan(transport.exchange_metadata(stage_metas), bucket_size_bytes, keep_together)
+    problem = coverage_problem(plan.tensors(), expected) if expected is not None else None
+    reports = transport.all_gather_json([transport.rank, plan.digest(), problem])
+    by_digest: dict[str, list[int]] = {}
+    for rank, digest, _ in reports:
+        by_digest.setdefault(digest, []).append(rank)
+    if len(by_digest) > 1:
+        groups = "; ".join(f"ranks {ranks} -> {d[:12]}" for d, ranks in sorted(by_digest.items(), key=lambda kv: kv[1]))
+        raise PlanMismatchError(
+            f"[transport rank {transport.rank}] ranks computed different sync plans ({groups}); "
+            "check that every rank uses the same bucket_size_mb, model family and code version"
+        )
+    problems = [(rank, p) for rank, _, p in reports if p]
+    if problems:
+        raise PlanMismatchError(
+            f"[transport rank {transport.rank}] the plan does not match the engines' expected tensors:\n"
+            + "\n".join(f"  transport rank {r}: {p}" for r, p in problems)
+        )
+    return plan
+
+
+def coverage_problem(planned: list[TensorMeta], expected: list[TensorMeta]) -> Optional[str]:
+    """Return a message naming missing/unexpected/mismatched tensors, or None if they agree exactly."""
+    have = {m.name: m for m in planned}
+    want = {m.name: m for m in expected}
+    missing = sorted(set(want) - set(have))
+    unexpected = sorted(set(have) - set(want))
+    mismatched = sorted(
+        f"{n}: sent {tuple(have[n].shape)} {have[n].dtype}, engine expects {tuple(want[n].shape)} {want[n].dtype}"
+        for n in set(have) & set(want)
+        if (tuple(have[n].shape), have[n].dtype) != (tuple(want[n].shape), want[n].dtype)
+    )
+    parts = []
+    if missing:
+        parts.append(f"missing (engine expects, trainer does not send): {missing[:20]}")
+    if unexpected:
+        parts.append(f"unexpected (trainer sends, engine does not expect): {unexpected[:20]}")
+    if mismatched:
+        parts.append(f"mismatched: {mismatched[:20]}")
+    return "; ".join(parts) or None

@@ -11,24 +11,22 @@ earlier stages' receives up front so they too overlap its own production.
 from __future__ import annotations
 
 import time
-import traceback
 from typing import Callable, Optional
 
 import torch
 
+from megatron_sync.agreement import describe
+from megatron_sync.errors import SyncAbortedError, SyncError
 from megatron_sync.metrics import PhaseTimer, SyncMetrics
-from megatron_sync.plan import DEFAULT_KEEP_TOGETHER, BucketPlan, KeepTogether, SyncPlan
+from megatron_sync.plan import BucketPlan, KeepTogether, SyncPlan, handshake_plan
 from megatron_sync.replica import HostReplica
 from megatron_sync.stream import HFWeightStream
-from megatron_sync.transport.base import (
-    ABORTED_NBYTES, BucketHeader, Pending, PendingBucket, SyncAbortedError, SyncError, Transport,
-    handshake_plan,
-)
+from megatron_sync.transport.base import ABORTED_NBYTES, BucketHeader, BucketTransport, Sender, Waitable
 
 BucketHook = Callable[[int, torch.Tensor], None]
 
 
-class WeightSender:
+class WeightSender(Sender):
     """Sends one pipeline stage's weights each sync; every trainer rank owns one.
 
     On a stage source, `transport` and `plan` are required. On other trainer
@@ -36,7 +34,7 @@ class WeightSender:
     collectives the source needs).
     """
 
-    def __init__(self, stream: HFWeightStream, transport: Optional[Transport], plan: Optional[SyncPlan],
+    def __init__(self, stream: HFWeightStream, transport: Optional[BucketTransport], plan: Optional[SyncPlan],
                  metrics_path: Optional[str] = None, *, after_checksum: Optional[BucketHook] = None) -> None:
         self.stream, self.transport, self.plan = stream, transport, plan
         self.metrics_path = metrics_path
@@ -51,8 +49,8 @@ class WeightSender:
             self.replica = HostReplica(plan, stream.stage)
 
     @classmethod
-    def connect(cls, stream: HFWeightStream, transport: Optional[Transport], *, bucket_size_bytes: int,
-                keep_together: KeepTogether = DEFAULT_KEEP_TOGETHER, **kwargs) -> "WeightSender":
+    def connect(cls, stream: HFWeightStream, transport: Optional[BucketTransport], *, bucket_size_bytes: int,
+                keep_together: KeepTogether = (), **kwargs) -> "WeightSender":
         """Return a sender after the start-up plan handshake (sources only; collective on the group)."""
         plan = None
         if stream.is_source:
@@ -86,8 +84,8 @@ class WeightSender:
             self._send_own_stage(version, metrics)
         except SyncError:
             raise
-        except Exception as e:  # agreed failure: tell every rank instead of leaving them waiting
-            error = f"stage {stage} sender: {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
+        except Exception as e:  # noqa: BLE001 — agreed failure: tell every rank instead of leaving them waiting
+            error = f"stage {stage} sender: {describe(e, limit=3)}"
             self._send_aborted(version)
         with PhaseTimer(metrics, "transfer"):
             for pending in earlier:
@@ -159,17 +157,14 @@ class WeightSender:
 
     def _commit(self, version: int, error: Optional[str]) -> None:
         """Two phases: all ranks agree everything arrived intact; then all confirm they loaded it."""
-        failures = self.transport.agree(error)
-        if failures:
-            raise SyncAbortedError(version, failures)
-        failures = self.transport.agree(None)
-        if failures:
-            raise SyncAbortedError(version, failures)
+        for status in (error, None):
+            self.transport.agree(status, what=f"sync of version {version}",
+                                 failure=lambda failures: SyncAbortedError(version, failures))
 
 
 def _split_convert_time(stream: HFWeightStream, metrics: SyncMetrics) -> None:
     """Move the stream's own conversion time out of "gather", where pulling the stream counted it."""
-    seconds = getattr(stream, "phase_seconds", {}).get("convert", 0.0)
+    seconds = stream.phase_seconds.get("convert", 0.0)
     metrics.phases["convert"] += seconds
     metrics.phases["gather"] = max(0.0, metrics.phases["gather"] - seconds)
 
@@ -186,7 +181,7 @@ def _drain(items) -> None:
 class _InFlight:
     """A sent bucket and when it was issued / first seen complete (for the overlap metric)."""
 
-    def __init__(self, pending: Pending | PendingBucket) -> None:
+    def __init__(self, pending: Waitable) -> None:
         self.pending = pending
         self.issued_at = time.perf_counter()
         self.done_at: Optional[float] = None

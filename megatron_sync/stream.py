@@ -8,7 +8,8 @@ from typing import Any, Iterator, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from megatron_sync.agreement import failing_together
+from megatron_sync.agreement import failing_together, torch_gather
+from megatron_sync.config import DEFAULT_GATHER_BUDGET_MB
 from megatron_sync.gather import GatherMemoryTracker, GatherUnit, ShardGatherer, plan_gather_units
 from megatron_sync.meta import TensorMeta
 from megatron_sync.parallel import ParallelLayout
@@ -36,11 +37,15 @@ class HFWeightStream(Protocol):
     def metadata(self) -> list[TensorMeta]:
         """Return the stage's HF tensors in yield order (empty on non-source ranks)."""
 
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds the last walk spent per phase inside the stream ("gather", "convert")."""
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (hf_name, tensor) on the source rank; participate in gathers elsewhere."""
 
 
-DEFAULT_GATHER_BUDGET_BYTES = 256 * 2**20
+DEFAULT_GATHER_BUDGET_BYTES = int(DEFAULT_GATHER_BUDGET_MB * 2**20)
 
 
 class MegatronWeightStream:
@@ -70,8 +75,8 @@ class MegatronWeightStream:
         self.tracker = tracker or GatherMemoryTracker()
         self._gatherer = ShardGatherer(layout, budget_bytes=gather_budget_bytes, tracker=self.tracker)
         self._meta: list[TensorMeta] = []
-        self.phase_seconds = {"gather": 0.0, "convert": 0.0}  # of the last walk
-        with failing_together("planning the weight stream (names, shapes, conversion rules)", group):
+        self._phase_seconds = {"gather": 0.0, "convert": 0.0}  # of the last walk
+        with failing_together("planning the weight stream (names, shapes, conversion rules)", torch_gather(group)):
             units = self._units()
             self._unit_names = [u.name for u in units]
             if self.is_source:
@@ -88,6 +93,10 @@ class MegatronWeightStream:
     def metadata(self) -> list[TensorMeta]:
         return list(self._meta)
 
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        return self._phase_seconds
+
     def _units(self) -> list[GatherUnit]:
         tensors = walk_model_chunks(self._chunks, self.layout, is_buffer=self.converter.is_buffer)
         return [u for u in plan_gather_units(tensors, self.layout) if not self.converter.is_skipped(u.name)]
@@ -100,13 +109,13 @@ class MegatronWeightStream:
                 "rebuild the weight sync after changing the model"
             )
         expected = iter(self._meta)
-        self.phase_seconds = {"gather": 0.0, "convert": 0.0}
+        self._phase_seconds = seconds = {"gather": 0.0, "convert": 0.0}
         gathered = self._gatherer.gather(units)
         failure: Exception | None = None
         while True:
             start = time.perf_counter()
             item = next(gathered, None)
-            self.phase_seconds["gather"] += time.perf_counter() - start
+            seconds["gather"] += time.perf_counter() - start
             if item is None:
                 break
             unit, full = item
@@ -115,7 +124,7 @@ class MegatronWeightStream:
             try:
                 start = time.perf_counter()
                 converted = self.converter.convert(unit.name, full)
-                self.phase_seconds["convert"] += time.perf_counter() - start
+                seconds["convert"] += time.perf_counter() - start
                 for hf_name, tensor in converted:
                     _check_against_plan(next(expected, None), hf_name, tensor, unit.name)
             except Exception as exc:  # noqa: BLE001 — raised once the walk is complete

@@ -1,35 +1,38 @@
-"""The driver on both sides: set up once, then sync (trainer) or serve syncs (inference).
+"""The drivers on both sides: set up once, then sync (trainer) or serve syncs (inference).
 
-Trainer: `TrainerWeightSync` per trainer rank owns the HF weight stream and,
-on each pipeline stage's source rank, the transport and the sender. Inference:
-`InferenceWeightSync` per inference rank owns the receiver and follows the
-trainer's control messages (sync version v, stop). Control messages go
-through the rendezvous store, not collectives, so an engine can idle between
-syncs for as long as training takes while a dead trainer is still noticed.
+Trainer: `TrainerWeightSync` on every trainer rank owns the HF weight stream and
+the sender the configured transport builds. Inference: `InferenceWeightSync` on
+every inference rank owns the receiver and follows the trainer's control
+messages (sync version v, stop, application messages). Both pick the transport
+by `weight_sync.transport` from the registry and use only the declared
+`Transport` interface, so a new transport needs no change here.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_sync.agreement import failing_together
+from converters import get_converter, get_family
+from megatron_sync.agreement import failing_together, torch_gather
 from megatron_sync.config import WeightSyncConfig
+from megatron_sync.engines.base import EngineAdapter, EngineClient
+from megatron_sync.engines.serving import GenerationServer
+from megatron_sync.errors import SyncAbortedError
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.metrics import SyncMetrics
 from megatron_sync.parallel import ParallelLayout
-from megatron_sync.receiver.engine import EngineAdapter
-from megatron_sync.receiver.receiver import WeightReceiver
-from megatron_sync.sender import WeightSender
 from megatron_sync.stream import MegatronWeightStream, all_stage_metadata, check_model_complete
-from megatron_sync.transport.base import SyncAbortedError, init_transport_group
-from megatron_sync.transport.broadcast import BroadcastTransport
+from megatron_sync.transport import get_transport
+from megatron_sync.transport.control import ControlMessage, ControlOp, Report
 
 log = logging.getLogger("megatron_sync")
 MiB = 2**20
+IDLE_TIMEOUT_S = 24 * 3600.0  # how long an engine waits for the trainer's next message
 
 
 def build_converter(config: WeightSyncConfig, hf_config: Any = None) -> Any:
@@ -38,8 +41,6 @@ def build_converter(config: WeightSyncConfig, hf_config: Any = None) -> Any:
     The HF config is `hf_config` when given (a transformers config or a dict),
     else the JSON file at `config.hf_config_path`.
     """
-    from converters import get_converter
-
     if hf_config is None:
         if config.hf_config_path is None:
             raise ValueError(
@@ -48,17 +49,7 @@ def build_converter(config: WeightSyncConfig, hf_config: Any = None) -> Any:
             )
         with open(config.hf_config_path) as f:
             hf_config = json.load(f)
-    return get_converter(config.family, hf_config, dtype=dtype_from_name(config.dtype))
-
-
-def _transport(config: WeightSyncConfig, num_stages: int, rank: int) -> BroadcastTransport:
-    backend = config.resolved_backend(torch.cuda.is_available())
-    world = num_stages + config.num_inference_ranks
-    group = init_transport_group(
-        config.master_address, config.master_port, world, rank,
-        backend=backend, timeout=config.timeout_s, group_name="megatron_sync",
-    )
-    return BroadcastTransport(group, num_stages)
+    return get_converter(config.require_family(), hf_config, dtype=dtype_from_name(config.dtype))
 
 
 class TrainerWeightSync:
@@ -66,8 +57,9 @@ class TrainerWeightSync:
 
     Start-up checks, before any weight moves: every Megatron parameter has a
     conversion rule, the stages together produce exactly the HF checkpoint the
-    converter expects, and every rank of the transport group computed the same
-    plan. Any failure is raised on every trainer rank.
+    converter expects, and every rank of the transport computed the same plan.
+    Any failure is raised on every trainer rank. `engine_client` (vLLM, SGLang)
+    is driven around every sync by the leader.
     """
 
     def __init__(
@@ -77,35 +69,36 @@ class TrainerWeightSync:
         converter: Any = None,
         layout: Optional[ParallelLayout] = None,
         *,
+        hf_config: Any = None,
         trainer_group: Any = None,
+        engine_client: Optional[EngineClient] = None,
     ):
         if not config.enabled:
             raise ValueError("weight_sync.enabled is false; build no TrainerWeightSync (WeightSyncCallback.from_config skips it)")
-        converter = converter if converter is not None else build_converter(config)
+        converter = converter if converter is not None else build_converter(config, hf_config)
         self.config = config
         self.layout = layout or ParallelLayout.from_megatron()
-        self.trainer_group = trainer_group
+        self.engine_client = engine_client
         self.version = 0
-        self.transport: Optional[BroadcastTransport] = None
+        self._gather = torch_gather(trainer_group)
         self.stream = MegatronWeightStream(
             chunks, self.layout, converter,
             gather_budget_bytes=int(config.gather_budget_mb * MiB), group=trainer_group,
         )
-        with failing_together("checking that the stages produce a complete HF checkpoint", trainer_group):
+        with failing_together("checking that the stages produce a complete HF checkpoint", self._gather):
             if self.stream.is_source:
                 check_model_complete(all_stage_metadata(self.stream), converter)
-        with failing_together("connecting to the inference ranks", trainer_group):
-            if self.stream.is_source:
-                self.transport = _transport(config, self.layout.pp, rank=self.stream.stage)
-            self.sender = WeightSender.connect(
-                self.stream, self.transport, bucket_size_bytes=config.bucket_size_bytes,
-                metrics_path=config.metrics_path,
-            )
+        transport_cls = get_transport(config.transport)
+        self.transport = None
+        with failing_together("connecting to the inference ranks", self._gather):
+            if transport_cls.trainer_joins(self.layout):
+                self.transport = transport_cls.connect_trainer(config, self.layout)
+            self.sender = transport_cls.make_sender(self.transport, self.stream, config, converter.keep_together)
 
     @property
     def is_leader(self) -> bool:
-        """True on the rank that talks to the engines (stage 0's source)."""
-        return self.transport is not None and self.transport.rank == 0
+        """True on the rank that talks to the engines (the transport's rank 0)."""
+        return self.transport is not None and self.transport.is_leader
 
     def sync(self) -> SyncMetrics:
         """Stream the current weights as the next version; return this rank's metrics.
@@ -115,29 +108,32 @@ class TrainerWeightSync:
         """
         version = self.version + 1
         if self.is_leader:
-            self.post_control({"op": "sync", "version": version})
-        with failing_together(f"weight sync of version {version}", self.trainer_group):
-            metrics = self.sender.sync(version)
+            if self.engine_client is not None:
+                self.engine_client.before_sync(version)
+            self.transport.control.send(ControlMessage(ControlOp.SYNC, version))
+        ok = False
+        try:
+            with failing_together(f"weight sync of version {version}", self._gather):
+                metrics = self.sender.sync(version)
+            ok = True
+        finally:
+            if self.is_leader and self.engine_client is not None:
+                self.engine_client.after_sync(version, ok)
         self.version = version
         return metrics
 
-    def post_control(self, message: dict) -> None:
-        """Send a control message to every inference rank (leader only); numbered in order."""
-        assert self.is_leader, "only stage 0's source rank talks to the engines"
-        self._sequence = getattr(self, "_sequence", 0) + 1
-        self.transport.group.post(f"control/{self._sequence}", json.dumps(message).encode())
+    def send_app_message(self, payload: dict) -> None:
+        """Send an application message (JSON-serialisable) to every inference rank (leader only)."""
+        assert self.is_leader, "only the leader talks to the engines"
+        self.transport.control.send(ControlMessage(ControlOp.APP, self.version, payload))
 
     def receiver_metrics(self, version: int) -> list[SyncMetrics]:
-        """Return the metrics each inference rank posted for `version` (leader only)."""
-        group = self.transport.group
-        first = group.rank + self.layout.pp
-        return [
-            SyncMetrics.from_json(group.fetch(f"metrics/{version}/{rank}").decode())
-            for rank in range(first, group.world_size)
-        ]
+        """Return the metrics each inference rank reported for `version` (leader only)."""
+        reports = self.transport.control.collect(Report.METRICS, version, self.transport.inference_ranks)
+        return [SyncMetrics.from_json(raw.decode()) for raw in reports.values()]
 
     def close(self) -> None:
-        """Tell the engines to stop (leader) and release the transport group.
+        """Tell the engines to stop (leader) and release the transport.
 
         The leader hosts the rendezvous store, so it waits (up to `timeout_s`)
         until every engine rank has read "stop" before the store goes away.
@@ -145,18 +141,28 @@ class TrainerWeightSync:
         if self.transport is not None:
             if self.is_leader:
                 try:
-                    self.post_control({"op": "stop"})
-                    group = self.transport.group
-                    for rank in range(self.layout.pp, group.world_size):
-                        group.fetch(f"stopped/{rank}")
+                    self.transport.control.send(ControlMessage(ControlOp.STOP, self.version))
+                    self.transport.control.collect(Report.STOPPED, self.version, self.transport.inference_ranks)
                 except Exception:  # noqa: BLE001 — closing after a failure must not mask it
                     log.warning("the engines did not all acknowledge 'stop'", exc_info=True)
             self.transport.close()
             self.transport = None
+        if self.engine_client is not None:
+            self.engine_client.close()
+            self.engine_client = None
+
+
+AppHandler = Callable[[ControlMessage], None]
 
 
 class InferenceWeightSync:
-    """The inference half on one inference rank: joins the transport group and applies syncs."""
+    """The inference half on one inference rank: joins the transport and applies syncs.
+
+    Commits go through a `GenerationServer` with the config's `inflight_policy`:
+    a version arriving while the engine generates goes live at a step boundary
+    all of the engine's ranks (`engine_group`) agree on, and requests in flight
+    are aborted, recomputed or kept as the policy says.
+    """
 
     def __init__(
         self,
@@ -166,7 +172,6 @@ class InferenceWeightSync:
         num_trainer_stages: int,
         inference_rank: int,
         engine_group: Any = None,
-        commit: Optional[Callable[[dict, int], None]] = None,
     ):
         if not 0 <= inference_rank < config.num_inference_ranks:
             raise ValueError(
@@ -174,49 +179,56 @@ class InferenceWeightSync:
             )
         self.config = config
         self.engine = engine
-        self.transport = _transport(config, num_trainer_stages, rank=num_trainer_stages + inference_rank)
-        receiver_kwargs = {"commit": commit} if commit is not None else {}
-        self.receiver = WeightReceiver(
-            engine, self.transport, engine_group, bucket_size_bytes=config.bucket_size_bytes,
-            metrics_path=config.metrics_path, **receiver_kwargs,
-        )
-        self._sequence = 0
+        self.server = GenerationServer(engine, engine_group=engine_group, inflight_policy=config.inflight_policy,
+                                       commit_timeout_s=config.timeout_s)
+        keep_together = get_family(config.require_family()).keep_together
+        transport_cls = get_transport(config.transport)
+        self.transport = transport_cls.connect_inference(
+            config, num_trainer_stages=num_trainer_stages, inference_rank=inference_rank)
+        self.receiver = self.transport.make_receiver(engine, config, keep_together, commit=self.server.commit)
 
-    def next_control(self, idle_timeout_s: float = 24 * 3600) -> dict:
+    def next_control(self, timeout_s: float = IDLE_TIMEOUT_S) -> ControlMessage:
         """Wait for the trainer's next control message and return it."""
-        self._sequence += 1
-        raw = self.transport.group.fetch(f"control/{self._sequence}", timeout_s=idle_timeout_s)
-        return json.loads(raw.decode())
+        return self.transport.control.next(timeout_s)
 
     def apply(self, version: int) -> Optional[SyncMetrics]:
         """Receive `version`; return metrics, or None if the sync was aborted on every rank.
 
-        An aborted sync leaves the engine on its previous version and the group
-        ready for the next one; a dead peer raises PeerFailureError.
+        An aborted sync leaves the engine on its previous version and the
+        transport ready for the next one; a dead peer raises PeerFailureError.
         """
         try:
             metrics = self.receiver.receive(version)
         except SyncAbortedError as e:
             log.error("[inference rank %d] %s", self.transport.rank, e)
             return None
-        self.transport.group.post(f"metrics/{version}/{self.transport.rank}", metrics.to_json().encode())
+        self.transport.control.report(Report.METRICS, version, self.transport.rank, metrics.to_json().encode())
         return metrics
 
-    def serve(self, handlers: Optional[dict[str, Callable[[dict], None]]] = None) -> None:
-        """Follow control messages until "stop": apply each sync, call `handlers[op]` for others."""
+    def apply_in_background(self, version: int) -> Future:
+        """Receive `version` while the engine keeps generating; the switch obeys `inflight_policy`."""
+        return self.server.run_in_background(self.apply, version)
+
+    def serve(self, handlers: Optional[dict[str, AppHandler]] = None) -> None:
+        """Follow control messages until "stop": apply each sync, pass application messages to
+        `handlers[payload["name"]]`."""
         handlers = handlers or {}
         while True:
             message = self.next_control()
-            op = message["op"]
-            if op == "stop":
-                self.transport.group.post(f"stopped/{self.transport.rank}", b"1")
+            if message.op is ControlOp.STOP:
+                self.transport.control.report(Report.STOPPED, message.version, self.transport.rank,
+                                              str(self.engine.version).encode())
                 return
-            if op == "sync":
-                self.apply(message["version"])
-            elif op in handlers:
-                handlers[op](message)
-            else:
-                raise ValueError(f"unknown control message {message!r}; this engine handles {['sync', 'stop', *handlers]}")
+            if message.op is ControlOp.SYNC:
+                self.apply(message.version)
+                continue
+            name = message.payload.get("name")
+            if name not in handlers:
+                raise ValueError(f"application message {name!r} has no handler on this engine; "
+                                 f"handlers: {sorted(handlers)}")
+            handlers[name](message)
 
     def close(self) -> None:
+        """Finish a background receive, then release the transport."""
+        self.server.close()
         self.transport.close()

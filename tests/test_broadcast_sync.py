@@ -8,12 +8,14 @@ import time
 import pytest
 import torch
 
+from megatron_sync.errors import PeerFailureError, SyncError
 from megatron_sync.metrics import SyncMetrics, format_table
-from megatron_sync.receiver.receiver import WeightReceiver
+from megatron_sync.receiver import WeightReceiver
 from megatron_sync.sender import WeightSender
-from megatron_sync.transport.base import PeerFailureError, SyncError, init_transport_group
 from megatron_sync.transport.broadcast import BroadcastTransport
-from tests.fakes import STAGES, FakeEngine, FakeStream, free_port, make_tensor, run_ranks, shard_rule
+from megatron_sync.transport.group import init_transport_group
+from tests.support.dist import free_port, run_ranks
+from tests.support.fakes import STAGES, FakeEngine, FakeStream, make_tensor, shard_rule
 
 P, N, TP = 2, 2, 2
 BUCKET_BYTES = 2048
@@ -97,7 +99,7 @@ def _run_receiver(rank: int, transport, bucket: int, sc: dict) -> list:
 
 def _run(sc: dict, timeout: float = 60.0) -> dict:
     sc = {"port": free_port(), **sc}
-    return run_ranks(_rank_main, P + N, (sc,), timeout=timeout)
+    return run_ranks(_rank_main, P + N, sc, timeout=timeout, init_group=False)
 
 
 def test_syncs_exact_then_corrupt_and_sender_failure_abort_everywhere(tmp_path):

@@ -18,8 +18,7 @@ def test_defaults_are_valid_and_keyword_only():
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"every_n_steps": 0}, "every_n_steps"),
-    ({"transport": "p2p"}, "reserved but not yet supported"),
-    ({"transport": "carrier_pigeon"}, "transport"),
+    ({"transport": "carrier_pigeon"}, r"transport='carrier_pigeon' is not valid; use one of \['broadcast'"),
     ({"backend": "mpi"}, "backend"),
     ({"master_port": 70000}, "master_port"),
     ({"master_address": ""}, "master_address"),

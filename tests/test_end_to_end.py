@@ -37,7 +37,7 @@ def _write_job(tmp_path, config: str, **verify) -> tuple[str, dict]:
 
 def _run_demo(path: str, *extra: str, time_limit: int = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "megatron_sync.demo", "--config", path, "--time-limit", str(time_limit), *extra],
+        [sys.executable, "-m", "examples.demo", "--config", path, "--time-limit", str(time_limit), *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=time_limit + 60,
     )
 
@@ -45,7 +45,7 @@ def _run_demo(path: str, *extra: str, time_limit: int = 240) -> subprocess.Compl
 def _engine_slicer(job: dict, tp_rank: int):
     from megatron_sync.engines.reference import ReferenceEngine
     from megatron_sync.meta import dtype_from_name
-    from megatron_sync.testing.models import ModelSpec, hf_config
+    from tests.support.models import ModelSpec, hf_config
 
     ws = job["weight_sync"]
     return ReferenceEngine(hf_config(ModelSpec(**job["model"])), tp_rank=tp_rank, tp_size=ws["engine_tp_size"],

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_sync.testing.dist import run_distributed
+from tests.support.dist import run_distributed
 
 DENSE = ("llama", "qwen2", "qwen3")
 MOE = ("qwen3_moe", "deepseek_v3")
@@ -23,7 +23,7 @@ def _stream_family(family: str, layout_kw: dict, budget: int):
     from megatron_sync.gather import GatherMemoryTracker
     from megatron_sync.parallel import ParallelLayout
     from megatron_sync.stream import MegatronWeightStream
-    from megatron_sync.testing import models
+    from tests.support import models
 
     spec = models.ModelSpec(family=family)
     chunks = models.build_model_chunks(spec, vpp=layout_kw.get("vpp"))
@@ -39,7 +39,7 @@ def _stream_family(family: str, layout_kw: dict, budget: int):
 
 
 def _worker(rank, world_size, layout_kw, families, budget):
-    from megatron_sync.testing.dist import init_megatron
+    from tests.support.dist import init_megatron
 
     init_megatron(**layout_kw)
     return {family: _stream_family(family, layout_kw, budget) for family in families}
@@ -111,8 +111,8 @@ def _start_up_errors(rank, world_size):
     from megatron_sync.agreement import AgreedFailure
     from megatron_sync.parallel import ParallelLayout
     from megatron_sync.stream import MegatronWeightStream, check_model_complete
-    from megatron_sync.testing import models
-    from megatron_sync.testing.dist import init_megatron
+    from tests.support import models
+    from tests.support.dist import init_megatron
 
     init_megatron(tp=2)
     spec = models.ModelSpec(family="qwen3")
@@ -165,8 +165,8 @@ def _convert_fails_mid_stream(rank, world_size):
     from converters import get_converter
     from megatron_sync.parallel import ParallelLayout
     from megatron_sync.stream import MegatronWeightStream
-    from megatron_sync.testing import models
-    from megatron_sync.testing.dist import init_megatron
+    from tests.support import models
+    from tests.support.dist import init_megatron
 
     init_megatron(tp=2)
     spec = models.ModelSpec(family="qwen3")

@@ -30,7 +30,7 @@ def _step_and_read(rank: int, world_size: int, port: int, overlap: bool, out) ->
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_sync.callback import ensure_params_gathered
-    from megatron_sync.testing import models
+    from tests.support import models
 
     torch.cuda.set_device(rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -65,7 +65,7 @@ def _step_and_read(rank: int, world_size: int, port: int, overlap: bool, out) ->
 def _run(overlap: bool) -> dict[int, tuple]:
     import torch.multiprocessing as mp
 
-    from megatron_sync.testing.dist import free_port
+    from tests.support.dist import free_port
 
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()

@@ -5,7 +5,7 @@ load seeded reference weights, run Megatron's own forward on fixed tokens,
 stream the weights through the library's gather + convert path
 (``MegatronWeightStream``, float32 target so that no rounding is added), then
 on the stage source save them as a safetensors checkpoint and load it with
-``AutoModelForCausalLM.from_pretrained`` (see ``megatron_sync.testing.hf_check``
+``AutoModelForCausalLM.from_pretrained`` (see ``tests.support.hf_check``
 for why the checkpoint path). Nothing of the library is on the HF side: a wrong
 name, a wrong QKV / gate-up split, a shard gathered in the wrong order, a
 dropped router bias or an untrimmed vocabulary either fails to load or moves
@@ -33,8 +33,8 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_sync.testing.dist import run_distributed
-from megatron_sync.testing.models import ModelSpec
+from tests.support.dist import run_distributed
+from tests.support.models import ModelSpec
 
 pytestmark = pytest.mark.multiproc
 
@@ -67,8 +67,8 @@ class CaseResult:
 
 def _negative_controls(tensors: dict, spec: ModelSpec, tokens, reference: torch.Tensor) -> dict[str, float]:
     """Return how far plausible conversion mistakes move the HF logits (must be >> ATOL)."""
-    from megatron_sync.testing.hf_check import hf_logits_from_checkpoint
-    from megatron_sync.testing.models import hf_config
+    from tests.support.hf_check import hf_logits_from_checkpoint
+    from tests.support.models import hf_config
 
     variants = {}
     mlp = "model.layers.0.mlp."
@@ -94,8 +94,8 @@ def _run_case(spec: ModelSpec, controls: bool):
     from converters import get_converter
     from megatron_sync.parallel import ParallelLayout
     from megatron_sync.stream import MegatronWeightStream
-    from megatron_sync.testing import models
-    from megatron_sync.testing.hf_check import hf_logits_from_checkpoint
+    from tests.support import models
+    from tests.support.hf_check import hf_logits_from_checkpoint
 
     chunks = models.build_model_chunks(spec)
     models.load_reference_weights(chunks, models.reference_weights(spec, seed=SEED), spec)
@@ -117,7 +117,7 @@ def _run_case(spec: ModelSpec, controls: bool):
 
 
 def _worker(rank, world_size, layout_kw, cases, controls):
-    from megatron_sync.testing.dist import init_megatron
+    from tests.support.dist import init_megatron
 
     init_megatron(**layout_kw)
     return {name: _run_case(CASES[name], controls) for name in cases}

@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from megatron_sync.meta import TensorMeta
-from megatron_sync.plan import DEFAULT_KEEP_TOGETHER, build_plan
-from megatron_sync.transport.base import coverage_problem
+from converters import get_family
+from megatron_sync.plan import build_plan
+
+DEEPSEEK_KEEP_TOGETHER = get_family("deepseek_v3").keep_together
+from megatron_sync.plan import coverage_problem
 
 bf16, f32, i64, u8 = torch.bfloat16, torch.float32, torch.int64, torch.uint8
 
@@ -74,7 +77,7 @@ def _bucket_of(plan, name):
 
 def test_keep_together_lands_in_one_bucket():
     metas = _mla(1) + _mla(11)
-    plan = build_plan([metas], 160, keep_together=DEFAULT_KEEP_TOGETHER)  # 80 B per tensor
+    plan = build_plan([metas], 160, keep_together=DEEPSEEK_KEEP_TOGETHER)  # 80 B per tensor
     for layer in (1, 11):
         q = _bucket_of(plan, f"model.layers.{layer}.self_attn.q_a_proj.weight")
         kv = _bucket_of(plan, f"model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight")
@@ -91,13 +94,13 @@ def test_keep_together_matches_whole_name_and_same_layer_only():
         TensorMeta("model.layers.11.self_attn.kv_a_proj_with_mqa.weight", (40,), bf16),
         TensorMeta("model.layers.1.self_attn.q_a_proj.weight.extra", (40,), bf16),
     ]
-    plan = build_plan([metas], 80, keep_together=DEFAULT_KEEP_TOGETHER)
+    plan = build_plan([metas], 80, keep_together=DEEPSEEK_KEEP_TOGETHER)
     assert len(plan.buckets) == 3  # nothing grouped: layers differ, suffix breaks fullmatch
 
 
 def test_oversized_keep_together_unit_gets_its_own_bucket():
     metas = [T("x", 1)] + _mla(2, q=100, kv=100) + [T("y", 1)]
-    plan = build_plan([metas], 64, keep_together=DEFAULT_KEEP_TOGETHER)
+    plan = build_plan([metas], 64, keep_together=DEEPSEEK_KEEP_TOGETHER)
     names = [[e.name for e in b.entries] for b in plan.buckets]
     assert ["model.layers.2.self_attn.q_a_proj.weight",
             "model.layers.2.self_attn.kv_a_proj_with_mqa.weight"] in names

@@ -20,10 +20,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_sync.engines.reference import FAMILIES, ReferenceEngine, full_state_from_hf_model
-from megatron_sync.engines.tp_layers import Split, split_kv_heads
-from megatron_sync.receiver.engine import EngineAdapter
-from megatron_sync.testing.dist import run_distributed
+from converters import BUILTIN_FAMILIES, Shard, UnknownFamilyError
+from megatron_sync.engines.reference import ReferenceEngine, full_state_from_hf_model
+from megatron_sync.engines.tp_layers import split_kv_heads
+from megatron_sync.engines.base import EngineAdapter
+from tests.support.dist import run_distributed
 
 TP = 2
 VOCAB = 250
@@ -41,7 +42,7 @@ def tiny_config(family: str):
         "qwen3_moe": dict(
             **gqa, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False
         ),
-        "llama": dict(**gqa, attention_bias=True, tie_word_embeddings=False),
+        "llama": dict(**gqa, attention_bias=False, tie_word_embeddings=False),
         "qwen2": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
         "deepseek_v3": dict(
             num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
@@ -73,7 +74,7 @@ def _tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
 
 
-# ---- multi-process runs (megatron_sync.testing.dist.run_distributed) ----
+# ---- multi-process runs (tests.support.dist.run_distributed) ----
 
 
 def _fleet_rank(rank, world_size, cases, out_dir):
@@ -89,7 +90,7 @@ def _fleet_rank(rank, world_size, cases, out_dir):
             version=engine.version,
             logits=engine.logits(tokens),
             generated=engine.generate(tokens, max_new_tokens=4),
-            shards=engine.state_shards(),
+            shards=engine.snapshot(),
             dims={n: engine.shard_dim(n) for n in full},
         )
         # Negative control: row-parallel shards of the other rank, column-parallel ones of this rank.
@@ -149,7 +150,7 @@ def test_tp2_logits_equal_transformers(family, references, fleet_results):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_tp2_state_shards_reassemble_bitwise(family, references, fleet_results):
+def test_tp2_snapshot_shards_reassemble_bitwise(family, references, fleet_results):
     full = references[family]["full"]
     tp2_results = fleet_results[:TP]  # the first engine
     assert set(tp2_results[0][family]["shards"]) == set(full)
@@ -198,18 +199,19 @@ def test_shard_of_slices_by_rule():
     cfg = tiny_config("qwen3_moe")
     engines = [ReferenceEngine(cfg, tp_rank=r, tp_size=TP) for r in range(TP)]
     cases = {
-        "model.layers.0.self_attn.q_proj.weight": (Split.COLUMN, 0),
-        "model.layers.0.self_attn.k_proj.weight": (Split.KV_HEADS, 0),
-        "model.layers.0.self_attn.o_proj.weight": (Split.ROW, 1),
-        "model.layers.1.mlp.experts.2.up_proj.weight": (Split.COLUMN, 0),
-        "model.layers.1.mlp.experts.2.down_proj.weight": (Split.ROW, 1),
-        "model.layers.1.mlp.gate.weight": (Split.REPLICATED, None),
-        "model.embed_tokens.weight": (Split.REPLICATED, None),
+        "model.layers.0.self_attn.q_proj.weight": (Shard.COLUMN, 0),
+        "model.layers.0.self_attn.k_proj.weight": (Shard.KV_HEADS, 0),
+        "model.layers.0.self_attn.o_proj.weight": (Shard.ROW, 1),
+        "model.layers.1.mlp.experts.2.up_proj.weight": (Shard.COLUMN, 0),
+        "model.layers.1.mlp.experts.2.down_proj.weight": (Shard.ROW, 1),
+        "model.layers.1.mlp.gate.weight": (Shard.REPLICATED, None),
+        "model.embed_tokens.weight": (Shard.VOCAB, None),  # this engine keeps the vocabulary whole
     }
     metas = {m.name: m for m in engines[0].expected_tensors()}
-    for name, (_, dim) in cases.items():
+    for name, (role, dim) in cases.items():
         full = torch.arange(metas[name].numel, dtype=torch.float32).reshape(metas[name].shape)
         shards = [e.shard_of(name, full) for e in engines]
+        assert engines[0].converter.shard_role(name) is role, name  # the family's row says so
         assert all(e.shard_dim(name) == dim for e in engines), name
         if dim is None:
             assert all(s is full or torch.equal(s, full) for s in shards)
@@ -252,8 +254,8 @@ def test_errors_name_the_tensor_and_the_fix():
 def test_unsupported_family_and_bad_tp():
     from transformers import AutoConfig
 
-    with pytest.raises(NotImplementedError, match="gpt2"):
+    with pytest.raises(UnknownFamilyError, match="no model family converts HF model_type 'gpt2'"):
         ReferenceEngine(AutoConfig.for_model("gpt2"), tp_rank=0, tp_size=1)
     with pytest.raises(ValueError, match="num_attention_heads=4 does not divide"):
         ReferenceEngine(tiny_config("qwen3"), tp_rank=0, tp_size=3)
-    assert set(FAMILY_NAMES) == set(FAMILIES)
+    assert set(FAMILY_NAMES) == set(BUILTIN_FAMILIES)

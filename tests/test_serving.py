@@ -29,7 +29,7 @@ import torch.distributed as dist
 from megatron_sync.engines.reference import ReferenceEngine, full_state_from_hf_model
 from megatron_sync.engines.serving import GenerationServer
 from megatron_sync.meta import TensorMeta
-from megatron_sync.testing.dist import free_port, run_distributed
+from tests.support.dist import free_port, run_distributed
 from tests.test_reference_engine import tiny_config
 
 PROMPTS = [[17, 201, 5, 88, 140], [3, 99, 245, 61, 12, 170, 7]]
@@ -64,7 +64,7 @@ class _VersionedStream:
     def __init__(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
         self.states, self.version = states, 0
 
-    is_source, stage = True, 0
+    is_source, stage, phase_seconds = True, 0, {}
 
     def metadata(self) -> list[TensorMeta]:
         return [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in self.states["A"].items()]
@@ -74,10 +74,10 @@ class _VersionedStream:
 
 
 def _rank_main(rank: int, world_size: int, port: int, states: dict) -> dict:
-    from megatron_sync.receiver.receiver import WeightReceiver
+    from megatron_sync.receiver import WeightReceiver
     from megatron_sync.sender import WeightSender
-    from megatron_sync.transport.base import init_transport_group
     from megatron_sync.transport.broadcast import BroadcastTransport
+    from megatron_sync.transport.group import init_transport_group
 
     engine_group = dist.new_group([1, 2])  # collective: every rank creates it
     group = init_transport_group("127.0.0.1", port, world_size, rank, timeout=40.0, group_name="serving")
@@ -111,7 +111,7 @@ def _serve(engine, engine_group, receiver, policy: str, old: int, new: int, skew
     """
     server = GenerationServer(engine, engine_group=engine_group, inflight_policy=policy, commit_timeout_s=30.0)
     receiver.commit = server.commit
-    server.receive_async(receiver, old).result(timeout=60)
+    server.run_in_background(receiver.receive, old).result(timeout=60)
     version_after_idle_commit = engine.version
     switch: list = []
 
@@ -119,7 +119,7 @@ def _serve(engine, engine_group, receiver, policy: str, old: int, new: int, skew
 
     def before_step(step: int) -> None:
         if step == SWITCH_AT:
-            switch.append(server.receive_async(receiver, new))
+            switch.append(server.run_in_background(receiver.receive, new))
         if step == SWITCH_AT + (2 if lagging else 0):
             server.wait_for_commit(new, timeout=30.0)  # staged here before this boundary's agreement
 

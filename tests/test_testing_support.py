@@ -5,14 +5,14 @@ import time
 import pytest
 import torch
 
-from megatron_sync.testing.dist import (
+from tests.support.dist import (
     RemoteProcessError,
     init_megatron,
     run_distributed,
     teardown_megatron,
 )
-from megatron_sync.testing.models import (
-    FAMILIES,
+from converters import BUILTIN_FAMILIES as FAMILIES
+from tests.support.models import (
     ModelSpec,
     hf_config,
     padded_vocab_size,
@@ -32,7 +32,7 @@ def _tokens(spec):
 
 def _logits_per_case(rank, world_size, cases):
     """Worker: for each (family, layout), build, load seed-0 weights, return logits."""
-    from megatron_sync.testing.models import build_model_chunks, load_reference_weights, megatron_logits
+    from tests.support.models import build_model_chunks, load_reference_weights, megatron_logits
 
     out = {}
     for family, layout in cases:
@@ -49,7 +49,7 @@ def _logits_per_case(rank, world_size, cases):
 
 def _load_errors(rank, world_size, family):
     """Worker: loading with a missing or an extra-but-unused tensor must raise."""
-    from megatron_sync.testing.models import build_model_chunks, load_reference_weights
+    from tests.support.models import build_model_chunks, load_reference_weights
 
     init_megatron()
     spec = ModelSpec(family)
@@ -174,7 +174,7 @@ def test_run_distributed_times_out_and_kills_workers():
 
 def _pipeline_layout(rank, world_size, cases):
     """Worker: build and load PP/VPP chunks; return (pre, post, layer numbers) per chunk."""
-    from megatron_sync.testing.models import build_model_chunks, load_reference_weights
+    from tests.support.models import build_model_chunks, load_reference_weights
 
     out = []
     for family, layout, tie in cases:
@@ -203,7 +203,7 @@ def test_pipeline_chunks_build_and_load():
 
 
 def _pipeline_logits(rank, world_size, layout, family):
-    from megatron_sync.testing.models import build_model_chunks, load_reference_weights, megatron_logits
+    from tests.support.models import build_model_chunks, load_reference_weights, megatron_logits
 
     init_megatron(**layout)
     spec = ModelSpec(family)

@@ -1,22 +1,21 @@
 """The reference inference engine: Hugging Face transformers on CPU with its own tensor parallelism.
 
-Each engine rank builds the transformers model of the config's family on the
-meta device, swaps its projections for tensor-parallel layers that hold only
+Each engine rank builds the transformers model of the config's `model_type` on
+the meta device, swaps its projections for tensor-parallel layers that hold only
 this rank's shard, and only then allocates memory, so no rank ever holds the
-full model. Sharding follows vLLM:
+full model. What the engine loads (names, shapes, dtypes) and how each tensor is
+split come from the model family's one home in `converters/` (each HF tensor
+row's `Shard` role); this engine maps the roles to vLLM-style slicing:
 
-- column parallel (dim 0): q/k/v (by heads; GQA key/value heads replicated when
-  TP exceeds them), MLA's q_b_proj / kv_b_proj, MLP and per-expert gate/up;
-- row parallel (dim 1, outputs summed over the group): o_proj, MLP and
-  per-expert down_proj;
-- replicated: norms, MoE routers (and DeepSeek's e_score_correction_bias),
-  MLA's low-rank down projections, and the embeddings and lm_head, so that
-  every rank computes full-vocabulary logits without a gather.
+- COLUMN (dim 0) and ROW (dim 1, outputs summed over the group) in equal chunks;
+- KV_HEADS by key/value heads, a head replicated when TP exceeds them;
+- REPLICATED as is, and VOCAB replicated too (embeddings and lm_head whole, so
+  every rank computes full-vocabulary logits without a gather).
 
 The engine speaks the HF checkpoint format (what the trainer sends), with
 per-expert names; transformers 5 keeps experts fused in memory
-(`mlp.experts.gate_up_proj[e] = [gate_e; up_e]`), and the rule table says
-where each per-expert tensor lives inside the fused one.
+(`mlp.experts.gate_up_proj[e] = [gate_e; up_e]`, `mlp.experts.down_proj[e]`),
+and `FUSED_EXPERTS` says where each per-expert tensor lives inside the fused one.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from __future__ import annotations
 import copy
 import glob
 import os
-import re
 import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,10 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from converters import Shard, family_of_model_type, get_converter
+from converters.patterns import compile_pattern
 from megatron_sync.engines.tp_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
-    Split,
     all_reduce_,
     local_kv_heads,
     split_even,
@@ -47,91 +46,17 @@ from megatron_sync.meta import TensorMeta
 if TYPE_CHECKING:
     from transformers.cache_utils import Cache
 
-R, C, W, KV = Split.REPLICATED, Split.COLUMN, Split.ROW, Split.KV_HEADS
+# This engine's slicing of each role: vocabulary tensors stay whole on every rank.
+ENGINE_SPLIT = {Shard.REPLICATED: Shard.REPLICATED, Shard.VOCAB: Shard.REPLICATED,
+                Shard.COLUMN: Shard.COLUMN, Shard.ROW: Shard.ROW, Shard.KV_HEADS: Shard.KV_HEADS}
 
-
-@dataclass(frozen=True)
-class WeightRule:
-    """One checkpoint tensor pattern ({L} layer, {E} expert) and how the engine shards and stores it.
-
-    `fused` names the in-memory fused experts tensor (pattern with {L}) that holds
-    expert E's `part`: "gate" and "up" are the halves of `gate_up_proj[E]`,
-    "down" is `down_proj[E]`. Without `fused` the tensor lives under its own name.
-    """
-
-    pattern: str
-    split: Split
-    fused: str | None = None
-    part: str | None = None
-
-
-def _pattern_regex(pattern: str) -> re.Pattern:
-    """Compile a rule pattern to a regex that must match a whole name."""
-    rx = re.escape(pattern).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
-    return re.compile(rx)
-
-
-def _layer(suffix: str, split: Split, **kw) -> WeightRule:
-    return WeightRule(f"model.layers.{{L}}.{suffix}", split, **kw)
-
-
-EMBEDDINGS = [
-    WeightRule("model.embed_tokens.weight", R),
-    WeightRule("model.norm.weight", R),
-    WeightRule("lm_head.weight", R),
-]
-LAYER_NORMS = [_layer("input_layernorm.weight", R), _layer("post_attention_layernorm.weight", R)]
-GQA_ATTENTION = [
-    _layer("self_attn.q_proj.weight", C), _layer("self_attn.q_proj.bias", C),
-    _layer("self_attn.k_proj.weight", KV), _layer("self_attn.k_proj.bias", KV),
-    _layer("self_attn.v_proj.weight", KV), _layer("self_attn.v_proj.bias", KV),
-    _layer("self_attn.o_proj.weight", W), _layer("self_attn.o_proj.bias", R),
-]
-QK_NORM = [_layer("self_attn.q_norm.weight", R), _layer("self_attn.k_norm.weight", R)]
-MLA_ATTENTION = [
-    _layer("self_attn.q_proj.weight", C),  # when q_lora_rank is None
-    _layer("self_attn.q_a_proj.weight", R), _layer("self_attn.q_a_proj.bias", R),
-    _layer("self_attn.q_a_layernorm.weight", R),
-    _layer("self_attn.q_b_proj.weight", C),
-    _layer("self_attn.kv_a_proj_with_mqa.weight", R), _layer("self_attn.kv_a_proj_with_mqa.bias", R),
-    _layer("self_attn.kv_a_layernorm.weight", R),
-    _layer("self_attn.kv_b_proj.weight", C),
-    _layer("self_attn.o_proj.weight", W), _layer("self_attn.o_proj.bias", R),
-]
-DENSE_MLP = [_layer("mlp.gate_proj.weight", C), _layer("mlp.up_proj.weight", C), _layer("mlp.down_proj.weight", W)]
-_GATE_UP, _DOWN = "model.layers.{L}.mlp.experts.gate_up_proj", "model.layers.{L}.mlp.experts.down_proj"
-ROUTED_EXPERTS = [
-    _layer("mlp.gate.weight", R),
-    _layer("mlp.experts.{E}.gate_proj.weight", C, fused=_GATE_UP, part="gate"),
-    _layer("mlp.experts.{E}.up_proj.weight", C, fused=_GATE_UP, part="up"),
-    _layer("mlp.experts.{E}.down_proj.weight", W, fused=_DOWN, part="down"),
-]
-SHARED_EXPERTS = [
-    _layer("mlp.shared_experts.gate_proj.weight", C),
-    _layer("mlp.shared_experts.up_proj.weight", C),
-    _layer("mlp.shared_experts.down_proj.weight", W),
-    _layer("mlp.gate.e_score_correction_bias", R),
-]
-
-
-@dataclass(frozen=True)
-class FamilySpec:
-    """A model family: its weight rules and its attention kind ("gqa" or "mla")."""
-
-    rules: tuple[WeightRule, ...]
-    attention: str
-
-
-_GQA_DENSE = (*EMBEDDINGS, *LAYER_NORMS, *GQA_ATTENTION, *DENSE_MLP)
-FAMILIES: dict[str, FamilySpec] = {
-    "llama": FamilySpec(_GQA_DENSE, "gqa"),
-    "qwen2": FamilySpec(_GQA_DENSE, "gqa"),
-    "qwen3": FamilySpec((*_GQA_DENSE, *QK_NORM), "gqa"),
-    "qwen3_moe": FamilySpec((*_GQA_DENSE, *QK_NORM, *ROUTED_EXPERTS), "gqa"),
-    "deepseek_v3": FamilySpec(
-        (*EMBEDDINGS, *LAYER_NORMS, *MLA_ATTENTION, *DENSE_MLP, *ROUTED_EXPERTS, *SHARED_EXPERTS), "mla"
-    ),
-}
+# transformers 5's in-memory home of per-expert checkpoint tensors: (checkpoint pattern, fused tensor, part).
+_EXPERTS = "model.layers.{layer}.mlp.experts."
+FUSED_EXPERTS = (
+    (_EXPERTS + "{expert}.gate_proj.weight", _EXPERTS + "gate_up_proj", "gate"),
+    (_EXPERTS + "{expert}.up_proj.weight", _EXPERTS + "gate_up_proj", "up"),
+    (_EXPERTS + "{expert}.down_proj.weight", _EXPERTS + "down_proj", "down"),
+)
 
 
 @dataclass(frozen=True)
@@ -139,8 +64,8 @@ class _Slot:
     """Where a checkpoint tensor lives in memory: a named tensor, optionally one expert's part of it."""
 
     memory_name: str
-    expert: int | None
-    part: str | None
+    expert: int | None = None
+    part: str | None = None
 
     def view(self, live: torch.Tensor) -> torch.Tensor:
         """Return the region of the live in-memory tensor that holds this checkpoint tensor."""
@@ -152,33 +77,26 @@ class _Slot:
         return live[self.expert, :half] if self.part == "gate" else live[self.expert, half:]
 
 
-def _checkpoint_entries(
-    memory_name: str, shape: tuple[int, ...], compiled: list[tuple[WeightRule, re.Pattern, re.Pattern | None]]
-) -> list[tuple[str, tuple[int, ...], WeightRule, _Slot]]:
-    """Return the checkpoint tensors stored in in-memory tensor `memory_name` (several when fused)."""
-    for rule, name_rx, fused_rx in compiled:
-        if fused_rx is None:
-            if name_rx.fullmatch(memory_name):
-                return [(memory_name, shape, rule, _Slot(memory_name, None, None))]
-            continue
-        m = fused_rx.fullmatch(memory_name)
-        if m is None:
-            continue
-        entries = []
-        for same_fused in (r for r, _, _ in compiled if r.fused == rule.fused):
-            part_shape = shape[1:] if same_fused.part == "down" else (shape[1] // 2, shape[2])
-            for e in range(shape[0]):
-                name = same_fused.pattern.replace("{L}", m["L"]).replace("{E}", str(e))
-                entries.append((name, part_shape, same_fused, _Slot(memory_name, e, same_fused.part)))
-        return sorted(entries, key=lambda entry: (entry[3].expert, entry[0]))
-    return []
+def _slot_of(name: str, memory: dict[str, torch.Tensor]) -> _Slot | None:
+    """Return where checkpoint tensor `name` lives among the model's in-memory tensors (None: nowhere)."""
+    if name in memory:
+        return _Slot(name)
+    for checkpoint, fused, part in FUSED_EXPERTS:
+        captures = compile_pattern(checkpoint).match(name)
+        if captures is not None:
+            memory_name = compile_pattern(fused).format(**captures)
+            if memory_name in memory:
+                return _Slot(memory_name, captures["expert"], part)
+    return None
 
 
 class ReferenceEngine:
     """One TP rank of a transformers model that loads HF-checkpoint-format shards.
 
-    `group` is the torch.distributed group of this engine's ranks (None: the
-    default group); all of `logits`, `generate` are collective over it.
+    `family` names the converters family (default: the one whose `hf_model_types`
+    include the config's `model_type`). `group` is the torch.distributed group of
+    this engine's ranks (None: the default group); `logits` and `generate` are
+    collective over it.
     """
 
     def __init__(
@@ -189,12 +107,8 @@ class ReferenceEngine:
         tp_size: int,
         group: dist.ProcessGroup | None = None,
         dtype: torch.dtype = torch.float32,
+        family: str | None = None,
     ):
-        family = getattr(hf_config, "model_type", None)
-        if family not in FAMILIES:
-            raise NotImplementedError(
-                f"ReferenceEngine does not support model family {family!r}; supported: {sorted(FAMILIES)}"
-            )
         if not (tp_size >= 1 and 0 <= tp_rank < tp_size):
             raise ValueError(f"tp_rank={tp_rank} must lie in [0, tp_size={tp_size}) with tp_size >= 1")
         # Checked when a process group exists; without one the engine still shards (pure use).
@@ -203,9 +117,12 @@ class ReferenceEngine:
                 f"tp_size={tp_size} but the engine group has {dist.get_world_size(group)} ranks; "
                 "pass the group of exactly this engine's ranks"
             )
-        self.family, self.tp_rank, self.tp_size, self.group = family, tp_rank, tp_size, group
-        self.spec = FAMILIES[family]
+        self.family = family or family_of_model_type(getattr(hf_config, "model_type", None)).name
+        self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
         self.config = copy.deepcopy(hf_config)
+        self.converter = get_converter(self.family, self.config, dtype=dtype)
+        self._expected = {m.name: m for m in self.converter.expected_metas()}
+        self._splits = {name: ENGINE_SPLIT[self.converter.shard_role(name)] for name in self._expected}
         self._check_heads()
         self._version = 0
         with torch.device("meta"):
@@ -226,29 +143,28 @@ class ReferenceEngine:
         return self._version
 
     def expected_tensors(self) -> list[TensorMeta]:
-        """Return the full HF-checkpoint tensors this engine loads, in a stable order."""
+        """Return the full HF-checkpoint tensors this engine loads, in the family's order."""
         return list(self._expected.values())
 
     def shard_dim(self, name: str) -> int | None:
         """Return the dimension of `name` split over TP ranks (None when every rank holds all of it)."""
-        return self._rule(name).split.dim
+        return self._split_of(name).dim
 
     def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """Return this rank's slice of the full checkpoint tensor `name` (a view; pure)."""
-        rule, meta = self._rule(name), self._expected[name]
+        split, meta = self._split_of(name), self._expected[name]
         if tuple(full.shape) != meta.shape:
             raise ValueError(
                 f"{name}: got shape {tuple(full.shape)}, this {self.family} config expects {meta.shape}; "
                 "send the full (unsharded, vocab-trimmed) HF tensor for the same config"
             )
         if full.dtype != meta.dtype:
-            raise ValueError(f"{name}: got dtype {full.dtype}, this engine computes in {meta.dtype}; cast before sending")
-        return self._split(rule.split, full)
+            raise ValueError(f"{name}: got dtype {full.dtype}, this engine loads it as {meta.dtype}; cast before sending")
+        return self._split(split, full)
 
     def local_shape(self, name: str) -> tuple[int, ...]:
         """Return the shape of this rank's shard of `name`."""
-        rule = self._rule(name)
-        return tuple(self._split(rule.split, torch.empty(self._expected[name].shape, device="meta")).shape)
+        return tuple(self._split(self._split_of(name), torch.empty(self._expected[name].shape, device="meta")).shape)
 
     # ---- live weights ----
 
@@ -277,8 +193,8 @@ class ReferenceEngine:
                 self._live[name].copy_(shard)
         self._version = version
 
-    def state_shards(self) -> dict[str, torch.Tensor]:
-        """Return copies of this rank's live shards by checkpoint-format name."""
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """Return copies of this rank's live shards by checkpoint-format name (for rollback)."""
         return {name: live.detach().clone() for name, live in self._live.items()}
 
     # ---- inference (collective over the engine group) ----
@@ -331,73 +247,83 @@ class ReferenceEngine:
                 "pick a tp_size that divides it"
             )
         kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        if self.spec.attention == "gqa" and kv % tp and tp % kv:
+        if self._has_kv_heads and kv % tp and tp % kv:
             raise ValueError(
                 f"num_key_value_heads={kv} and tp_size={tp}: one must divide the other "
                 "(heads are split, or replicated when tp_size exceeds them)"
             )
 
-    def _index_checkpoint(self, model: nn.Module) -> None:
-        """Record every checkpoint tensor the model holds, its rule and where it lives in memory."""
-        compiled = [
-            (r, _pattern_regex(r.pattern), _pattern_regex(r.fused) if r.fused else None) for r in self.spec.rules
-        ]
-        self._expected, self._rules, self._slots = {}, {}, {}
-        tied = bool(getattr(self.config, "tie_word_embeddings", False))
-        for memory_name, tensor in model.state_dict().items():
-            if tied and memory_name == "lm_head.weight":
-                continue
-            entries = _checkpoint_entries(memory_name, tuple(tensor.shape), compiled)
-            if not entries:
-                raise ValueError(
-                    f"{self.family}: in-memory tensor {memory_name!r} matches no sharding rule; "
-                    f"add a row for it to FAMILIES[{self.family!r}] in {__name__}"
-                )
-            for name, shape, rule, slot in entries:
-                self._check_divisible(name, shape, rule.split)
-                self._expected[name] = TensorMeta(name, shape, tensor.dtype)
-                self._rules[name], self._slots[name] = rule, slot
+    @property
+    def _has_kv_heads(self) -> bool:
+        """True for grouped-query attention (separate key/value heads), False for MLA."""
+        return Shard.KV_HEADS in self._splits.values()
 
-    def _check_divisible(self, name: str, shape: tuple[int, ...], split: Split) -> None:
-        if split in (Split.COLUMN, Split.ROW) and shape[split.dim] % self.tp_size:
+    def _index_checkpoint(self, model: nn.Module) -> None:
+        """Find every expected checkpoint tensor's place in memory; every in-memory tensor must get one."""
+        memory = model.state_dict()
+        self._slots = {}
+        for name, meta in self._expected.items():
+            slot = _slot_of(name, memory)
+            if slot is None:
+                raise ValueError(
+                    f"{self.family}: checkpoint tensor {name!r} has no place in transformers' "
+                    f"{type(model).__name__}; the family's HF layout and the HF config disagree"
+                )
+            self._check_divisible(name, meta.shape, self._splits[name])
+            self._slots[name] = slot
+        covered = {slot.memory_name for slot in self._slots.values()}
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        uncovered = [n for n in memory if n not in covered and not (tied and n == "lm_head.weight")]
+        if uncovered:
+            raise ValueError(
+                f"{self.family}: in-memory tensors {uncovered[:8]} of transformers' {type(model).__name__} "
+                f"are not in the family's HF layout; add HFTensor rows for them in converters/{self.family}.py"
+            )
+
+    def _check_divisible(self, name: str, shape: tuple[int, ...], split: Shard) -> None:
+        if split in (Shard.COLUMN, Shard.ROW) and shape[split.dim] % self.tp_size:
             raise ValueError(
                 f"{name}: dim {split.dim} of size {shape[split.dim]} does not divide by the engine's "
                 f"tp_size={self.tp_size}; pick a tp_size that divides it"
             )
 
-    def _rule(self, name: str) -> WeightRule:
-        if name not in self._rules:
+    def _split_of(self, name: str) -> Shard:
+        if name not in self._splits:
             raise ValueError(
                 f"{name!r} is not a tensor of this {self.family} engine; expected HF checkpoint names "
                 f"such as {next(iter(self._expected))!r} (see expected_tensors())"
             )
-        return self._rules[name]
+        return self._splits[name]
 
-    def _split(self, split: Split, full: torch.Tensor) -> torch.Tensor:
-        if split is Split.REPLICATED:
+    def _split(self, split: Shard, full: torch.Tensor) -> torch.Tensor:
+        if split is Shard.REPLICATED:
             return full
-        if split is Split.KV_HEADS:
+        if split is Shard.KV_HEADS:
             return split_kv_heads(full, self.config.num_key_value_heads, self.tp_rank, self.tp_size)
         return split_even(full, split.dim, self.tp_rank, self.tp_size)
 
     def _parallelize(self, model: nn.Module) -> None:
-        """Swap sharded projections and fused experts for local-shard versions (on the meta device)."""
-        splits = {n.removesuffix(".weight"): r.split for n, r in self._rules.items() if r.fused is None}
+        """Swap sharded projections and fused experts for local-shard versions (on the meta device);
+        give every tensor the dtype the family loads it in (DeepSeek's router stays float32)."""
+        direct = {n: s for n, s in self._slots.items() if s.part is None}
+        splits = {n.removesuffix(".weight"): self._splits[n] for n in direct}
         for module_name, module in list(model.named_modules()):
             for child_name, child in list(module.named_children()):
                 full_name = f"{module_name}.{child_name}" if module_name else child_name
-                split = splits.get(full_name, Split.REPLICATED)
-                if isinstance(child, nn.Linear) and split is not Split.REPLICATED:
+                split = splits.get(full_name, Shard.REPLICATED)
+                if isinstance(child, nn.Linear) and split is not Shard.REPLICATED:
                     setattr(module, child_name, self._tp_linear(full_name, child, split))
             if isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):  # fused experts
                 self._shard_fused_experts(module)
             if hasattr(module, "num_key_value_groups"):
                 self._localize_attention(module)
+        for name in direct:
+            _set_dtype(model, name, self._expected[name].dtype)
 
-    def _tp_linear(self, name: str, linear: nn.Linear, split: Split) -> nn.Module:
+    def _tp_linear(self, name: str, linear: nn.Linear, split: Shard) -> nn.Module:
         local = self._split(split, linear.weight)
         has_bias = linear.bias is not None
-        if split is Split.ROW:
+        if split is Shard.ROW:
             return RowParallelLinear(
                 local.shape[1], linear.out_features, has_bias, linear.weight.dtype, self.group, self.tp_size
             )
@@ -419,7 +345,7 @@ class ReferenceEngine:
         local_heads = self.config.num_attention_heads // self.tp_size
         if hasattr(attn, "num_heads"):
             attn.num_heads = local_heads
-        if self.spec.attention == "gqa":
+        if self._has_kv_heads:
             attn.num_key_value_groups = local_heads // local_kv_heads(self.config.num_key_value_heads, self.tp_size)
 
 
@@ -429,6 +355,19 @@ def _live_tensor(model: nn.Module, name: str) -> torch.Tensor:
         return model.get_parameter(name)
     except AttributeError:
         return model.get_buffer(name)
+
+
+def _set_dtype(model: nn.Module, name: str, dtype: torch.dtype) -> None:
+    """Give the parameter or buffer `name` the dtype `dtype` (on the meta device: no data moves)."""
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    tensor = getattr(module, attr)
+    if tensor.dtype == dtype:
+        return
+    if isinstance(tensor, nn.Parameter):
+        setattr(module, attr, nn.Parameter(tensor.to(dtype), requires_grad=False))
+    else:
+        module.register_buffer(attr, tensor.to(dtype), persistent=True)  # expected tensors are checkpointed
 
 
 def _materialize(model: nn.Module) -> nn.Module:

@@ -3,7 +3,7 @@
 A `GenerationServer` runs on each rank of one engine (same prompts on every
 rank, like the engine's own collectives). It decodes one token per request per
 step, each request with its own transformers KV cache. A weight sync runs in a
-background thread (`receive_async`): the `WeightReceiver` stages and agrees as
+background thread (`run_in_background`): the receiver stages and agrees as
 usual, then calls `server.commit(shards, version)`, which
 
 - applies the version at once when this rank is not generating, or
@@ -41,7 +41,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_sync.agreement import Gather, describe, failures_of, torch_gather
 from megatron_sync.config import INFLIGHT_POLICIES
+from megatron_sync.errors import AgreedFailure
 
 Span = tuple[int, int, int]  # (version, start, end), end exclusive
 
@@ -117,9 +119,9 @@ class GenerationServer:
 
     `engine` provides `version`, `load_shards(shards, version)` and
     `forward_cached(tokens, cache) -> (logits, cache)` (the ReferenceEngine
-    does); `engine_group` is the process group of this engine's ranks (None: the
-    default group), over which the engine computes and the boundaries are agreed.
-    While a server is in use, the engine's collectives go through it only.
+    does); `engine_group` is the process group of this engine's ranks (None: an
+    engine of one rank), over which the engine computes and the boundaries are
+    agreed. While a server is in use, the engine's collectives go through it only.
     """
 
     def __init__(self, engine: Any, *, engine_group: Optional[dist.ProcessGroup], inflight_policy: str,
@@ -128,15 +130,12 @@ class GenerationServer:
             raise ValueError(f"inflight_policy={inflight_policy!r} is not valid; use one of {list(INFLIGHT_POLICIES)}")
         if not commit_timeout_s > 0:
             raise ValueError(f"commit_timeout_s={commit_timeout_s} must be > 0 seconds")
-        tp_size = getattr(engine, "tp_size", 1)
-        if tp_size > 1 and dist.get_world_size(engine_group) != tp_size:
-            raise ValueError(f"engine_group has {dist.get_world_size(engine_group)} ranks but the engine has "
-                             f"tp_size={tp_size}; pass the group of exactly this engine's ranks")
         self.engine, self.engine_group, self.inflight_policy = engine, engine_group, inflight_policy
         self.commit_timeout_s, self.eos_token_id = commit_timeout_s, eos_token_id
         self.commit_log: list[tuple[int, Optional[int]]] = []
         """(version, step) of every applied commit; step None when no generation was running."""
-        self._tp_size = tp_size
+        self._gather: Gather = torch_gather(engine_group) if engine_group is not None else (lambda obj: [obj])
+        self._rank = dist.get_rank(engine_group) if engine_group is not None else 0
         self._cond = threading.Condition()
         self._generating = False
         self._pending: Optional[_Commit] = None
@@ -172,7 +171,7 @@ class GenerationServer:
             if remaining <= 0 and pending.state is _State.STAGED:
                 pending.state, self._pending = _State.WITHDRAWN, None
                 pending.error = TimeoutError(
-                    f"[engine rank {self._rank()}] version {pending.version} was not applied at a step boundary "
+                    f"[engine rank {self._rank}] version {pending.version} was not applied at a step boundary "
                     f"within commit_timeout_s={self.commit_timeout_s:g}; withdrawn (the engine keeps version "
                     f"{self.engine.version}); raise commit_timeout_s or check that every engine rank is serving"
                 )
@@ -190,17 +189,12 @@ class GenerationServer:
         self._pending = None
         self._cond.notify_all()
 
-    def receive_async(self, receiver: Any, version: int) -> Future:
-        """Run `receiver.receive(version)` in this server's background thread; return its future.
-
-        The receiver must have been built with `commit=server.commit`.
-        """
-        if receiver.commit != self.commit:
-            raise ValueError("the WeightReceiver commits straight into the engine; "
-                             "build it with WeightReceiver(..., commit=server.commit)")
+    def run_in_background(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run `fn(*args)` (a receive whose commit is `server.commit`) in this server's background
+        thread, so generation goes on meanwhile; return its future."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-receive")
-        return self._executor.submit(receiver.receive, version)
+        return self._executor.submit(fn, *args)
 
     def wait_for_commit(self, version: int, timeout: float) -> None:
         """Block until `version` is staged for the next boundary or already live (TimeoutError after `timeout`)."""
@@ -210,7 +204,7 @@ class GenerationServer:
 
         with self._cond:
             if not self._cond.wait_for(ready, timeout=timeout):
-                raise TimeoutError(f"[engine rank {self._rank()}] version {version} was not committed "
+                raise TimeoutError(f"[engine rank {self._rank}] version {version} was not committed "
                                    f"within {timeout:g}s (live version {self.engine.version})")
 
     def close(self) -> None:
@@ -280,13 +274,13 @@ class GenerationServer:
             live = self.engine.version
             target = offer.version if offer is not None else live
             late = waiting_since is not None and time.monotonic() - waiting_since > self.commit_timeout_s
-            agreed = self._agree([live, -live, target, -target, int(offer is not None), int(late),
-                                  fingerprint, -fingerprint])
+            agreed = self._max([live, -live, target, -target, int(offer is not None), int(late),
+                                fingerprint, -fingerprint])
             live_max, live_min, target_max, target_min = agreed[0], -agreed[1], agreed[2], -agreed[3]
             any_offer, any_late = agreed[4], agreed[5]
             if agreed[6] != -agreed[7]:
                 self._withdraw_offer(offer)
-                raise ValueError(f"[engine rank {self._rank()}] engine ranks called generate() with different "
+                raise ValueError(f"[engine rank {self._rank}] engine ranks called generate() with different "
                                  "prompts or max_new_tokens; pass the same requests on every rank")
             if target_max == target_min:
                 if any_offer:  # every rank runs `target` from here on: the offering ranks switch now
@@ -298,10 +292,10 @@ class GenerationServer:
             # A rank applied a version while idle before this generation began; the others' commits of it
             # are on their way (every rank passed the receiver's agreement). Wait for them.
             if step > 0:
-                raise RuntimeError(f"[engine rank {self._rank()}] engine ranks hold versions {live_min}.."
+                raise RuntimeError(f"[engine rank {self._rank}] engine ranks hold versions {live_min}.."
                                    f"{live_max} at step {step}; generation would mix versions")
             if any_late:
-                raise TimeoutError(f"[engine rank {self._rank()}] engine ranks hold versions {live_min}..{live_max} "
+                raise TimeoutError(f"[engine rank {self._rank}] engine ranks hold versions {live_min}..{live_max} "
                                    f"and the lagging commit did not arrive within {self.commit_timeout_s:g}s")
             waiting_since = waiting_since or time.monotonic()
             time.sleep(0.001)
@@ -322,26 +316,24 @@ class GenerationServer:
 
     def _switch(self, offer: Optional[_Commit], requests: list[_Request], step: int) -> None:
         """Load the agreed version (ranks that already hold it load nothing), then apply the policy."""
-        error: Optional[BaseException] = None
+        error: Optional[str] = None
         if offer is not None:
             try:
                 self.engine.load_shards(offer.shards, offer.version)
-            except Exception as e:
-                error = e
-        failed_anywhere = self._agree([int(error is not None)])[0]
-        if failed_anywhere and error is None:
-            error = RuntimeError(f"another engine rank failed to load version {offer.version if offer else '?'} "
-                                 "at the step boundary")
+            except Exception as e:  # noqa: BLE001 — agreed on below, then raised on every engine rank
+                error = describe(e, limit=3)
+        failures = failures_of(self._gather(error))
+        failure = AgreedFailure(f"[engine rank {self._rank}] loading the weights at step {step} (generation "
+                                "stopped on every engine rank)", failures) if failures else None
         if offer is not None:
             with self._cond:
-                offer.state, offer.error = (_State.FAILED, error) if error else (_State.APPLIED, None)
+                offer.state, offer.error = (_State.FAILED, failure) if failure else (_State.APPLIED, None)
                 self._pending = None
-                if not error:
+                if not failure:
                     self.commit_log.append((offer.version, step))
                 self._cond.notify_all()
-        if failed_anywhere:
-            raise RuntimeError(f"[engine rank {self._rank()}] a weight load failed at step {step}; "
-                               "generation stopped on every engine rank") from error
+        if failure is not None:
+            raise failure
         for request in requests:
             if request.in_flight:
                 self._apply_policy(request)
@@ -354,12 +346,6 @@ class GenerationServer:
             request.kv_versions.clear()
         # "keep": decode on over the old cache; _decode records the new version's KV positions
 
-    def _agree(self, values: list[int]) -> list[int]:
-        """Return the element-wise maximum of `values` over the engine group."""
-        tensor = torch.tensor(values, dtype=torch.int64)
-        if self._tp_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.engine_group)
-        return tensor.tolist()
-
-    def _rank(self) -> int:
-        return getattr(self.engine, "tp_rank", 0)
+    def _max(self, values: list[int]) -> list[int]:
+        """Return the element-wise maximum of `values` over the engine group (the boundary negotiation)."""
+        return [max(column) for column in zip(*self._gather(values))]

@@ -8,26 +8,10 @@ completed (row parallel).
 
 from __future__ import annotations
 
-import enum
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-
-
-class Split(enum.Enum):
-    """How one checkpoint tensor is divided over the engine's TP ranks."""
-
-    REPLICATED = "replicated"  # every rank holds the whole tensor
-    COLUMN = "column"  # output features (dim 0) split into contiguous equal chunks
-    ROW = "row"  # input features (dim 1) split into contiguous equal chunks
-    KV_HEADS = "kv_heads"  # dim 0 split by key/value heads; heads replicated when tp > heads
-
-    @property
-    def dim(self) -> int | None:
-        """The tensor dimension this split divides (None when replicated)."""
-        return {Split.REPLICATED: None, Split.COLUMN: 0, Split.ROW: 1, Split.KV_HEADS: 0}[self]
 
 
 def split_even(full: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:

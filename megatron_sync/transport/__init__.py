@@ -1,0 +1,41 @@
+"""Transports by name: `weight_sync.transport` picks one from this registry.
+
+A new transport is one module implementing `Transport` (or `BucketTransport`)
+plus one line here, or a `register_transport` call (tests register toys).
+Entries are import paths so that reading the registry imports no transport.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Union
+
+_REGISTRY: dict[str, Union[str, type]] = {
+    "broadcast": "megatron_sync.transport.broadcast:BroadcastTransport",
+}
+
+
+def transport_names() -> list[str]:
+    """Return the names of the implemented transports."""
+    return sorted(_REGISTRY)
+
+
+def register_transport(name: str, cls: type) -> None:
+    """Make `cls` (a `Transport` subclass) available as `transport: name`."""
+    from megatron_sync.transport.base import Transport
+
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
+        raise TypeError(f"register_transport({name!r}, ...) needs a Transport subclass, got {cls!r}")
+    _REGISTRY[name] = cls
+
+
+def get_transport(name: str) -> type:
+    """Return the Transport class registered as `name`; ValueError lists the implemented ones."""
+    try:
+        entry = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"transport={name!r} is not implemented; use one of {transport_names()}") from None
+    if isinstance(entry, str):
+        module, attr = entry.split(":")
+        entry = _REGISTRY[name] = getattr(import_module(module), attr)
+    return entry

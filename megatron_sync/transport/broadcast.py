@@ -9,19 +9,45 @@ Both broadcasts are issued asynchronously so callers overlap them with work.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from megatron_sync.meta import TensorMeta
 from megatron_sync.plan import BucketPlan
-from megatron_sync.transport.base import (
-    BucketHeader, Pending, PendingBucket, Transport, TransportGroup,
-)
+from megatron_sync.transport.base import BucketHeader, BucketTransport, PendingBucket
+from megatron_sync.transport.control import StoreControlChannel
+from megatron_sync.transport.group import Pending, TransportGroup, init_transport_group
+
+if TYPE_CHECKING:
+    from megatron_sync.config import WeightSyncConfig
+    from megatron_sync.parallel import ParallelLayout
+
+GROUP_NAME = "megatron_sync"
 
 
-class BroadcastTransport(Transport):
+def connect_group(config: "WeightSyncConfig", world_size: int, rank: int) -> TransportGroup:
+    """Return the transport group of `world_size` ranks at the config's rendezvous, as `rank`."""
+    backend = config.resolved_backend(torch.cuda.is_available())
+    return init_transport_group(config.master_address, config.master_port, world_size, rank,
+                                backend=backend, timeout=config.timeout_s, group_name=GROUP_NAME)
+
+
+class BroadcastTransport(BucketTransport):
     """Transport over one TransportGroup whose first `num_stages` ranks are the stage sources."""
+
+    name = "broadcast"
+
+    @classmethod
+    def connect_trainer(cls, config: "WeightSyncConfig", layout: "ParallelLayout") -> "BroadcastTransport":
+        world = layout.pp + config.num_inference_ranks
+        return cls(connect_group(config, world, rank=layout.pp_rank), layout.pp)
+
+    @classmethod
+    def connect_inference(cls, config: "WeightSyncConfig", *, num_trainer_stages: int,
+                          inference_rank: int) -> "BroadcastTransport":
+        world = num_trainer_stages + config.num_inference_ranks
+        return cls(connect_group(config, world, rank=num_trainer_stages + inference_rank), num_trainer_stages)
 
     def __init__(self, group: TransportGroup, num_stages: int) -> None:
         if not 0 < num_stages < group.world_size:
@@ -32,8 +58,13 @@ class BroadcastTransport(Transport):
         self.group = group
         self.rank, self.world_size, self.num_stages = group.rank, group.world_size, num_stages
         self.device = group.device
+        self.control = StoreControlChannel(group)
         self._device_send: list[torch.Tensor] = []
         self._send_count = 0
+
+    @property
+    def inference_ranks(self) -> range:
+        return range(self.num_stages, self.world_size)
 
     @property
     def is_source(self) -> bool:

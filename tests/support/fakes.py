@@ -1,19 +1,13 @@
-"""Small fakes for the streaming core's tests: a seeded HF stream, a TP-sharding engine,
-and a spawn harness that runs one function per transport rank with hard timeouts.
-"""
+"""Small fakes for the streaming core's tests: a seeded HF stream and a TP-sharding engine."""
 
 from __future__ import annotations
 
 import os
-import queue
-import traceback
 import zlib
-from typing import Any, Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
-import torch.multiprocessing as mp
 
-from megatron_sync.testing.dist import free_port  # noqa: F401 — re-exported for the tests
 from megatron_sync.meta import TensorMeta
 
 bf16, f32, i64 = torch.bfloat16, torch.float32, torch.int64
@@ -66,6 +60,10 @@ class FakeStream:
     def metadata(self) -> list[TensorMeta]:
         return list(self._metas)
 
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        return {}
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for meta in self._metas:
             if (self.version, meta.name) == self._fail_at:
@@ -109,50 +107,9 @@ class FakeEngine:
         self.weights = dict(shards)
         self._version = version
 
-    def state_shards(self) -> dict[str, torch.Tensor]:
+    def snapshot(self) -> dict[str, torch.Tensor]:
         return {name: t.clone() for name, t in self.weights.items()}
 
     @property
     def version(self) -> int:
         return self._version
-
-
-
-def _child(fn: Callable, rank: int, args: tuple, results: Any) -> None:
-    try:
-        out = fn(rank, *args)
-        results.put((rank, "ok", out))
-    except BaseException as e:  # report any failure to the parent
-        results.put((rank, type(e).__name__, f"{e}\n{traceback.format_exc()}"))
-
-
-def run_ranks(fn: Callable, world_size: int, args: tuple, *, timeout: float = 60.0) -> dict[int, tuple[str, Any]]:
-    """Run fn(rank, *args) in `world_size` spawned processes; return {rank: (status, value)}.
-
-    status is "ok" (value = fn's result) or the exception class name (value =
-    message). A rank that exits without reporting maps to ("exited", exitcode).
-    Processes still alive after `timeout` are killed and reported as "hung".
-    """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(fn, r, args, results), daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    out: dict[int, tuple[str, Any]] = {}
-    import time
-    deadline = time.monotonic() + timeout
-    while len(out) < world_size and time.monotonic() < deadline:
-        try:
-            rank, status, value = results.get(timeout=0.2)
-            out[rank] = (status, value)
-        except queue.Empty:
-            if all(not p.is_alive() for p in procs) and results.empty():
-                break
-    for r, p in enumerate(procs):
-        p.join(timeout=max(0.0, deadline - time.monotonic()) if r not in out else 5.0)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5.0)
-            out.setdefault(r, ("hung", None))
-        out.setdefault(r, ("exited", p.exitcode))
-    return out

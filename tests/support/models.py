@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import zlib
 
 import torch
 import torch.nn.functional as F
 
+from converters import get_family
+from converters.hf_config import HFConfig
+
 __all__ = [
-    "FAMILIES",
     "ModelSpec",
+    "family_traits",
     "megatron_config",
     "padded_vocab_size",
     "build_model_chunks",
@@ -29,14 +31,46 @@ __all__ = [
     "megatron_logits",
 ]
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
-_MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
 VOCAB_DIVISOR = 128  # Megatron-LM's default --make-vocab-size-divisible-by
 
 
 @dataclasses.dataclass(frozen=True)
+class FamilyTraits:
+    """What a tiny Megatron model of a family must contain, read off the family's HF layout rows."""
+
+    qkv_bias: bool
+    qk_norm: bool
+    mla: bool
+    moe: bool
+    shared_experts: bool
+    router_bias: bool
+
+
+def family_traits(family: str) -> FamilyTraits:
+    """Return the traits of registered converters family `family` (its tables are the one source)."""
+    fam = get_family(family)
+    rows = [row.name for row in fam.hf_tensors]
+
+    def has(suffix: str) -> bool:
+        return any(name.endswith(suffix) for name in rows)
+
+    return FamilyTraits(
+        qkv_bias=has("self_attn.q_proj.bias"),
+        qk_norm=has("self_attn.q_norm.weight"),
+        mla=has("self_attn.kv_b_proj.weight"),
+        moe=any("{expert}" in name for name in rows),
+        shared_experts=has("mlp.shared_experts.down_proj.weight"),
+        router_bias=bool(fam.buffers),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """A tiny model of one family; every size is small enough for CPU tests."""
+    """A tiny model of one registered family; every size is small enough for CPU tests.
+
+    `hf_model_type` is the transformers architecture to build (default: the
+    family's first `hf_model_types` entry).
+    """
 
     family: str
     hidden_size: int = 64
@@ -62,29 +96,34 @@ class ModelSpec:
     qk_nope_head_dim: int = 16
     qk_rope_head_dim: int = 8
     v_head_dim: int = 16
+    hf_model_type: str | None = None
 
     def __post_init__(self):
-        if self.family not in FAMILIES:
-            raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
-        if self.family == "deepseek_v3" and not 0 < self.first_k_dense_replace < self.num_layers:
+        family = get_family(self.family)  # UnknownFamilyError names the registered ones
+        if self.hf_model_type is None:
+            object.__setattr__(self, "hf_model_type", family.hf_model_types[0])
+        if self.traits.shared_experts and not 0 < self.first_k_dense_replace < self.num_layers:
             raise ValueError("first_k_dense_replace must leave at least one MoE layer")
 
     @property
+    def traits(self) -> FamilyTraits:
+        return family_traits(self.family)
+
+    @property
     def is_moe(self) -> bool:
-        return self.family in _MOE_FAMILIES
+        return self.traits.moe
 
     @property
     def is_mla(self) -> bool:
-        return self.family == "deepseek_v3"
+        return self.traits.mla
 
     @property
     def moe_layers(self) -> list[int]:
-        """Global indices of the layers whose MLP is a mixture of experts."""
-        if self.family == "qwen3_moe":
-            return list(range(self.num_layers))
-        if self.family == "deepseek_v3":
-            return list(range(self.first_k_dense_replace, self.num_layers))
-        return []
+        """Global indices of the layers whose MLP is a mixture of experts (the family's own rule)."""
+        if not self.is_moe:
+            return []
+        config = HFConfig(hf_config(self), self.family)
+        return [i for i in range(self.num_layers) if get_family(self.family).is_moe_layer(config, i)]
 
 
 def padded_vocab_size(spec: ModelSpec, tp: int) -> int:
@@ -116,8 +155,8 @@ def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | Non
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=spec.family == "qwen2",
-        qk_layernorm=spec.family in ("qwen3", "qwen3_moe", "deepseek_v3"),
+        add_qkv_bias=spec.traits.qkv_bias,
+        qk_layernorm=spec.traits.qk_norm or spec.traits.mla,  # MLA: the q/kv latent norms
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=torch.float32,
@@ -171,7 +210,7 @@ def _moe_config(spec: ModelSpec) -> dict:
         moe_permute_fusion=False,
         moe_router_pre_softmax=False,  # top-k, then normalize: HF norm_topk_prob=True
     )
-    if spec.family == "deepseek_v3":
+    if spec.traits.router_bias:  # DeepSeek-style: sigmoid scores, a bias choosing experts, shared experts
         common.update(
             moe_router_score_function="sigmoid",
             moe_router_enable_expert_bias=True,
@@ -186,7 +225,7 @@ def _moe_config(spec: ModelSpec) -> dict:
 def _layer_specs(spec: ModelSpec, config, vp_stage, pp_rank):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from megatron_sync.testing.cpu_shim import use_cpu_core_attention
+    from tests.support.cpu_shim import use_cpu_core_attention
 
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=False, normalization="RMSNorm",
@@ -207,7 +246,7 @@ def build_model_chunks(spec: ModelSpec, *, vpp: int | None = None) -> list:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_sync.testing.cpu_shim import apply_cpu_shims
+    from tests.support.cpu_shim import apply_cpu_shims
 
     apply_cpu_shims()
     state_vpp = ps.get_virtual_pipeline_model_parallel_world_size()
@@ -244,43 +283,9 @@ def build_model_chunks(spec: ModelSpec, *, vpp: int | None = None) -> list:
 # ---------------------------------------------------------------- Hugging Face side
 
 
-def hf_config(spec: ModelSpec):
-    """Return the transformers config of ``spec``'s family that matches the Megatron model exactly."""
-    import transformers
-
-    common = dict(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.ffn_hidden_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        hidden_act="silu",
-        max_position_embeddings=spec.max_position_embeddings,
-        rms_norm_eps=spec.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
-        tie_word_embeddings=spec.tie_word_embeddings,
-        attention_dropout=0.0,
-    )
-    if spec.family == "llama":
-        return transformers.LlamaConfig(
-            **common, head_dim=spec.head_dim, attention_bias=False, mlp_bias=False
-        )
-    if spec.family == "qwen2":  # q/k/v biases are built in, no flag
-        return transformers.Qwen2Config(**common, use_sliding_window=False)
-    if spec.family == "qwen3":
-        return transformers.Qwen3Config(**common, head_dim=spec.head_dim, attention_bias=False,
-                                        use_sliding_window=False)
-    if spec.family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(
-            **common, head_dim=spec.head_dim, attention_bias=False, use_sliding_window=False,
-            num_experts=spec.num_experts, num_experts_per_tok=spec.moe_topk,
-            moe_intermediate_size=spec.moe_ffn_hidden_size, norm_topk_prob=True,
-            decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0,
-        )
-    common.update(num_key_value_heads=spec.num_heads)
-    return transformers.DeepseekV3Config(
-        **common,
+def _deepseek_v3_kwargs(spec: ModelSpec) -> dict:
+    return dict(
+        num_key_value_heads=spec.num_heads,  # MLA: one latent KV per head
         moe_intermediate_size=spec.moe_ffn_hidden_size,
         n_routed_experts=spec.num_experts,
         n_shared_experts=spec.num_shared_experts,
@@ -298,6 +303,47 @@ def hf_config(spec: ModelSpec):
         rope_interleave=True,  # Megatron's MLA RoPE de-interleaves the same way
         attention_bias=False,
     )
+
+
+# transformers' config arguments per architecture (HF model_type), beyond the common ones.
+_ARCHITECTURE_KWARGS = {
+    "llama": lambda s: dict(head_dim=s.head_dim, attention_bias=False, mlp_bias=False),
+    "mistral": lambda s: dict(head_dim=s.head_dim, sliding_window=None),
+    "qwen2": lambda s: dict(use_sliding_window=False),  # q/k/v biases are built in, no flag
+    "qwen3": lambda s: dict(head_dim=s.head_dim, attention_bias=False, use_sliding_window=False),
+    "qwen3_moe": lambda s: dict(
+        head_dim=s.head_dim, attention_bias=False, use_sliding_window=False,
+        num_experts=s.num_experts, num_experts_per_tok=s.moe_topk,
+        moe_intermediate_size=s.moe_ffn_hidden_size, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0,
+    ),
+    "deepseek_v3": _deepseek_v3_kwargs,
+}
+
+
+def hf_config(spec: ModelSpec):
+    """Return the transformers config (architecture `spec.hf_model_type`) that matches the Megatron model."""
+    import transformers
+
+    if spec.hf_model_type not in _ARCHITECTURE_KWARGS:
+        raise ValueError(f"no tiny-config recipe for HF model_type {spec.hf_model_type!r}; "
+                         f"add one to _ARCHITECTURE_KWARGS in {__name__}")
+    kwargs = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.ffn_hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        hidden_act="silu",
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=spec.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        tie_word_embeddings=spec.tie_word_embeddings,
+        attention_dropout=0.0,
+    )
+    kwargs.update(_ARCHITECTURE_KWARGS[spec.hf_model_type](spec))
+    return transformers.AutoConfig.for_model(spec.hf_model_type, **kwargs)
 
 
 # ---------------------------------------------------------------- reference weights
@@ -322,9 +368,9 @@ def _attention_shapes(spec: ModelSpec) -> dict[str, tuple]:
         "self_attention.linear_qkv.weight": (qkv_rows, h),
         "self_attention.linear_proj.weight": (h, spec.num_heads * d),
     }
-    if spec.family == "qwen2":
+    if spec.traits.qkv_bias:
         shapes["self_attention.linear_qkv.bias"] = (qkv_rows,)
-    if spec.family in ("qwen3", "qwen3_moe"):
+    if spec.traits.qk_norm:
         shapes["self_attention.q_layernorm.weight"] = (d,)
         shapes["self_attention.k_layernorm.weight"] = (d,)
     return shapes
@@ -340,9 +386,10 @@ def _mlp_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple]:
     for e in range(spec.num_experts):
         shapes[f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
         shapes[f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)
-    if spec.family == "deepseek_v3":
-        fs = f * spec.num_shared_experts
+    if spec.traits.router_bias:
         shapes["mlp.router.expert_bias"] = (spec.num_experts,)
+    if spec.traits.shared_experts:
+        fs = f * spec.num_shared_experts
         shapes["mlp.shared_experts.linear_fc1.weight"] = (2 * fs, h)
         shapes["mlp.shared_experts.linear_fc2.weight"] = (h, fs)
     return shapes
@@ -389,113 +436,70 @@ def reference_weights(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------- loading a rank's slice
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..+)$")
 _VOCAB_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-@dataclasses.dataclass(frozen=True)
-class _RankLayout:
-    tp_size: int
-    tp_rank: int
-    etp_size: int
-    etp_rank: int
-    ep_rank: int
-    local_experts: int
+def _rank_slice(full: torch.Tensor, local, spec: ModelSpec, layout) -> torch.Tensor:
+    """Return this rank's slice of ``full`` for the walked local tensor ``local`` (a SourceTensor).
 
-    @classmethod
-    def from_parallel_state(cls, spec: ModelSpec) -> "_RankLayout":
-        from megatron.core import parallel_state as ps
+    The inverse of the library's gather: the same sharding attributes, the same split.
+    """
+    from megatron_sync.gather import split_strided_shard
 
-        ep = ps.get_expert_model_parallel_world_size()
-        return cls(
-            tp_size=ps.get_tensor_model_parallel_world_size(),
-            tp_rank=ps.get_tensor_model_parallel_rank(),
-            etp_size=ps.get_expert_tensor_parallel_world_size(),
-            etp_rank=ps.get_expert_tensor_parallel_rank(),
-            ep_rank=ps.get_expert_model_parallel_rank(),
-            local_experts=spec.num_experts // ep if spec.is_moe else 0,
-        )
-
-
-def _global_name(local_name: str, layer_numbers: list[int], layout: _RankLayout) -> str:
-    """Map a chunk-local parameter name to its name in the single-rank model."""
-    m = _LAYER.match(local_name)
-    if not m:
-        return local_name
-    name = f"decoder.layers.{layer_numbers[int(m.group(1))] - 1}.{m.group(2)}"
-    e = _EXPERT.match(name)
-    if e:
-        expert = layout.ep_rank * layout.local_experts + int(e.group(2))
-        name = f"{e.group(1)}{expert}{e.group(3)}"
-    return name
-
-
-def _rank_slice(full: torch.Tensor, local: torch.Tensor, name: str, spec: ModelSpec,
-                layout: _RankLayout) -> torch.Tensor:
-    """Return this rank's slice of ``full`` for the local tensor ``local``."""
-    if name in _VOCAB_NAMES:
-        padded = torch.zeros(padded_vocab_size(spec, layout.tp_size), full.shape[1], dtype=full.dtype)
+    if local.name in _VOCAB_NAMES:
+        padded = torch.zeros(padded_vocab_size(spec, layout.tp), full.shape[1], dtype=full.dtype)
         padded[: full.shape[0]] = full
         full = padded
-    if not getattr(local, "tensor_model_parallel", False):
+    sharding = local.sharding
+    if sharding.axis is None:
         return full
-    is_expert = _EXPERT.match(name) is not None
-    size, rank = (layout.etp_size, layout.etp_rank) if is_expert else (layout.tp_size, layout.tp_rank)
-    dim = local.partition_dim
-    if name.endswith("linear_fc1.weight"):  # [gate; up] -> [gate_r; up_r]
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
-    return full.chunk(size, dim=dim)[rank]
+    size, rank = (layout.etp, layout.etp_rank) if sharding.axis == "etp" else (layout.tp, layout.tp_rank)
+    return split_strided_shard(full, sharding.dim, sharding.stride, size, rank)
 
 
-def _expected_names(full: dict, chunks: list, spec: ModelSpec, layout: _RankLayout) -> set[str]:
-    """Names of ``full`` that this rank's chunks must consume."""
-    layers = {layer.layer_number - 1 for c in chunks for layer in c.decoder.layers}
-    first = any(c.pre_process for c in chunks)
-    last = any(c.post_process for c in chunks)
-    experts = range(layout.ep_rank * layout.local_experts, (layout.ep_rank + 1) * layout.local_experts)
-    expected = set()
-    for name in full:
-        m = _LAYER.match(name)
-        if m:
-            e = _EXPERT.match(name)
-            if int(m.group(1)) in layers and (e is None or int(e.group(2)) in experts):
-                expected.add(name)
-        elif name == "embedding.word_embeddings.weight":
-            if first or (last and spec.tie_word_embeddings):
-                expected.add(name)
-        elif last:  # final_layernorm, output_layer
-            expected.add(name)
-    return expected
+def _names_this_rank_should_load(full: dict, walked: list, layout) -> set[str]:
+    """The names of ``full`` that belong to this rank: its layers (its own experts only) and, for
+    the names outside layers, the ones its chunks hold."""
+    layers = {t.name.split(".")[2] for t in walked if t.name.startswith("decoder.layers.")}
+    others = set()
+    for t in walked:
+        if t.expert is not None:
+            owned = range(layout.ep_rank * t.expert.num_local, (layout.ep_rank + 1) * t.expert.num_local)
+            others |= {t.expert.template.format(expert=e) for e in range(t.expert.num_local * layout.ep)
+                       if e not in owned}
+    held = {t.name for t in walked}
+    return {n for n in full
+            if (n.startswith("decoder.layers.") and n.split(".")[2] in layers and n not in others)
+            or (not n.startswith("decoder.layers.") and n in held)}
 
 
 def load_reference_weights(chunks: list, full: dict[str, torch.Tensor], spec: ModelSpec) -> None:
     """Copy this rank's slice of ``full`` (see ``reference_weights``) into ``chunks`` in place.
 
-    Works for any TP/PP/VPP/EP/ETP layout under the current ``parallel_state``. Raises
-    ``KeyError`` if a local parameter or buffer has no full tensor, ``ValueError`` on a
-    shape mismatch or if a full tensor this rank should hold was not used.
+    Works for any TP/PP/VPP/EP/ETP layout under the current ``parallel_state``: the
+    library's own source walk names every local tensor globally and says how it is
+    sharded. Raises ``KeyError`` if a local parameter or buffer has no full tensor,
+    ``ValueError`` on a shape mismatch or if a full tensor this rank should hold was not used.
     """
-    layout = _RankLayout.from_parallel_state(spec)
+    from megatron_sync.parallel import ParallelLayout
+    from megatron_sync.source import walk_model_chunks
+
+    layout = ParallelLayout.from_megatron()
+    walked = walk_model_chunks(chunks, layout, is_buffer=lambda name: name in full)
     used = set()
-    for chunk in chunks:
-        layer_numbers = [layer.layer_number for layer in chunk.decoder.layers]
-        for local_name, local in chunk.state_dict(keep_vars=True).items():
-            if local is None or local_name.endswith("_extra_state"):
-                continue
-            name = _global_name(local_name, layer_numbers, layout)
-            if name == "output_layer.weight" and spec.tie_word_embeddings:
-                name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied weight
-            if name not in full:
-                raise KeyError(f"local {local_name!r} (global {name!r}) has no reference tensor")
-            piece = _rank_slice(full[name], local, name, spec, layout)
-            if piece.shape != local.shape:
-                raise ValueError(f"{local_name!r}: slice {tuple(piece.shape)} != local {tuple(local.shape)}")
-            with torch.no_grad():
-                local.copy_(piece)
-            used.add(name)
-    unused = _expected_names(full, chunks, spec, layout) - used
+    for local in walked:
+        name = local.name
+        if name == "output_layer.weight" and spec.tie_word_embeddings:
+            name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied weight
+        if name not in full:
+            raise KeyError(f"local tensor {local.name!r} has no reference tensor")
+        piece = _rank_slice(full[name], local, spec, layout)
+        if piece.shape != local.tensor.shape:
+            raise ValueError(f"{local.name!r}: slice {tuple(piece.shape)} != local {tuple(local.tensor.shape)}")
+        with torch.no_grad():
+            local.tensor.copy_(piece)
+        used.add(name)
+    unused = _names_this_rank_should_load(full, walked, layout) - used
     if unused:
         raise ValueError(f"reference tensors not loaded on this rank: {sorted(unused)}")
 

@@ -11,43 +11,38 @@ every surviving rank.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 
+from megatron_sync.agreement import describe
 from megatron_sync.bucket import checksum, unpack
+from megatron_sync.engines.base import EngineAdapter
+from megatron_sync.errors import CorruptBucketError, PeerFailureError, SyncAbortedError
 from megatron_sync.metrics import PhaseTimer, SyncMetrics
-from megatron_sync.plan import DEFAULT_KEEP_TOGETHER, BucketPlan, KeepTogether
-from megatron_sync.receiver.engine import EngineAdapter
-from megatron_sync.transport.base import (
-    ABORTED_NBYTES, BucketHeader, CorruptBucketError, PeerFailureError, SyncAbortedError, Transport,
-    handshake_plan,
-)
+from megatron_sync.plan import BucketPlan, KeepTogether, handshake_plan
+from megatron_sync.transport.base import ABORTED_NBYTES, BucketHeader, BucketTransport, Commit, Receiver
 
 
-class WeightReceiver:
-    """Receives every sync into one engine rank.
+class WeightReceiver(Receiver):
+    """Receives every sync into one engine rank over a bucket transport.
 
     Construction is collective: it runs the plan handshake with the stage
     sources (PlanMismatchError on every rank if plans or coverage disagree).
-    `engine_group` is accepted for transports where one rank per engine
-    receives and fans out inside the engine; the broadcast transport puts every
-    engine rank in the transport group, so it is unused there.
     `commit(staged_shards, version)` makes an agreed version live; it defaults
     to `engine.load_shards` (a serving loop passes its own, which applies the
-    version at a generation step boundary). With `rollback` (default) and an
-    engine that has `state_shards()`, the live shards are copied before each
-    load; if the load then fails on another rank, this rank loads the copy
-    back, so no engine is left holding a mix of versions (the price is one
-    extra copy of this rank's shards during the load).
+    version at a generation step boundary). With `rollback` (default) the live
+    shards are copied (`engine.snapshot()`) before each load; if the load then
+    fails on another rank, this rank loads the copy back, so no engine is left
+    holding a mix of versions (the price is one extra copy of this rank's
+    shards during the load).
     """
 
-    def __init__(self, engine: EngineAdapter, transport: Transport, engine_group: Any = None, *,
-                 bucket_size_bytes: int, keep_together: KeepTogether = DEFAULT_KEEP_TOGETHER,
-                 metrics_path: Optional[str] = None,
-                 commit: Optional[Callable[[dict[str, torch.Tensor], int], None]] = None,
+    def __init__(self, engine: EngineAdapter, transport: BucketTransport, *,
+                 bucket_size_bytes: int, keep_together: KeepTogether = (),
+                 metrics_path: Optional[str] = None, commit: Optional[Commit] = None,
                  rollback: bool = True) -> None:
-        self.engine, self.transport, self.engine_group = engine, transport, engine_group
+        self.engine, self.transport = engine, transport
         self.rollback = rollback
         self.commit = commit if commit is not None else engine.load_shards
         self.metrics_path = metrics_path
@@ -65,23 +60,28 @@ class WeightReceiver:
             try:
                 error = self._receive_all(version, staging, metrics)
                 with PhaseTimer(metrics, "commit"):
-                    failures = self.transport.agree(error)
-                if failures:
-                    raise SyncAbortedError(version, failures)
+                    self._agree(version, error)
                 with PhaseTimer(metrics, "commit"):  # the rollback snapshot is part of committing
                     old_version, snapshot = self.engine.version, self._snapshot()
                 load_error = self._load(staging, version, metrics)
-                with PhaseTimer(metrics, "commit"):
-                    failures = self.transport.agree(load_error)
-                if failures:
+                try:
+                    with PhaseTimer(metrics, "commit"):
+                        self._agree(version, load_error)
+                except SyncAbortedError as e:
                     if load_error is None:  # this rank loaded it, another did not: go back
-                        self._roll_back(snapshot, old_version, failures)
-                    raise SyncAbortedError(version, failures)
+                        problem = self._roll_back(snapshot, old_version)
+                        if problem is not None:
+                            raise SyncAbortedError(version, [*e.failures, (self.transport.rank, problem)]) from e
+                    raise
             finally:
                 staging.clear()  # on failure: drop the new version; the engine keeps the old one
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
         return metrics
+
+    def _agree(self, version: int, error: Optional[str]) -> None:
+        self.transport.agree(error, what=f"sync of version {version}",
+                             failure=lambda failures: SyncAbortedError(version, failures))
 
     def _receive_all(self, version: int, staging: dict[str, torch.Tensor],
                      metrics: SyncMetrics) -> Optional[str]:
@@ -105,7 +105,7 @@ class WeightReceiver:
                     self._stage(bucket, data, staging)
             except PeerFailureError:
                 raise
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 — agreed on, then raised on every rank
                 error = f"{type(e).__name__}: {e}"
         return error
 
@@ -131,26 +131,26 @@ class WeightReceiver:
 
     def _snapshot(self) -> Optional[dict[str, torch.Tensor]]:
         """Copy the live shards before a load, so a load that fails elsewhere can be undone here."""
-        if not self.rollback or not hasattr(self.engine, "state_shards"):
+        if not self.rollback:
             return None
-        return self.engine.state_shards() or None
+        return self.engine.snapshot() or None
 
-    def _roll_back(self, snapshot: Optional[dict[str, torch.Tensor]], old_version: int,
-                   failures: list[tuple[int, str]]) -> None:
+    def _roll_back(self, snapshot: Optional[dict[str, torch.Tensor]], old_version: int) -> Optional[str]:
+        """Load the snapshot back; return what went wrong (None when this rank is back on `old_version`)."""
         if snapshot is None:
-            failures.append((self.transport.rank, "loaded the new version and has no snapshot to roll back to; "
-                             "this engine rank now differs from ranks that failed to load"))
-            return
+            return ("loaded the new version and has no snapshot to roll back to; this engine rank now "
+                    "differs from ranks that failed to load")
         try:
             self.commit(snapshot, old_version)
-        except Exception as e:
-            failures.append((self.transport.rank, f"rolling back to version {old_version} failed: {e}"))
+        except Exception as e:  # noqa: BLE001 — reported with the sync's failures
+            return f"rolling back to version {old_version} failed: {e}"
+        return None
 
     def _load(self, staging: dict[str, torch.Tensor], version: int, metrics: SyncMetrics) -> Optional[str]:
         try:
             with PhaseTimer(metrics, "apply"):
                 self.commit(staging, version)
-        except Exception as e:
-            return (f"commit failed: {type(e).__name__}: {e} (ranks that loaded the new version "
+        except Exception as e:  # noqa: BLE001 — agreed on, then raised on every rank
+            return (f"commit failed: {describe(e, limit=3)} (ranks that loaded the new version "
                     "roll back to the previous one)")
         return None

@@ -1,10 +1,12 @@
 """The main job: a Megatron trainer and a 2-rank inference engine, launched as two torchrun jobs.
 
-    python -m megatron_sync.demo --config configs/demo_qwen3_moe_ep2.yaml [--weight-sync-bucket-size-mb 1]
+    python -m examples.demo --config configs/demo_qwen3_moe_ep2.yaml [--weight-sync-bucket-size-mb 1]
 
-Starts the trainer job and the inference job as separately launched torchrun
-jobs that meet only at the weight-sync rendezvous, waits for both with a time
-limit, and exits non-zero if either fails (for example on a logits mismatch).
+Starts the trainer job (`examples.train_tiny`) and the inference job
+(`examples.serve_checked`) as separately launched torchrun jobs that meet only
+at the weight-sync rendezvous, hosts the demo's own store through which the
+trainer checks what the engines compute, waits for both with a time limit, and
+exits non-zero if either fails (for example on a logits mismatch).
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import subprocess
 import sys
 import time
 
-from megatron_sync.launch.job import job_arg_parser, job_argv, load_job
-from megatron_sync.testing.dist import free_port
+from examples.job import harness_store, job_arg_parser, job_argv, load_job
+from tests.support.dist import free_port
 
 
 def torchrun(nprocs: int, module: str, argv: list[str]) -> list[str]:
@@ -33,9 +35,9 @@ def run_jobs(argv: list[str], trainer_procs: int, inference_procs: int, time_lim
     # Megatron and torchrun warn about missing TE/Apex and CUDA on every rank; keep the demo readable.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     jobs = {
-        "trainer": subprocess.Popen(torchrun(trainer_procs, "megatron_sync.launch.trainer", argv),
+        "trainer": subprocess.Popen(torchrun(trainer_procs, "examples.train_tiny", argv),
                                     env=env, start_new_session=True),
-        "inference": subprocess.Popen(torchrun(inference_procs, "megatron_sync.launch.inference", [*argv, *inference_extra]),
+        "inference": subprocess.Popen(torchrun(inference_procs, "examples.serve_checked", [*argv, *inference_extra]),
                                       env=env, start_new_session=True),
     }
     deadline = time.monotonic() + time_limit_s
@@ -72,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.weight_sync_master_port is None:
         args.weight_sync_master_port = free_port()
     job = load_job(args)  # validate before launching anything
+    args.harness_port = free_port()
+    store = harness_store(args.harness_port, host=True, timeout_s=job.weight_sync.timeout_s)  # noqa: F841 — serves until exit
     passthrough = job_argv(args)
     t, ws = job.trainer, job.weight_sync
     print(f"[demo] {job.model['family']}: trainer world {t.world_size} (tp={t.tp} pp={t.pp} vpp={t.vpp} "

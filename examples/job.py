@@ -1,9 +1,11 @@
-"""A training-and-sync job described by one YAML file (the format of configs/*.yaml).
+"""The example jobs' YAML (the format of configs/*.yaml) and their torchrun set-up.
 
 Sections: `model` (family and sizes of the tiny CPU model), `trainer`
-(Megatron's parallel layout), `train` (steps and data), `verify` (what is
-checked after each sync) and `weight_sync` (the library's own settings,
+(Megatron's parallel layout), `train` (steps and data), `verify` (what the
+demo checks after each sync) and `weight_sync` (the library's own settings,
 `WeightSyncConfig`). Command-line `--weight-sync-*` flags override the YAML.
+This is harness, not library: a production job reads `weight_sync:` with
+`WeightSyncConfig.from_yaml` and builds its own model.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, Callable
 
 import yaml
 
-from megatron_sync.config import WeightSyncConfig, add_weight_sync_args, field_names
+from megatron_sync.config import WeightSyncConfig, add_weight_sync_args, explicit_flags, field_names
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +79,7 @@ class JobConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
     def model_spec(self):
-        from megatron_sync.testing.models import ModelSpec
+        from tests.support.models import ModelSpec
 
         return ModelSpec(**self.model)
 
@@ -122,24 +124,20 @@ def job_arg_parser(description: str) -> argparse.ArgumentParser:
     """Return a parser with --config and every --weight-sync-* flag (unset flags stay None)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", required=True, help="job YAML (see configs/)")
-    add_weight_sync_args(parser)
-    parser.set_defaults(**{f"weight_sync_{name}": None for name in field_names()})
+    parser.add_argument("--harness-port", type=int, default=0,
+                        help="the demo's own store (logits, rollouts), hosted by the demo driver")
+    add_weight_sync_args(parser, defaults=False)
     return parser
 
 
 def load_job(args: argparse.Namespace) -> JobConfig:
     """Return the job config from parsed args: the YAML, with explicit flags on top."""
-    overrides = {
-        name: getattr(args, f"weight_sync_{name}")
-        for name in field_names()
-        if getattr(args, f"weight_sync_{name}") is not None
-    }
-    return JobConfig.load(args.config, overrides)
+    return JobConfig.load(args.config, explicit_flags(args))
 
 
 def job_argv(args: argparse.Namespace) -> list[str]:
     """Return the command-line arguments that reproduce `args`' job (for launching sub-jobs)."""
-    argv = ["--config", args.config]
+    argv = ["--config", args.config, "--harness-port", str(args.harness_port)]
     for name in field_names():
         value = getattr(args, f"weight_sync_{name}")
         flag = "--weight-sync-" + name.replace("_", "-")
@@ -177,3 +175,17 @@ def run_under_torchrun(role: str, args: argparse.Namespace, run: Callable[[JobCo
         return run(job)
     finally:
         dist.destroy_process_group()
+
+
+def harness_store(port: int, *, host: bool = False, timeout_s: float = 60.0) -> Any:
+    """Return the demo's own TCP store on loopback (`host`: the demo driver serves it).
+
+    The demo's checks (engine logits, rollout reports) travel here, not through
+    the library's control channel.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, is_master=host, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))

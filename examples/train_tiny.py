@@ -1,9 +1,11 @@
-"""Trainer job: train a tiny Megatron model on CPU and sync it to the engines after optimizer steps.
+"""The demo's trainer job: train a tiny Megatron model on CPU and sync it after optimizer steps.
 
-Run under torchrun (one process per trainer rank), e.g.
-    torchrun --nproc-per-node 2 -m megatron_sync.launch.trainer --config configs/demo_qwen3_moe_ep2.yaml
-with the inference job (`megatron_sync.launch.inference`) started separately
-against the same `weight_sync.master_address:master_port`.
+Run under torchrun (one process per trainer rank), e.g. by launch/train.sh (its default entry point)
+    NPROC=2 launch/train.sh --config configs/demo_qwen3_moe_ep2.yaml
+with the demo's inference job (`examples.serve_checked`) started separately against the same
+`weight_sync.master_address:master_port`. Besides syncing, it checks every version against the
+engines (logits, generation spans) through the demo's own store. The tiny model is built on CPU with
+the test support's megatron-core shims; a real job builds its own model and keeps only the callback.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from examples.job import JobConfig, harness_store, job_arg_parser, run_under_torchrun
 from megatron_sync.callback import WeightSyncCallback
-from megatron_sync.launch.job import JobConfig, job_arg_parser, run_under_torchrun
 from megatron_sync.metrics import format_table
 from megatron_sync.parallel import ParallelLayout
 from megatron_sync.sync import TrainerWeightSync
@@ -26,8 +28,8 @@ from megatron_sync.sync import TrainerWeightSync
 
 def build_trainer(job: JobConfig):
     """Return (chunks, layout, HF config) for this rank: a seeded tiny model under the job's layout."""
-    from megatron_sync.testing import models
-    from megatron_sync.testing.dist import init_megatron
+    from tests.support import models
+    from tests.support.dist import init_megatron
 
     t = job.trainer
     minutes = max(2, math.ceil(4 * job.weight_sync.timeout_s / 60))  # Megatron's groups: bounded too
@@ -52,14 +54,14 @@ def eval_tokens(job: JobConfig, vocab_size: int) -> torch.Tensor:
 class Verifier:
     """After each sync: engine logits must equal the trainer's; optionally dump what was sent."""
 
-    def __init__(self, job: JobConfig, sync: TrainerWeightSync, chunks: list):
-        self.job, self.sync, self.chunks = job, sync, chunks
+    def __init__(self, job: JobConfig, sync: TrainerWeightSync, chunks: list, store):
+        self.job, self.sync, self.chunks, self.store = job, sync, chunks, store
         self.vocab_size = job.model_spec().vocab_size
         self.failures: list[str] = []
         self.rows = []
 
     def after_sync(self, version: int, metrics) -> None:
-        from megatron_sync.testing.models import megatron_logits
+        from tests.support.models import megatron_logits
 
         tokens = eval_tokens(self.job, self.vocab_size)
         logits = megatron_logits(self.chunks, tokens) if self.job.verify.logits else None
@@ -67,13 +69,12 @@ class Verifier:
         if not self.sync.is_leader:
             return
         self.rows.append(metrics)
-        self.sync.post_control({"op": "verify", "version": version, "tokens": tokens.tolist()})
+        self.sync.send_app_message({"name": "verify", "version": version, "tokens": tokens.tolist()})
         self.rows.extend(self.sync.receiver_metrics(version))
         if logits is None:
             return
-        group = self.sync.transport.group
         for engine in range(self.job.weight_sync.num_engines):
-            got = torch.load(io.BytesIO(group.fetch(f"logits/{version}/{engine}")))
+            got = torch.load(io.BytesIO(self.store.get(f"logits/{version}/{engine}")))
             diff = float((got - logits).abs().max())
             ok = diff <= self.job.verify.logits_atol
             print(f"[trainer] version {version}: engine {engine} logits max |diff| = {diff:.3e} "
@@ -86,17 +87,16 @@ class Verifier:
         if self.job.verify.rollout_tokens and self.sync.is_leader:
             gen = torch.Generator().manual_seed(version)
             prompts = torch.randint(0, self.vocab_size, (2, 6), generator=gen).tolist()
-            self.sync.post_control({"op": "rollout", "version": version, "prompts": prompts,
-                                    "max_new_tokens": self.job.verify.rollout_tokens})
+            self.sync.send_app_message({"name": "rollout", "version": version, "prompts": prompts,
+                                        "max_new_tokens": self.job.verify.rollout_tokens})
 
     def check_rollout(self, version: int) -> None:
         """Check the versions recorded by the rollout that started on `version` (leader only)."""
         if not self.job.verify.rollout_tokens or not self.sync.is_leader:
             return
         policy, switch = self.job.weight_sync.inflight_policy, self.job.verify.rollout_switch_step + 1
-        group = self.sync.transport.group
         for engine in range(self.job.weight_sync.num_engines):
-            for index, response in enumerate(json.loads(group.fetch(f"rollout/{version}/{engine}"))):
+            for index, response in enumerate(json.loads(self.store.get(f"rollout/{version}/{engine}"))):
                 spans = [tuple(s) for s in response["weight_versions"]]
                 if policy == "abort":
                     want = [(version, 0, switch)]
@@ -120,9 +120,9 @@ class Verifier:
         torch.save(sent, os.path.join(folder, f"sent_stage{self.sync.stream.stage}.pt"))
 
 
-def run(job: JobConfig) -> int:
+def run(job: JobConfig, harness_port: int) -> int:
     """Train for `job.train.steps` optimizer updates, syncing per the config; return an exit code."""
-    from megatron_sync.testing.train import make_optimizer, train_step, wrap_in_ddp
+    from tests.support.train import make_optimizer, train_step, wrap_in_ddp
 
     if not job.weight_sync.enabled:
         raise ValueError("this job checks every sync against the engines; set weight_sync.enabled: true")
@@ -130,7 +130,7 @@ def run(job: JobConfig) -> int:
     model = wrap_in_ddp(chunks)  # what a Megatron job hands the library: DDP-wrapped chunks
     callback = WeightSyncCallback.from_config(job.weight_sync, model, hf_config=hf_config, layout=layout)
     sync = callback.syncer
-    verifier = Verifier(job, sync, chunks)
+    verifier = Verifier(job, sync, chunks, harness_store(harness_port, timeout_s=job.weight_sync.timeout_s))
     optimizer = make_optimizer(model, job.train.lr)
     try:
         verifier.after_sync(1, sync.sync())  # version 1: the engines start from the trainer's weights
@@ -145,7 +145,7 @@ def run(job: JobConfig) -> int:
                 verifier.after_sync(sync.version, metrics)
                 verifier.check_rollout(sync.version - 1)
     finally:
-        sync.close()
+        callback.close()
     failures = [verifier.failures]
     dist.broadcast_object_list(failures, src=0)
     if dist.get_rank() == 0:
@@ -156,8 +156,8 @@ def run(job: JobConfig) -> int:
 
 
 def main(argv=None) -> int:
-    args = job_arg_parser("megatron-sync trainer job (run under torchrun)").parse_args(argv)
-    return run_under_torchrun("trainer", args, run)
+    args = job_arg_parser("megatron-sync demo trainer job (run under torchrun)").parse_args(argv)
+    return run_under_torchrun("trainer", args, lambda job: run(job, args.harness_port))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,125 @@
+"""The demo's inference job: `megatron_sync.serve` around reference engines, plus the demo's checks.
+
+Run under torchrun (one process per inference rank), e.g.
+    torchrun --nproc-per-node 2 -m examples.serve_checked --config configs/demo_qwen3_moe_ep2.yaml
+The engines are built from the job YAML's tiny model; on the trainer's "verify"
+message they post their logits, on "rollout" they generate while the next sync
+arrives and post the responses with the versions each token came from. Both go
+to the demo's own store (`--harness-port`), not through the library.
+`--test-exit-during-version` makes one rank die mid-sync (fault injection for tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+from concurrent.futures import Future
+
+import torch
+
+from examples.job import JobConfig, harness_store, job_arg_parser, run_under_torchrun
+from megatron_sync.serve import EngineRank, join, serve
+from megatron_sync.sync import InferenceWeightSync
+from megatron_sync.transport.control import ControlMessage, ControlOp
+
+
+class _DiesMidSync:
+    """Fault injection for tests: the wrapped engine's process exits while staging `version`."""
+
+    def __init__(self, engine, version: int):
+        self._engine, self._version, self._seen = engine, version, 0
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def shard_of(self, name, full):
+        if self._engine.version == self._version - 1:
+            self._seen += 1
+            if self._seen > 3:  # a few tensors into the sync
+                print(f"[inference] fault injection: exiting while receiving version {self._version}", flush=True)
+                os._exit(17)
+        return self._engine.shard_of(name, full)
+
+
+class DemoChecks:
+    """The demo's application messages: "verify" (post logits) and "rollout" (generate across a sync)."""
+
+    def __init__(self, job: JobConfig, me: EngineRank, store) -> None:
+        self.job, self.me, self.store = job, me, store
+
+    def verify(self, isync: InferenceWeightSync, message: ControlMessage) -> None:
+        version, engine = message.payload["version"], self.me.engine
+        if engine.version != version:
+            raise RuntimeError(f"engine {self.me.engine_index} is on version {engine.version}, expected {version}")
+        logits = engine.logits(torch.tensor(message.payload["tokens"]))
+        if self.me.tp_rank == 0:
+            buffer = io.BytesIO()
+            torch.save(logits, buffer)
+            self.store.set(f"logits/{version}/{self.me.engine_index}", buffer.getvalue())
+        self._dump(f"v{version}", f"engine{self.me.engine_index}_rank{self.me.tp_rank}.pt")
+
+    def rollout(self, isync: InferenceWeightSync, message: ControlMessage) -> None:
+        """Generate while the trainer's next sync arrives; the switch obeys inflight_policy."""
+        receiving: list[Future] = []
+        switch = self.job.verify.rollout_switch_step
+
+        def take_in_the_next_sync(step: int) -> None:
+            if step == switch:  # a step boundary mid-generation: the trainer's next sync starts now
+                sync = isync.next_control(timeout_s=self.job.weight_sync.timeout_s)
+                assert sync.op is ControlOp.SYNC, f"expected the next sync during a rollout, got {sync}"
+                receiving.append(isync.apply_in_background(sync.version))
+            elif step == switch + 1:  # make the switch land at a known boundary
+                isync.server.wait_for_commit(self.me.engine.version + 1, timeout=self.job.weight_sync.timeout_s)
+
+        payload = message.payload
+        responses = isync.server.generate(payload["prompts"], payload["max_new_tokens"],
+                                          before_step=take_in_the_next_sync)
+        for future in receiving:
+            future.result(timeout=self.job.weight_sync.timeout_s)
+        if self.me.tp_rank == 0:
+            report = [{"tokens": r.tokens, "finish_reason": r.finish_reason, "weight_versions": r.weight_versions,
+                       "kv_versions": r.kv_versions, "off_policy_kv": r.off_policy_kv} for r in responses]
+            self.store.set(f"rollout/{payload['version']}/{self.me.engine_index}", json.dumps(report).encode())
+
+    def dump_survivor(self) -> None:
+        self._dump("", f"survivor_engine{self.me.engine_index}_rank{self.me.tp_rank}.pt")
+
+    def _dump(self, folder: str, name: str) -> None:
+        if self.job.verify.dump_dir:
+            path = os.path.join(self.job.verify.dump_dir, folder)
+            os.makedirs(path, exist_ok=True)
+            torch.save({"version": self.me.engine.version, "shards": self.me.engine.snapshot()},
+                       os.path.join(path, name))
+
+
+def run(job: JobConfig, args: argparse.Namespace) -> int:
+    from tests.support.models import hf_config
+
+    ws = job.weight_sync
+    me = join(ws, hf_config(job.model_spec()))
+    if args.test_exit_during_version and me.rank == args.test_exit_rank:
+        me.engine = _DiesMidSync(me.engine, args.test_exit_during_version)
+    checks = DemoChecks(job, me, harness_store(args.harness_port, timeout_s=ws.timeout_s))
+    try:
+        return serve(me, ws, num_trainer_stages=job.trainer.pp,
+                     handlers={"verify": checks.verify, "rollout": checks.rollout})
+    except BaseException:
+        checks.dump_survivor()
+        raise
+
+
+def main(argv=None) -> int:
+    parser = job_arg_parser("megatron-sync demo inference job (run under torchrun)")
+    faults = parser.add_argument_group("fault injection (tests)")
+    faults.add_argument("--test-exit-during-version", type=int, default=0,
+                        help="make one inference rank exit while it receives this version")
+    faults.add_argument("--test-exit-rank", type=int, default=1, help="the inference rank that exits")
+    args = parser.parse_args(argv)
+    return run_under_torchrun("inference", args, lambda job: run(job, args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

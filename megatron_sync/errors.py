@@ -1,0 +1,42 @@
+"""The errors a sync raises, one hierarchy: every failure a caller may handle is a `SyncError`."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class SyncError(RuntimeError):
+    """Base of the errors a sync raises."""
+
+
+class PeerFailureError(SyncError):
+    """A collective or the rendezvous failed or timed out: a peer died, hangs, or never came."""
+
+
+class PlanMismatchError(SyncError):
+    """Ranks computed different sync plans, or the plan does not cover what an engine expects."""
+
+
+class CorruptBucketError(SyncError):
+    """A received bucket's checksum or header did not match; nothing of it is applied."""
+
+
+class AgreedFailure(SyncError):
+    """Raised on every rank of a group when any rank failed a step; names each failing rank."""
+
+    def __init__(self, what: str, failures: Sequence[tuple[int, str]]) -> None:
+        self.what = what
+        self.failures = list(failures)
+        lines = "\n".join(f"  [rank {rank}] {message}" for rank, message in self.failures)
+        super().__init__(
+            f"{what} failed on {len(self.failures)} rank(s) {[r for r, _ in self.failures]}:\n{lines}"
+        )
+
+
+class SyncAbortedError(AgreedFailure):
+    """Some rank failed this sync; every rank raises it and the engines keep the previous version."""
+
+    def __init__(self, version: int, failures: Sequence[tuple[int, str]]) -> None:
+        self.version = version
+        super().__init__(f"sync of version {version} (aborted on every rank; engines keep the previous "
+                         f"version)", failures)

@@ -1,0 +1,177 @@
+"""The inference job: engine ranks around a named engine that receive every sync from the trainer.
+
+Run one process per inference rank under torchrun (see launch/serve.sh):
+
+    torchrun --nproc-per-node 2 -m megatron_sync.serve --engine reference --model-dir /models/qwen3 \\
+        --trainer-stages 1 --config train.yaml        # or --weight-sync-* flags
+
+The model directory holds the inference model's `config.json` and, optionally,
+its initial `*.safetensors` (without them the engine starts from zeros and
+serves nothing useful until the trainer's first sync). Ranks form engines of
+`weight_sync.engine_tp_size` consecutive ranks. The job follows the trainer's
+control messages until the trainer says stop, then exits 0 on the version it
+holds; SIGTERM makes every rank report the version it holds and exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import glob
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_sync.config import WeightSyncConfig, add_weight_sync_args, explicit_flags
+from megatron_sync.meta import dtype_from_name
+from megatron_sync.sync import AppHandler, InferenceWeightSync
+
+log = logging.getLogger("megatron_sync")
+
+
+@dataclass
+class EngineRank:
+    """This process's place in the inference job: its engine and that engine's group."""
+
+    rank: int
+    world_size: int
+    engine_index: int
+    tp_rank: int
+    group: Any
+    engine: Any
+
+
+def engine_groups(world_size: int, tp: int) -> Any:
+    """Create one process group per engine (collective: every rank creates all); return this rank's."""
+    mine = None
+    for first in range(0, world_size, tp):
+        ranks = list(range(first, first + tp))
+        group = dist.new_group(ranks)  # also for tp=1: the engine's step agreement is per engine
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def build_reference_engine(hf_config: Any, config: WeightSyncConfig, *, tp_rank: int, group: Any) -> Any:
+    """Return this rank's `ReferenceEngine` for `hf_config` (transformers on CPU, its own TP)."""
+    from megatron_sync.engines.reference import ReferenceEngine
+
+    return ReferenceEngine(hf_config, tp_rank=tp_rank, tp_size=config.engine_tp_size, group=group,
+                           dtype=dtype_from_name(config.dtype), family=config.family)
+
+
+ENGINES: dict[str, Callable[..., Any]] = {"reference": build_reference_engine}
+"""Engines this job can host, by name. vLLM runs in its own server (launch/serve_vllm.sh)."""
+
+
+def load_initial_weights(engine: Any, model_dir: str) -> int:
+    """Load the model directory's safetensors into `engine` as version 0; return how many tensors."""
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        return 0
+    full: dict[str, torch.Tensor] = {}
+    for path in files:
+        full.update(load_file(path))
+    expected = {m.name for m in engine.expected_tensors()}
+    missing, extra = sorted(expected - set(full)), sorted(set(full) - expected)
+    if missing or extra:
+        raise ValueError(f"{model_dir}: the safetensors do not match the engine's tensors: missing "
+                         f"{missing[:8]}, unexpected {extra[:8]}; use the checkpoint of this config.json")
+    engine.load_shards({name: engine.shard_of(name, full[name]).clone() for name in expected}, 0)
+    return len(expected)
+
+
+def join(config: WeightSyncConfig, hf_config: Any, *, engine: str = "reference",
+         model_dir: Optional[str] = None) -> EngineRank:
+    """Build this torchrun process's engine (the default process group must exist)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != config.num_inference_ranks:
+        raise ValueError(
+            f"the inference job has {world} ranks but weight_sync.num_inference_ranks={config.num_inference_ranks}; "
+            "launch as many inference processes as the config says"
+        )
+    if engine not in ENGINES:
+        raise ValueError(f"--engine {engine!r} is not hosted by this job; use one of {sorted(ENGINES)}")
+    tp = config.engine_tp_size
+    group = engine_groups(world, tp)
+    engine_index, tp_rank = divmod(rank, tp)
+    built = ENGINES[engine](hf_config, config, tp_rank=tp_rank, group=group)
+    if model_dir is not None:
+        load_initial_weights(built, model_dir)
+    return EngineRank(rank, world, engine_index, tp_rank, group, built)
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGINT: torchrun stopping the job, or an operator."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signal.Signals(signum).name)
+
+
+def serve(me: EngineRank, config: WeightSyncConfig, *, num_trainer_stages: int,
+          handlers: Optional[dict[str, Callable[[InferenceWeightSync, Any], AppHandler]]] = None) -> int:
+    """Follow the trainer until "stop"; return 0. `handlers[name](isync, message)` serve app messages."""
+    isync = InferenceWeightSync(config, me.engine, num_trainer_stages=num_trainer_stages,
+                                inference_rank=me.rank, engine_group=me.group)
+    bound = {name: (lambda message, make=make: make(isync, message)) for name, make in (handlers or {}).items()}
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        isync.serve(bound)
+    except (Exception, Terminated) as e:
+        print(f"[inference rank {me.rank}] stopped by {type(e).__name__}: {e}; the engine stays on version "
+              f"{me.engine.version}", flush=True)
+        raise
+    finally:
+        isync.close()
+    print(f"[inference rank {me.rank}] stopped on version {me.engine.version}", flush=True)
+    return 0
+
+
+def arg_parser(description: str = "megatron-sync inference job (run under torchrun)") -> argparse.ArgumentParser:
+    """Return the job's parser: --engine, --model-dir, --trainer-stages, --config and --weight-sync-*."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--engine", default="reference", help=f"one of {sorted(ENGINES)}")
+    parser.add_argument("--model-dir", required=True, help="HF model directory: config.json [+ *.safetensors]")
+    parser.add_argument("--trainer-stages", type=int, default=1, help="pipeline stages of the trainer job")
+    parser.add_argument("--config", help="YAML whose weight_sync: section holds the settings (flags override)")
+    add_weight_sync_args(parser, defaults=False)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> WeightSyncConfig:
+    """Return the settings: the YAML's weight_sync: section (if any) with explicit flags on top."""
+    base = WeightSyncConfig.from_yaml(args.config) if args.config else WeightSyncConfig()
+    return dataclasses.replace(base, **explicit_flags(args))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from transformers import AutoConfig
+
+    args = arg_parser().parse_args(argv)
+    config = config_from_args(args)
+    hf_config = AutoConfig.from_pretrained(args.model_dir)
+    if config.family is None:
+        from converters import family_of_model_type
+
+        config = dataclasses.replace(config, family=family_of_model_type(hf_config.model_type).name)
+    logging.basicConfig(level=logging.WARNING, format=f"[inference rank {os.environ.get('RANK', '?')}] %(message)s")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(120.0, 4 * config.timeout_s)))
+    try:
+        me = join(config, hf_config, engine=args.engine, model_dir=args.model_dir)
+        return serve(me, config, num_trainer_stages=args.trainer_stages)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""The transport group: a process group over a rendezvous store, with timeout-bounded collectives.
+
+The group joins the ranks a transport needs (for broadcast: the P stage
+source ranks, group ranks 0..P-1, then the N inference ranks P..P+N-1). It is
+built from a TCPStore rendezvous under a PrefixStore, so separately launched
+jobs can join it, and it never touches (or is registered as) the training
+job's default group: collectives are called on the backend object itself, and
+each is bounded by `timeout_s`. The store also carries small control data
+(`post` / `fetch`), which the control channel builds on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_sync.errors import PeerFailureError, SyncError
+
+
+class TransportGroup:
+    """A process group over a rendezvous store, with timeout-bounded collectives."""
+
+    def __init__(self, backend_pg: Any, store: Any, *, rank: int, world_size: int,
+                 backend: str, timeout_s: float, group_name: str) -> None:
+        self._pg, self._store = backend_pg, store
+        self.rank, self.world_size = rank, world_size
+        self.backend, self.timeout_s, self.group_name = backend, timeout_s, group_name
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    def _fail(self, op: str, error: BaseException) -> PeerFailureError:
+        return PeerFailureError(
+            f"[transport rank {self.rank}] {op} on group {self.group_name!r} failed or timed out "
+            f"(timeout {self.timeout_s:g}s); expected transport ranks 0..{self.world_size - 1} "
+            f"to take part: {error}"
+        )
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> "Pending":
+        """Broadcast `tensor` in place from group rank `src`; return a handle (already waited unless async)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        try:
+            pending = Pending(self, "broadcast", self._pg.broadcast([tensor], opts))
+        except RuntimeError as e:
+            raise self._fail("broadcast", e) from e
+        if not async_op:
+            pending.wait()
+        return pending
+
+    def _all_gather(self, mine: torch.Tensor) -> list[torch.Tensor]:
+        """Return every rank's `mine` (same shape on every rank), indexed by rank."""
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        try:
+            work = self._pg.allgather([out], [mine])
+        except RuntimeError as e:
+            raise self._fail("all_gather", e) from e
+        Pending(self, "all_gather", work).wait()
+        return out
+
+    def all_gather_int64(self, values: Sequence[int]) -> list[list[int]]:
+        """Return every rank's `values` (same length on every rank), indexed by rank."""
+        mine = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        return [t.tolist() for t in self._all_gather(mine)]
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """Return every rank's JSON-serialisable `obj`, indexed by rank (no pickle on the wire)."""
+        payload = json.dumps(obj).encode()
+        sizes = [s[0] for s in self.all_gather_int64([len(payload)])]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        out = self._all_gather(padded.to(self.device))
+        return [json.loads(t.cpu()[:n].numpy().tobytes()) for t, n in zip(out, sizes)]
+
+    def broadcast_json(self, obj: Any, src: int) -> Any:
+        """Return `obj` as sent by group rank `src` (JSON-serialisable; ignored on other ranks)."""
+        payload = json.dumps(obj).encode() if self.rank == src else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        self.broadcast(size, src)
+        data = torch.zeros(int(size.item()), dtype=torch.uint8)
+        if self.rank == src:
+            data[:] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        data = data.to(self.device)
+        self.broadcast(data, src)
+        return json.loads(data.cpu().numpy().tobytes())
+
+    def post(self, key: str, value: bytes) -> None:
+        """Publish `value` under `key` in the rendezvous store (small control data, not weights)."""
+        try:
+            self._store.set(f"{self.group_name}/post/{key}", value)
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise self._fail(f"posting {key!r}", e) from e
+
+    def fetch(self, key: str, timeout_s: Optional[float] = None) -> bytes:
+        """Return the value posted under `key`, waiting up to `timeout_s` (None: the group timeout).
+
+        Polls rather than blocking in the store, so a store whose host died
+        (the trainer) is noticed at once as a PeerFailureError.
+        """
+        full_key = f"{self.group_name}/post/{key}"
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        pause = 0.005
+        try:
+            while not self._store.check([full_key]):
+                if time.monotonic() > deadline:
+                    raise PeerFailureError(
+                        f"[transport rank {self.rank}] nothing was posted under {key!r} within {limit:g}s"
+                    )
+                time.sleep(pause)
+                pause = min(pause * 2, 0.1)
+            return self._store.get(full_key)
+        except SyncError:
+            raise
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise self._fail(f"waiting for {key!r}", e) from e
+
+    def close(self) -> None:
+        """Shut the group down; safe to call twice and after a peer failure."""
+        if self._pg is not None:
+            try:
+                self._pg.shutdown()
+            except RuntimeError:
+                pass  # a failed group may refuse a clean shutdown; the sockets go with it
+            self._pg = None
+            self._store = None
+
+
+class Pending:
+    """An in-flight collective; `wait()` turns backend errors into PeerFailureError."""
+
+    def __init__(self, group: TransportGroup, op: str, work: Any) -> None:
+        self._group, self._op, self._work = group, op, work
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        try:
+            self._work.wait(datetime.timedelta(seconds=self._group.timeout_s))
+        except RuntimeError as e:
+            raise self._group._fail(self._op, e) from e
+        finally:
+            self._work = None
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+def init_transport_group(master_address: str, master_port: int, world_size: int, rank: int, *,
+                         backend: str = "gloo", timeout: float = 300.0,
+                         group_name: str = "megatron_sync") -> TransportGroup:
+    """Return the transport group after a TCP rendezvous (rank 0 hosts the store).
+
+    Works across separately launched jobs and alongside an existing default
+    group: the backend is constructed straight from a PrefixStore(group_name),
+    the way SGLang's `init_custom_process_group` does, and not registered with
+    torch.distributed's world.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+    delta = datetime.timedelta(seconds=timeout)
+    try:
+        store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout=delta)
+    except (RuntimeError, dist.DistStoreError) as e:
+        raise PeerFailureError(
+            f"[transport rank {rank}] rendezvous at {master_address}:{master_port} for "
+            f"{world_size} ranks did not complete within {timeout:g}s: {e}"
+        ) from e
+    prefixed = dist.PrefixStore(group_name, store)
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, delta)
+    elif backend == "nccl":
+        if not torch.cuda.is_available() or not hasattr(dist, "ProcessGroupNCCL"):
+            raise ValueError("backend='nccl' needs CUDA and a torch built with NCCL; use backend='gloo'")
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = delta
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    else:
+        raise ValueError(f"backend={backend!r} is not valid; use 'gloo' or 'nccl'")
+    return TransportGroup(pg, store, rank=rank, world_size=world_size, backend=backend,
+                          timeout_s=timeout, group_name=group_name)
