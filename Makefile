@@ -30,7 +30,7 @@ test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: setup
-	$(BIN)/python bench/bench_sync.py
+	PYTHONPATH=. $(BIN)/python bench/bench_sync.py
 
 clean:
 	rm -rf $(VENV)

@@ -57,7 +57,7 @@ SHOWN_PHASES = ("gather", "convert", "pack", "transfer", "apply", "commit")  # m
 
 
 def _transport(rank: int, cfg: dict):
-    from megatron_sync.transport.base import init_transport_group
+    from megatron_sync.transport.group import init_transport_group
     from megatron_sync.transport.broadcast import BroadcastTransport
 
     group = init_transport_group("127.0.0.1", cfg["port"], TRANSPORT_WORLD, rank,

@@ -72,7 +72,14 @@ class WeightSyncCallback:
         if not update_successful:
             return None
         self.updates += 1
-        if self.syncer is None or self.updates % self.every_n_steps:
+        if self.updates % self.every_n_steps:
+            return None
+        return self.sync_now()
+
+    def sync_now(self) -> Any:
+        """Sync the current weights at once (e.g. the initial weights before training); return metrics
+        or None when sync is disabled. Collective on every trainer rank."""
+        if self.syncer is None:
             return None
         ensure_params_gathered(self.chunks)
         return self.syncer.sync()

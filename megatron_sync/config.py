@@ -112,6 +112,10 @@ class WeightSyncConfig:
             raise ValueError("metrics_path must be a file path string or null")
         _check_choice("inflight_policy", self.inflight_policy, INFLIGHT_POLICIES)
 
+    def replace(self, **changes: Any) -> "WeightSyncConfig":
+        """Return a copy with `changes` applied (validated like a new config)."""
+        return dataclasses.replace(self, **changes)
+
     def require_family(self) -> str:
         """Return `family`, or raise ValueError saying where to set it."""
         if self.family is None:

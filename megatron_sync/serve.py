@@ -16,7 +16,6 @@ holds; SIGTERM makes every rank report the version it holds and exit.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import glob
 import logging
@@ -151,7 +150,7 @@ def arg_parser(description: str = "megatron-sync inference job (run under torchr
 def config_from_args(args: argparse.Namespace) -> WeightSyncConfig:
     """Return the settings: the YAML's weight_sync: section (if any) with explicit flags on top."""
     base = WeightSyncConfig.from_yaml(args.config) if args.config else WeightSyncConfig()
-    return dataclasses.replace(base, **explicit_flags(args))
+    return base.replace(**explicit_flags(args))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -163,7 +162,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if config.family is None:
         from converters import family_of_model_type
 
-        config = dataclasses.replace(config, family=family_of_model_type(hf_config.model_type).name)
+        config = config.replace(family=family_of_model_type(hf_config.model_type).name)
     logging.basicConfig(level=logging.WARNING, format=f"[inference rank {os.environ.get('RANK', '?')}] %(message)s")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(120.0, 4 * config.timeout_s)))
     try:

@@ -212,21 +212,24 @@ class InferenceWeightSync:
     def serve(self, handlers: Optional[dict[str, AppHandler]] = None) -> None:
         """Follow control messages until "stop": apply each sync, pass application messages to
         `handlers[payload["name"]]`."""
-        handlers = handlers or {}
-        while True:
-            message = self.next_control()
-            if message.op is ControlOp.STOP:
-                self.transport.control.report(Report.STOPPED, message.version, self.transport.rank,
-                                              str(self.engine.version).encode())
-                return
-            if message.op is ControlOp.SYNC:
-                self.apply(message.version)
-                continue
-            name = message.payload.get("name")
-            if name not in handlers:
-                raise ValueError(f"application message {name!r} has no handler on this engine; "
-                                 f"handlers: {sorted(handlers)}")
-            handlers[name](message)
+        while self.handle(self.next_control(), handlers or {}):
+            pass
+
+    def handle(self, message: ControlMessage, handlers: dict[str, AppHandler]) -> bool:
+        """Act on one control message; return False once it was "stop" (acknowledged to the trainer)."""
+        if message.op is ControlOp.STOP:
+            self.transport.control.report(Report.STOPPED, message.version, self.transport.rank,
+                                          str(self.engine.version).encode())
+            return False
+        if message.op is ControlOp.SYNC:
+            self.apply(message.version)
+            return True
+        name = message.payload.get("name")
+        if name not in handlers:
+            raise ValueError(f"application message {name!r} has no handler on this engine; "
+                             f"handlers: {sorted(handlers)}")
+        handlers[name](message)
+        return True
 
     def close(self) -> None:
         """Finish a background receive, then release the transport."""

@@ -158,23 +158,16 @@ class BucketHeader:
 ABORTED_NBYTES = -1
 
 
-class PendingBucket:
-    """An in-flight bucket receive; `wait()` returns (header, payload bytes)."""
+class PendingBucket(abc.ABC):
+    """An in-flight bucket receive."""
 
-    def __init__(self, header_pending: Waitable, header: Any, payload_pending: Waitable,
-                 payload: torch.Tensor) -> None:
-        self._parts = (header_pending, header, payload_pending, payload)
-
+    @abc.abstractmethod
     def wait(self) -> tuple[BucketHeader, torch.Tensor]:
-        header_pending, header, payload_pending, payload = self._parts
-        header_pending.wait()
-        payload_pending.wait()
-        if isinstance(header, BucketHeader):
-            return header, payload
-        return BucketHeader.from_tensor(header), payload
+        """Block until the bucket arrived; return its header and its payload bytes."""
 
+    @abc.abstractmethod
     def is_completed(self) -> bool:
-        return self._parts[0].is_completed() and self._parts[2].is_completed()
+        """True once `wait()` would not block."""
 
 
 class BucketTransport(Transport):

@@ -58,7 +58,7 @@ class BroadcastTransport(BucketTransport):
         self.group = group
         self.rank, self.world_size, self.num_stages = group.rank, group.world_size, num_stages
         self.device = group.device
-        self.control = StoreControlChannel(group)
+        self.control = StoreControlChannel(group.board)
         self._device_send: list[torch.Tensor] = []
         self._send_count = 0
 
@@ -111,7 +111,7 @@ class BroadcastTransport(BucketTransport):
         payload = out[: bucket.nbytes]
         header_pending = self.group.broadcast(header_t, src=bucket.stage, async_op=True)
         payload_pending = self.group.broadcast(payload, src=bucket.stage, async_op=True)
-        return PendingBucket(header_pending, header_t, payload_pending, payload)
+        return _BroadcastReceive(header_pending, header_t, payload_pending, payload)
 
     def all_gather_json(self, obj: Any) -> list[Any]:
         return self.group.all_gather_json(obj)
@@ -119,3 +119,20 @@ class BroadcastTransport(BucketTransport):
     def close(self) -> None:
         self._device_send.clear()
         self.group.close()
+
+
+class _BroadcastReceive(PendingBucket):
+    """The two broadcasts (header, payload) of one bucket."""
+
+    def __init__(self, header_pending: Pending, header: torch.Tensor, payload_pending: Pending,
+                 payload: torch.Tensor) -> None:
+        self._parts = (header_pending, header, payload_pending, payload)
+
+    def wait(self) -> tuple[BucketHeader, torch.Tensor]:
+        header_pending, header, payload_pending, payload = self._parts
+        header_pending.wait()
+        payload_pending.wait()
+        return BucketHeader.from_tensor(header), payload
+
+    def is_completed(self) -> bool:
+        return self._parts[0].is_completed() and self._parts[2].is_completed()

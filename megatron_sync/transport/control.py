@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from megatron_sync.transport.group import TransportGroup
+from megatron_sync.transport.group import StoreBoard
 
 
 class ControlOp(str, enum.Enum):
@@ -75,10 +75,10 @@ class ControlChannel(abc.ABC):
 
 
 class StoreControlChannel(ControlChannel):
-    """A control channel over the transport group's rendezvous store."""
+    """A control channel over a rendezvous store's board (the transport group's, for broadcast)."""
 
-    def __init__(self, group: TransportGroup) -> None:
-        self._group = group
+    def __init__(self, board: StoreBoard) -> None:
+        self._group = board
         self._sent = 0
         self._received = 0
 

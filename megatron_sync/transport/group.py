@@ -14,12 +14,53 @@ from __future__ import annotations
 import datetime
 import json
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_sync.errors import PeerFailureError, SyncError
+
+
+class StoreBoard:
+    """Small control data over a rendezvous store: `post` a value under a key, `fetch` it (bounded).
+
+    `fetch` polls rather than blocking in the store, so a store whose host died
+    (the trainer) is noticed at once as a PeerFailureError.
+    """
+
+    def __init__(self, store: Any, *, prefix: str, rank: int, timeout_s: float,
+                 failure: Optional[Callable[[str, BaseException], PeerFailureError]] = None) -> None:
+        self._store, self._prefix, self.rank, self.timeout_s = store, prefix, rank, timeout_s
+        self._failure = failure or (lambda op, e: PeerFailureError(f"[rank {rank}] {op} failed: {e}"))
+
+    def post(self, key: str, value: bytes) -> None:
+        """Publish `value` under `key` (small control data, not weights)."""
+        try:
+            self._store.set(self._prefix + key, value)
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise self._failure(f"posting {key!r}", e) from e
+
+    def fetch(self, key: str, timeout_s: Optional[float] = None) -> bytes:
+        """Return the value posted under `key`, waiting up to `timeout_s` (None: the board's timeout)."""
+        full_key = self._prefix + key
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        pause = 0.005
+        try:
+            while not self._store.check([full_key]):
+                if time.monotonic() > deadline:
+                    raise PeerFailureError(f"[rank {self.rank}] nothing was posted under {key!r} within {limit:g}s")
+                time.sleep(pause)
+                pause = min(pause * 2, 0.1)
+            return self._store.get(full_key)
+        except SyncError:
+            raise
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise self._failure(f"waiting for {key!r}", e) from e
+
+    def close(self) -> None:
+        self._store = None
 
 
 class TransportGroup:
@@ -31,6 +72,8 @@ class TransportGroup:
         self.rank, self.world_size = rank, world_size
         self.backend, self.timeout_s, self.group_name = backend, timeout_s, group_name
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.board = StoreBoard(store, prefix=f"{group_name}/post/", rank=rank, timeout_s=timeout_s,
+                                failure=self._fail)
 
     def _fail(self, op: str, error: BaseException) -> PeerFailureError:
         return PeerFailureError(
@@ -87,37 +130,6 @@ class TransportGroup:
         self.broadcast(data, src)
         return json.loads(data.cpu().numpy().tobytes())
 
-    def post(self, key: str, value: bytes) -> None:
-        """Publish `value` under `key` in the rendezvous store (small control data, not weights)."""
-        try:
-            self._store.set(f"{self.group_name}/post/{key}", value)
-        except (RuntimeError, dist.DistStoreError) as e:
-            raise self._fail(f"posting {key!r}", e) from e
-
-    def fetch(self, key: str, timeout_s: Optional[float] = None) -> bytes:
-        """Return the value posted under `key`, waiting up to `timeout_s` (None: the group timeout).
-
-        Polls rather than blocking in the store, so a store whose host died
-        (the trainer) is noticed at once as a PeerFailureError.
-        """
-        full_key = f"{self.group_name}/post/{key}"
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit
-        pause = 0.005
-        try:
-            while not self._store.check([full_key]):
-                if time.monotonic() > deadline:
-                    raise PeerFailureError(
-                        f"[transport rank {self.rank}] nothing was posted under {key!r} within {limit:g}s"
-                    )
-                time.sleep(pause)
-                pause = min(pause * 2, 0.1)
-            return self._store.get(full_key)
-        except SyncError:
-            raise
-        except (RuntimeError, dist.DistStoreError) as e:
-            raise self._fail(f"waiting for {key!r}", e) from e
-
     def close(self) -> None:
         """Shut the group down; safe to call twice and after a peer failure."""
         if self._pg is not None:
@@ -127,6 +139,7 @@ class TransportGroup:
                 pass  # a failed group may refuse a clean shutdown; the sockets go with it
             self._pg = None
             self._store = None
+            self.board.close()
 
 
 class Pending:

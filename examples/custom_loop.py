@@ -1,0 +1,68 @@
+"""A custom Megatron training loop with weight sync: the shape a user's own entry point takes.
+
+    NPROC=1 launch/train.sh --module examples.custom_loop -- --config train.yaml --steps 3
+
+`train.yaml` holds the `weight_sync:` section (family, hf_config_path, rendezvous,
+engine layout...). The only lines a real job adds to its loop are marked
+"weight sync". Building the model is the user's own code; on this CPU-only
+machine it is a tiny Megatron model from the test support (with its megatron-core
+CPU shims), which a GPU job replaces with its real model provider.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron_sync.callback import WeightSyncCallback
+from megatron_sync.config import WeightSyncConfig, add_weight_sync_args, explicit_flags
+from megatron_sync.parallel import ParallelLayout
+
+
+def build_model(family: str, seed: int):
+    """The user's model provider (here: a tiny CPU model, whose HF twin the engine serves)."""
+    from tests.support import models
+    from tests.support.dist import init_megatron
+    from tests.support.train import make_optimizer, wrap_in_ddp
+
+    init_megatron(seed=seed)
+    spec = models.ModelSpec(family)
+    chunks = models.build_model_chunks(spec)
+    models.load_reference_weights(chunks, models.reference_weights(spec, seed=seed), spec)
+    model = wrap_in_ddp(chunks)
+    return model, make_optimizer(model, lr=1e-3), spec.vocab_size
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="a custom Megatron training loop with weight sync")
+    parser.add_argument("--config", required=True, help="YAML with a weight_sync: section")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    add_weight_sync_args(parser, defaults=False)  # weight sync: --weight-sync-* flags override the YAML
+    args = parser.parse_args(argv)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    from tests.support.train import train_step
+
+    config = WeightSyncConfig.from_yaml(args.config).replace(**explicit_flags(args))  # weight sync
+    model, optimizer, vocab_size = build_model(config.require_family(), args.seed)
+    layout = ParallelLayout.from_megatron()
+    # weight sync: collective on every trainer rank; connects to the engines and checks the model.
+    with WeightSyncCallback.from_config(config, model, layout=layout) as callback:
+        callback.sync_now()  # weight sync: the engines start from the trainer's initial weights
+        for step in range(args.steps):
+            tokens = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
+            loss = train_step(model, optimizer, tokens, layout)
+            metrics = callback.after_optimizer_step(update_successful=True)  # weight sync
+            if dist.get_rank() == 0:
+                print(f"[custom loop] step {step + 1}: loss {loss:.4f}, synced version "
+                      f"{metrics.version if metrics else '-'}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""A transport registered from outside the library drives a full sync through the unchanged drivers.
+
+`StoreTransport` below is a toy: it moves every bucket, the metadata and the
+agreement rounds through a plain TCPStore (no collectives at all). Registered
+here under the name "store" (at import, so every spawned job that imports this
+module has it), it is picked by `weight_sync.transport: store` and the
+trainer and inference drivers, the sender and the receiver run unchanged: the
+engine's shards equal what the trainer sent, bit for bit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_sync.meta import TensorMeta
+from megatron_sync.transport import register_transport, transport_names
+from megatron_sync.transport.base import BucketHeader, BucketTransport, PendingBucket
+from megatron_sync.transport.control import StoreControlChannel
+from megatron_sync.transport.group import StoreBoard
+
+
+class _Done:
+    """A send that completed when it was issued (the store holds the bytes)."""
+
+    def wait(self) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _StoreReceive(PendingBucket):
+    """A bucket receive that fetches the posted bytes when waited on."""
+
+    def __init__(self, board: StoreBoard, key: str, out: torch.Tensor) -> None:
+        self.board, self.key, self.out = board, key, out
+        self.header: Optional[BucketHeader] = None
+
+    def wait(self) -> tuple[BucketHeader, torch.Tensor]:
+        if self.header is None:
+            raw = self.board.fetch(self.key)
+            head, payload = raw[: raw.index(b"\n")], raw[raw.index(b"\n") + 1:]
+            self.out[: len(payload)].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            self.header = BucketHeader(*json.loads(head))
+        return self.header, self.out
+
+    def is_completed(self) -> bool:
+        return self.header is not None
+
+
+class StoreTransport(BucketTransport):
+    """Toy transport: buckets, metadata and agreement through the rendezvous store."""
+
+    name = "store"
+
+    def __init__(self, config, rank: int, num_stages: int) -> None:
+        world = num_stages + config.num_inference_ranks
+        store = dist.TCPStore(config.master_address, config.master_port, world, rank == 0,
+                              timeout=datetime.timedelta(seconds=config.timeout_s))
+        self.board = StoreBoard(store, prefix="toy/", rank=rank, timeout_s=config.timeout_s)
+        self.rank, self.world_size, self.num_stages = rank, world, num_stages
+        self.control = StoreControlChannel(self.board)
+        self._gathers = 0
+        self._receives: dict[int, int] = {}
+
+    @classmethod
+    def connect_trainer(cls, config, layout) -> "StoreTransport":
+        return cls(config, layout.pp_rank, layout.pp)
+
+    @classmethod
+    def connect_inference(cls, config, *, num_trainer_stages: int, inference_rank: int) -> "StoreTransport":
+        return cls(config, num_trainer_stages + inference_rank, num_trainer_stages)
+
+    @property
+    def inference_ranks(self) -> range:
+        return range(self.num_stages, self.world_size)
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        self._gathers += 1
+        self.board.post(f"gather/{self._gathers}/{self.rank}", json.dumps(obj).encode())
+        return [json.loads(self.board.fetch(f"gather/{self._gathers}/{r}")) for r in range(self.world_size)]
+
+    def exchange_metadata(self, stage_metas: Optional[list[TensorMeta]]) -> list[list[TensorMeta]]:
+        if stage_metas is not None:
+            self.board.post(f"meta/{self.rank}", json.dumps([list(m.to_wire()) for m in stage_metas]).encode())
+        return [[TensorMeta.from_wire((n, tuple(s), d)) for n, s, d in json.loads(self.board.fetch(f"meta/{stage}"))]
+                for stage in range(self.num_stages)]
+
+    def send_bucket(self, header: BucketHeader, bucket, data: torch.Tensor) -> _Done:
+        head = json.dumps([header.version, header.index, header.nbytes, header.checksum]).encode()
+        self.board.post(f"bucket/{header.version}/{bucket.index}", head + b"\n" + data.numpy().tobytes())
+        return _Done()
+
+    def recv_bucket(self, bucket, out: torch.Tensor) -> PendingBucket:
+        # Every receiver takes every bucket of every version in order, so it counts versions itself.
+        version = self._receives[bucket.index] = self._receives.get(bucket.index, 0) + 1
+        return _StoreReceive(self.board, f"bucket/{version}/{bucket.index}", out[: bucket.nbytes])
+
+    def close(self) -> None:
+        self.board.close()
+
+
+register_transport("store", StoreTransport)
+
+
+def test_the_registry_lists_the_new_name_and_refuses_unknown_ones():
+    from megatron_sync.config import WeightSyncConfig
+    from megatron_sync.transport import get_transport
+
+    assert "store" in transport_names() and get_transport("store") is StoreTransport
+    with pytest.raises(ValueError, match=r"transport='pigeon' is not valid; use one of \['broadcast', .*'store'"):
+        WeightSyncConfig(transport="pigeon")
+    with pytest.raises(TypeError, match="needs a Transport subclass"):
+        register_transport("bad", dict)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_toy_transport_drives_a_full_sync_through_the_drivers():
+    from megatron_sync.engines.reference import ReferenceEngine
+    from tests.support.jobs import run_pair
+    from tests.support.models import ModelSpec, hf_config
+
+    case = {"spec": {"family": "qwen3"}, "imports": [__name__], "versions": 2,
+            "weight_sync": {"transport": "store", "bucket_size_mb": 0.05}}
+    trainer, engines = run_pair(case)
+    sent = trainer[0]["sent"]
+    for tp_rank, engine in enumerate(engines):
+        slicer = ReferenceEngine(hf_config(ModelSpec("qwen3")), tp_rank=tp_rank, tp_size=2)
+        assert [h["version"] for h in engine["held"]] == [1, 2]
+        for version, held in enumerate(engine["held"]):
+            for name, shard in held["shards"].items():
+                assert torch.equal(shard, slicer.shard_of(name, sent[version][name])), (version, name)
