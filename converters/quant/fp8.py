@@ -1,0 +1,167 @@
+"""FP8 (float8_e4m3fn) weight quantization in the `quant_method: fp8` checkpoint format.
+
+Two schemes, both as vLLM's `Fp8LinearMethod` loads them and with the rounding
+of the routine that produces them on the engine side:
+
+- `Fp8Block`: per-block scales, float32 `weight_scale_inv` of shape
+  [ceil(out/bo), ceil(in/bi)] (DeepSeek-V3 / Qwen3-FP8 checkpoints). Rounding is
+  DeepGEMM's `per_block_cast_to_fp8`, which vLLM ships in `vllm.utils.deep_gemm`
+  and uses for its own online block quantization:
+      s = max(amax(|block|), 1e-4) / 448        (float32)
+      s = 2 ** ceil(log2(s))                     (scale_fmt "ue8m0" only)
+      q = e4m3(clamp(x * (1 / s), -448, 448))    (round to nearest even)
+  The partial blocks of a shape that is not a multiple of the block are
+  quantized as if zero-padded. UE8M0 scales stay float32 on the wire (powers of
+  two, as DeepSeek-V3.1 checkpoints store them); `.to(torch.float8_e8m0fnu)` is
+  lossless for an engine that wants the byte form.
+- `Fp8Tensor`: one float32 `weight_scale` of shape () (the AutoFP8 layout; vLLM
+  also accepts compressed-tensors' [1]). Rounding is vLLM's `QuantFP8` native
+  per-tensor path:
+      s = max(amax(|x|) / 448, 1 / (448 * 512));  q = e4m3(clamp(x * reciprocal(s), -448, 448))
+
+Where the libraries differ (measured, see tests/test_quant.py):
+- compressed-tensors divides (`x / s`); vLLM/DeepGEMM multiply by the
+  reciprocal. For bf16 sources the two disagree by one e4m3 step on ~0.05% of
+  elements, so each format follows the producer of its own ecosystem.
+- Zero (or tiny) blocks: DeepGEMM floors amax at 1e-4; compressed-tensors
+  replaces a zero scale by the scale dtype's eps; transformers'
+  `Fp8Quantize` writes 1.0 and computes the scale as 1 / (448 / amax) (not
+  amax / 448), and only quantizes shapes that are multiples of the block.
+  All dequantize a zero block to zeros.
+
+Dequantization is `q.float() * s` (the scale broadcast over its block), which
+is what every engine and compressed-tensors' `dequantize` compute.
+Error bound per element x with scale s (normal e4m3 range, round to nearest):
+|x - dequant(x)| <= 2**-4 * |x| + 2**-10 * s, up to float32 rounding
+(2**-4 is half an e4m3 step relative to the value; 2**-10 * s is half the
+subnormal step 2**-9 scaled back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from converters.quant.base import check_boundary, require_2d, require_float, weight_prefix
+from megatron_sync.meta import TensorMeta
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+BLOCK_AMAX_FLOOR = 1e-4  # DeepGEMM's per_block_cast_to_fp8 clamp
+TENSOR_SCALE_FLOOR = 1.0 / (FP8_MAX * 512.0)  # vLLM QuantFP8's minimum scaling factor
+SCALE_FORMATS = ("float", "ue8m0")
+
+
+def _padded_blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Return `x` zero-padded to whole blocks, viewed as [rows_b, bo, cols_b, bi] (no copy when aligned)."""
+    rows, cols = x.shape
+    bo, bi = block
+    rb, cb = -(-rows // bo), -(-cols // bi)
+    if (rb * bo, cb * bi) != (rows, cols):
+        padded = x.new_zeros(rb * bo, cb * bi)
+        padded[:rows, :cols] = x
+        x = padded
+    return x.view(rb, bo, cb, bi)
+
+
+@dataclass(frozen=True)
+class Fp8Block:
+    """Block-wise FP8: e4m3 weight + float32 `weight_scale_inv` per (bo x bi) block."""
+
+    block: tuple[int, int] = (128, 128)
+    scale_fmt: str = "float"
+
+    def __post_init__(self):
+        block = tuple(int(b) for b in self.block)
+        if len(block) != 2 or min(block) <= 0:
+            raise ValueError(f"weight_block_size must be two positive ints, got {self.block!r}")
+        if self.scale_fmt not in SCALE_FORMATS:
+            raise ValueError(f"scale_fmt must be one of {SCALE_FORMATS}, got {self.scale_fmt!r}")
+        object.__setattr__(self, "block", block)
+
+    def output_names(self, name: str) -> tuple[str, ...]:
+        """Return the names `quantize` produces for weight `name`: the weight itself and its block scales."""
+        return name, weight_prefix(name) + "weight_scale_inv"
+
+    def outputs(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[TensorMeta]:
+        """Return the metadata of the tensors `quantize` produces for a weight of this shape."""
+        rows, cols = require_2d(name, tuple(shape))
+        bo, bi = self.block
+        names = self.output_names(name)
+        return [TensorMeta(names[0], (rows, cols), FP8),
+                TensorMeta(names[1], (-(-rows // bo), -(-cols // bi)), torch.float32)]
+
+    def logical_shape(self, name: str, tensors: Mapping[str, torch.Tensor]) -> tuple[int, int]:
+        """Return the [out, in] shape of the weight held by `tensors`."""
+        return tuple(tensors[name].shape)
+
+    def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Return [(name, e4m3 weight), (prefix.weight_scale_inv, float32 block scales)]."""
+        rows, cols = require_2d(name, tuple(x.shape))
+        require_float(name, x.dtype)
+        blocks = _padded_blocks(x, self.block)
+        amax = blocks.abs().amax(dim=(1, 3), keepdim=True).float().clamp(BLOCK_AMAX_FLOOR)
+        scale = amax / FP8_MAX
+        if self.scale_fmt == "ue8m0":
+            scale = torch.pow(2.0, torch.ceil(torch.log2(scale)))
+        q = torch.mul(blocks, 1.0 / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+        q = q.view(blocks.shape[0] * blocks.shape[1], -1)[:rows, :cols].contiguous()
+        return [(name, q), (weight_prefix(name) + "weight_scale_inv", scale.view(blocks.shape[0], blocks.shape[2]))]
+
+    def dequantize(self, name: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Return the weight rebuilt from its e4m3 values and block scales, cast to `dtype`."""
+        q, scale = tensors[name], tensors[weight_prefix(name) + "weight_scale_inv"]
+        rows, cols = q.shape
+        bo, bi = self.block
+        full = scale.float().repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
+        return (q.float() * full).to(dtype)
+
+    def slice(self, name: str, tensors: Mapping[str, torch.Tensor], dim: int, start: int, stop: int
+              ) -> dict[str, torch.Tensor]:
+        """Return the weight rows/cols [start, stop) along `dim` with the scale blocks that cover them."""
+        q, scale_name = tensors[name], weight_prefix(name) + "weight_scale_inv"
+        unit = self.block[dim]
+        for edge in (start, stop):
+            check_boundary(name, dim, edge, q.shape[dim], unit, "weight_block_size")
+        return {name: q.narrow(dim, start, stop - start),
+                scale_name: tensors[scale_name].narrow(dim, start // unit, -(-stop // unit) - start // unit)}
+
+
+@dataclass(frozen=True)
+class Fp8Tensor:
+    """Per-tensor FP8: e4m3 weight + one float32 `weight_scale` of shape ()."""
+
+    def output_names(self, name: str) -> tuple[str, ...]:
+        """Return the names `quantize` produces for weight `name`: the weight itself and its scale."""
+        return name, weight_prefix(name) + "weight_scale"
+
+    def outputs(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[TensorMeta]:
+        """Return the metadata of the tensors `quantize` produces for a weight of this shape."""
+        rows, cols = require_2d(name, tuple(shape))
+        names = self.output_names(name)
+        return [TensorMeta(names[0], (rows, cols), FP8), TensorMeta(names[1], (), torch.float32)]
+
+    def logical_shape(self, name: str, tensors: Mapping[str, torch.Tensor]) -> tuple[int, int]:
+        """Return the [out, in] shape of the weight held by `tensors`."""
+        return tuple(tensors[name].shape)
+
+    def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Return [(name, e4m3 weight), (prefix.weight_scale, float32 scalar)]."""
+        require_2d(name, tuple(x.shape))
+        require_float(name, x.dtype)
+        scale = (x.abs().amax().float() / FP8_MAX).clamp(min=TENSOR_SCALE_FLOOR)
+        q = torch.mul(x, scale.reciprocal()).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+        return [(name, q), (weight_prefix(name) + "weight_scale", scale)]
+
+    def dequantize(self, name: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Return the weight rebuilt from its e4m3 values and its scale, cast to `dtype`."""
+        return (tensors[name].float() * tensors[weight_prefix(name) + "weight_scale"].float()).to(dtype)
+
+    def slice(self, name: str, tensors: Mapping[str, torch.Tensor], dim: int, start: int, stop: int
+              ) -> dict[str, torch.Tensor]:
+        """Return the weight rows/cols [start, stop) along `dim`; the scale is shared by every shard."""
+        scale_name = weight_prefix(name) + "weight_scale"
+        return {name: tensors[name].narrow(dim, start, stop - start), scale_name: tensors[scale_name]}
+
