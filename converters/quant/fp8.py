@@ -152,7 +152,8 @@ class Fp8Tensor:
         require_2d(name, tuple(x.shape))
         require_float(name, x.dtype)
         scale = (x.abs().amax().float() / FP8_MAX).clamp(min=TENSOR_SCALE_FLOOR)
-        q = torch.mul(x, scale.reciprocal()).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+        # a [1, 1] factor, not a 0-dim one: 0-dim tensors do not promote, and the product must be float32
+        q = torch.mul(x, scale.reciprocal().view(1, 1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
         return [(name, q), (weight_prefix(name) + "weight_scale", scale)]
 
     def dequantize(self, name: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,186 @@
+"""Quantization core (converters/quant): bit-for-bit against the libraries engines ship, plus bounds.
+
+References, called directly from the installed packages:
+- FP8 block: vLLM's `vllm.utils.deep_gemm.per_block_cast_to_fp8` (DeepGEMM's
+  routine, eager, without its torch.compile wrapper); UE8M0 also against
+  transformers' `Fp8Quantize`.
+- FP8 per-tensor: vLLM's `QuantFP8(static=False, PER_TENSOR).forward_native`.
+- INT4: compressed-tensors' `compute_dynamic_scales_and_zp` (the min-max scale)
+  and `PackedQuantizationCompressor.compress` / `.decompress`.
+- Targets: compressed-tensors' `is_match` and vLLM's `find_matched_target` /
+  `should_ignore_layer` / `is_layer_skipped`; configs: vLLM's `Fp8Config` and
+  compressed-tensors' `QuantizationConfig`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from converters import get_converter
+from converters.quant import (
+    DEFAULT_UNQUANTIZED, Fp8Block, Fp8Tensor, Int4Group, QuantPlan, dequantize, pack_int4,
+    parse_quantization_config, quantize, quantized_names, select_targets, shard_quantized, slice_quantized,
+    unpack_int4,
+)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of `t`, so that equality means bit-for-bit equality (NaN payloads, -0.0 included)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bits_equal(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert ours.dtype == ref.dtype, f"{what}: dtype {ours.dtype} != {ref.dtype}"
+    assert tuple(ours.shape) == tuple(ref.shape), f"{what}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+    differ = (bits(ours) != bits(ref)).sum().item()
+    assert differ == 0, f"{what}: {differ} bytes differ"
+
+
+def weight(shape, dtype, seed=0, *, special=False) -> torch.Tensor:
+    """Random N(0,1) weights; `special` adds an all-zero block, a tiny block (< 1e-4) and huge spikes."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float32)
+    if special:
+        rows, cols = shape
+        x[: min(rows, 128), : min(cols, 128)] = 0.0                      # an all-zero block
+        x[rows // 2:, cols // 2:] *= 1e-6                                # tiny block(s): DeepGEMM's amax floor
+        x[-1, 0], x[0, -1] = 7.0e4, -3.0e30                              # far beyond e4m3's 448
+    return x.to(dtype)
+
+
+@pytest.fixture(scope="module")
+def vllm_refs():
+    """vLLM's block cast (eager) and per-tensor QuantFP8; importing vLLM takes a few seconds."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+    with set_current_vllm_config(VllmConfig()):
+        per_tensor = QuantFP8(static=False, group_shape=GroupShape.PER_TENSOR)
+    return per_block_cast_to_fp8._torchdynamo_orig_callable, per_tensor
+
+
+FP8_SHAPES = [(256, 384), (300, 260), (1, 1), (129, 511)]
+DTYPES = [torch.bfloat16, torch.float32, torch.float16]
+
+
+# -- FP8 block ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", FP8_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [(128, 128), (64, 32)])
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+def test_fp8_block_equals_vllm_deepgemm_cast(vllm_refs, shape, dtype, block, scale_fmt):
+    block_cast, _ = vllm_refs
+    special = dtype != torch.float16  # fp16 cannot hold the 3e30 spike
+    x = weight(shape, dtype, special=special)
+    out = dict(quantize("m.weight", x, Fp8Block(block, scale_fmt)))
+    ref_q, ref_s = block_cast(x, block_size=list(block), use_ue8m0=scale_fmt == "ue8m0")
+    assert_bits_equal(out["m.weight"], ref_q, "e4m3 weight")
+    assert_bits_equal(out["m.weight_scale_inv"], ref_s, "weight_scale_inv")
+    assert [(n, tuple(t.shape), t.dtype) for n, t in out.items()] == quantized_names("m.weight", shape, dtype,
+                                                                                     Fp8Block(block, scale_fmt))
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (384, 128)])
+def test_fp8_block_ue8m0_equals_transformers_fp8quantize(shape):
+    from types import SimpleNamespace
+
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+    x = weight(shape, torch.bfloat16, seed=3)
+    x[:128, :128] *= 0  # a zero block; transformers writes scale 1.0 there, as our UE8M0 floor does not
+    hf = SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=(128, 128), scale_fmt="ue8m0"))
+    ref = Fp8Quantize(hf).convert({"m.weight": x})
+    out = dict(quantize("m.weight", x, Fp8Block((128, 128), "ue8m0")))
+    assert_bits_equal(out["m.weight"], ref["m.weight"], "e4m3 weight")
+    nonzero = ref["m.weight_scale_inv"].float() != 1.0
+    assert_bits_equal(out["m.weight_scale_inv"][nonzero], ref["m.weight_scale_inv"].float()[nonzero], "scales")
+    lossless = out["m.weight_scale_inv"].to(torch.float8_e8m0fnu).float()
+    assert_bits_equal(lossless, out["m.weight_scale_inv"], "float32 UE8M0 scales survive a cast to e8m0")
+
+
+def test_fp8_division_convention_of_compressed_tensors_differs_by_one_step():
+    """compressed-tensors divides by the scale, DeepGEMM/vLLM multiply by its reciprocal: with the same
+    scale, at most one e4m3 code apart on a small fraction of elements (why each format keeps its own)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
+    x = (weight((512, 512), torch.float32, seed=2) * 0.37).to(torch.bfloat16)  # whether a block differs
+    ours = dict(quantize("m.weight", x, Fp8Block()))
+    args = QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=[128, 128])
+    ref = ct_quantize(x, ours["m.weight_scale_inv"], None, args, dtype=torch.float8_e4m3fn)
+    codes = ours["m.weight"].view(torch.int8).int(), ref.view(torch.int8).int()
+    differ = (codes[0] != codes[1])
+    assert 0 < differ.float().mean().item() < 1e-2  # depends on the block's scale; 0.2% here
+    assert (codes[0] - codes[1]).abs().max().item() == 1
+
+
+# -- FP8 per-tensor -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", FP8_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("content", ["normal", "special", "zero", "tiny"])
+def test_fp8_tensor_equals_vllm_quantfp8(vllm_refs, shape, dtype, content):
+    _, per_tensor = vllm_refs
+    x = weight(shape, dtype, special=content == "special" and dtype != torch.float16)
+    x = {"zero": x * 0, "tiny": x * 1e-5}.get(content, x)  # both hit vLLM's minimum scale
+    out = dict(quantize("m.weight", x, Fp8Tensor()))
+    ref_q, ref_s = per_tensor.forward_native(x)
+    assert_bits_equal(out["m.weight"], ref_q, "e4m3 weight")
+    assert_bits_equal(out["m.weight_scale"].reshape(1), ref_s, "weight_scale")
+    assert out["m.weight_scale"].shape == ()  # AutoFP8's layout; vLLM also loads compressed-tensors' [1]
+
+
+# -- FP8 error bound ----------------------------------------------------------------------------
+
+def fp8_bound(x: torch.Tensor, scale_full: torch.Tensor) -> torch.Tensor:
+    """|x - dequant| <= 2**-4 |x| + 2**-10 s (half an e4m3 step, normal or subnormal), + fp32 slack."""
+    return (2.0 ** -4 * x.abs() + 2.0 ** -10 * scale_full) * (1 + 2.0 ** -16)
+
+
+def block_scale_full(scale: torch.Tensor, shape, block) -> torch.Tensor:
+    return scale.repeat_interleave(block[0], 0)[: shape[0]].repeat_interleave(block[1], 1)[:, : shape[1]]
+
+
+@pytest.mark.parametrize("scheme", [Fp8Block(), Fp8Block((128, 128), "ue8m0"), Fp8Block((32, 64)), Fp8Tensor()])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("special", [False, True])
+def test_fp8_dequantized_error_within_bound(scheme, dtype, special):
+    x = weight((300, 260), dtype, seed=7, special=special)
+    out = dict(quantize("m.weight", x, scheme))
+    x32 = x.float()
+    if isinstance(scheme, Fp8Block):
+        s = block_scale_full(out["m.weight_scale_inv"], x.shape, scheme.block)
+    else:
+        s = out["m.weight_scale"].expand_as(x32)
+    err = (dequantize("m.weight", out, scheme) - x32).abs()
+    ratio = err / fp8_bound(x32, s)
+    assert ratio.max().item() <= 1.0
+    if not special:  # (a 3e30 spike flushes a whole tensor's other values to zero, far inside the bound)
+        assert ratio.max().item() > 0.5  # the bound is tight, so a broken quantizer would exceed it
+
+
+def test_fp8_bound_check_catches_a_wrong_scale():
+    """Negative control: the same check on a scale off by 12.5% in one block fails."""
+    x = weight((256, 256), torch.float32, seed=8)
+    out = dict(quantize("m.weight", x, Fp8Block()))
+    out["m.weight_scale_inv"] = out["m.weight_scale_inv"].clone()
+    out["m.weight_scale_inv"][1, 0] *= 1.125
+    s = block_scale_full(out["m.weight_scale_inv"], x.shape, (128, 128))
+    err = (dequantize("m.weight", out, Fp8Block()) - x).abs()
+    assert (err > fp8_bound(x, s)).any()
+
+
+def test_bitwise_check_catches_one_ulp_scale_change(vllm_refs):
+    """Negative control: one ulp on one block scale is a failure of the bit-for-bit comparison."""
+    block_cast, _ = vllm_refs
+    x = weight((256, 256), torch.bfloat16, seed=9)
+    out = dict(quantize("m.weight", x, Fp8Block()))
+    _, ref_s = block_cast(x, block_size=[128, 128], use_ue8m0=False)
+    perturbed = out["m.weight_scale_inv"].clone()
+    perturbed.view(torch.int32)[0, 1] += 1
+    with pytest.raises(AssertionError, match="bytes differ"):
+        assert_bits_equal(perturbed, ref_s, "weight_scale_inv")
