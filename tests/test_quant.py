@@ -184,3 +184,84 @@ def test_bitwise_check_catches_one_ulp_scale_change(vllm_refs):
     perturbed.view(torch.int32)[0, 1] += 1
     with pytest.raises(AssertionError, match="bytes differ"):
         assert_bits_equal(perturbed, ref_s, "weight_scale_inv")
+
+
+# -- INT4 pack-quantized ------------------------------------------------------------------------
+
+def ct_int4(group_size: int):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
+    return args, QuantizationScheme(targets=["Linear"], weights=args)
+
+
+def ct_compress(x: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """compressed-tensors end to end: min-max group scales, then its pack-quantized compressor."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+    args, scheme = ct_int4(group_size)
+    scale, _ = compute_dynamic_scales_and_zp(value=x, args=args, module=torch.nn.Module())
+    return PackedQuantizationCompressor.compress({"weight": x, "weight_scale": scale}, scheme)
+
+
+def ct_decompress(tensors: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    return PackedQuantizationCompressor.decompress(tensors, ct_int4(group_size)[1])["weight"]
+
+
+INT4_CASES = [((64, 256), 32), ((64, 256), 128), ((100, 384), 128), ((7, 96), 32), ((3, 32), 32)]
+
+
+@pytest.mark.parametrize("shape,group_size", INT4_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("special", [False, True])
+def test_int4_equals_compressed_tensors_compressor(shape, group_size, dtype, special):
+    x = weight(shape, dtype, seed=11, special=special and dtype != torch.float16)
+    scheme = Int4Group(group_size)
+    out = dict(quantize("m.weight", x, scheme))
+    ref = ct_compress(x, group_size)
+    assert sorted(ref) == ["weight_packed", "weight_scale", "weight_shape"]
+    for key in ref:
+        assert_bits_equal(out["m." + key], ref[key], key)
+    assert [(n, tuple(t.shape), t.dtype) for n, t in out.items()] == quantized_names("m.weight", shape, dtype, scheme)
+    local = {k.removeprefix("m."): v for k, v in out.items()}
+    assert_bits_equal(dequantize("m.weight", out, scheme, dtype), ct_decompress(local, group_size), "decompressed")
+
+
+@pytest.mark.parametrize("cols", [8, 16, 40, 5, 13])
+def test_pack_int4_equals_compressed_tensors_pack_to_int32(cols):
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    g = torch.Generator().manual_seed(cols)
+    q = torch.randint(-8, 8, (6, cols), generator=g, dtype=torch.int8)
+    q[0, : min(cols, 8)] = 7  # the top nibble of a word set: the int32 sign bit
+    assert_bits_equal(pack_int4(q), pack_to_int32(q, 4), "packed words")
+    assert_bits_equal(unpack_int4(pack_int4(q), cols), q, "round trip")
+
+
+def int4_bound(x: torch.Tensor, scale_full: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """s/2 (1 + u) + 2.01 u |x| with u the unit roundoff of `dtype` (x / s and q * s are computed in it)."""
+    u = torch.finfo(dtype).eps / 2
+    return scale_full * 0.5 * (1 + u) + 2.01 * u * x.abs()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_int4_dequantized_error_within_bound(dtype, group_size):
+    x = weight((96, 512), dtype, seed=12)
+    out = dict(quantize("m.weight", x, Int4Group(group_size)))
+    s = out["m.weight_scale"].double().repeat_interleave(group_size, 1)
+    err = (dequantize("m.weight", out, Int4Group(group_size), torch.float64) - x.double()).abs()
+    ratio = err / int4_bound(x.double(), s, dtype)
+    assert ratio.max().item() <= 1.0
+    assert ratio.max().item() > 0.9
+
+
+def test_int4_flipped_nibble_is_detected():
+    """Negative control: one changed 4-bit value shows in the compressed-tensors decompression."""
+    x = weight((16, 64), torch.bfloat16, seed=13)
+    out = dict(quantize("m.weight", x, Int4Group(32)))
+    local = {k.removeprefix("m."): v.clone() for k, v in out.items()}
+    local["weight_packed"][3, 1] ^= 0x10  # column 9 of row 3
+    theirs = ct_decompress(local, 32)
+    ours = dequantize("m.weight", out, Int4Group(32), torch.bfloat16)
+    assert (bits(theirs) != bits(ours)).any()
+    assert torch.nonzero(theirs != ours).tolist() == [[3, 9]]
