@@ -265,3 +265,173 @@ def test_int4_flipped_nibble_is_detected():
     ours = dequantize("m.weight", out, Int4Group(32), torch.bfloat16)
     assert (bits(theirs) != bits(ours)).any()
     assert torch.nonzero(theirs != ours).tolist() == [[3, 9]]
+
+
+# -- which weights: configs, targets, family defaults -------------------------------------------
+
+# Quantizable DeepSeek-V3: every Linear input width is a multiple of 32.
+DSV3 = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
+            num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+            v_head_dim=16, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32,
+            first_k_dense_replace=1, num_experts_per_tok=2, n_group=1, topk_group=1, tie_word_embeddings=False)
+QWEN3_MOE = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
+
+DEEPSEEK_V3_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                   "weight_block_size": [128, 128]}
+KIMI_K2_INT4 = {  # the shape of moonshotai/Kimi-K2-Thinking's config: only routed experts are INT4
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None, "output_activations": None,
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
+                    "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {}}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+    "kv_cache_scheme": None, "sparsity_config": {},
+}
+
+
+def is_linear_weight(name: str) -> bool:
+    """The Linear weights of these families, as vLLM builds them (its router gate is a Linear too)."""
+    return name.endswith(("_proj.weight", "_proj_with_mqa.weight", "mlp.gate.weight")) or name == "lm_head.weight"
+
+
+def layout(family: str, cfg: dict) -> dict:
+    return get_converter(family, cfg).expected_hf_tensors()
+
+
+def test_deepseek_v3_fp8_quantizes_every_projection_but_not_router_or_lm_head():
+    names = layout("deepseek_v3", DSV3)
+    plan = QuantPlan.from_hf_config(DEEPSEEK_V3_FP8, names, is_linear_weight)
+    projections = {n for n in names if n.endswith(("_proj.weight", "_proj_with_mqa.weight"))}
+    assert set(plan.schemes) == projections
+    assert set(plan.schemes.values()) == {Fp8Block((128, 128), "float")}
+    for kept in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.1.mlp.gate.weight",
+                 "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.0.input_layernorm.weight"):
+        assert kept in names and plan.scheme_of(kept) is None
+
+
+def test_fp8_ignore_list_matches_exact_module_names_as_vllm():
+    from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+    names = layout("qwen3_moe", QWEN3_MOE)
+    ignore = ["lm_head", "model.layers.0.mlp.gate", "model.layers.1.self_attn.o_proj", "k_proj"]
+    cfg = dict(DEEPSEEK_V3_FP8, modules_to_not_convert=ignore)
+    chosen = select_targets(parse_quantization_config(cfg), names, is_linear_weight, keep_unquantized=())
+    for name in filter(is_linear_weight, names):
+        assert (name in chosen) == (not is_layer_skipped(name.removesuffix(".weight"), ignore)), name
+    assert "model.layers.1.self_attn.k_proj.weight" in chosen  # "k_proj" is not a module name: no suffix match
+
+
+def vllm_ct_group(module: str, cfg: dict) -> str | None:
+    """vLLM's compressed-tensors choice for a Linear module: ignore first, then its first matching target."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.utils import (
+        find_matched_target, should_ignore_layer,
+    )
+    if should_ignore_layer(module, ignore=cfg.get("ignore") or []):
+        return None
+    groups = cfg["config_groups"]
+    target = find_matched_target(module, torch.nn.Linear(1, 1), [t for g in groups.values() for t in g["targets"]])
+    return next((g for g, group in groups.items() if target in group["targets"]), None)
+
+
+def test_kimi_style_int4_quantizes_routed_experts_only_as_vllm_and_compressed_tensors_match():
+    from compressed_tensors.utils.match import is_match
+    names = layout("deepseek_v3", DSV3)
+    chosen = select_targets(parse_quantization_config(KIMI_K2_INT4), names, is_linear_weight, keep_unquantized=())
+    group = KIMI_K2_INT4["config_groups"]["group_0"]
+    for name in filter(is_linear_weight, names):
+        module = name.removesuffix(".weight")
+        assert (name in chosen) == (vllm_ct_group(module, KIMI_K2_INT4) == "group_0"), name
+        assert (name in chosen) == is_match(module, torch.nn.Linear(1, 1), group["targets"], KIMI_K2_INT4["ignore"])
+    plan = QuantPlan.from_hf_config(KIMI_K2_INT4, names, is_linear_weight)  # + the defaults: no router gate
+    assert set(plan.schemes) == {n for n in names if ".mlp.experts." in n}
+    assert set(plan.schemes.values()) == {Int4Group(32)}
+
+
+def test_compressed_tensors_name_target_wins_over_linear_class_as_in_vllm():
+    cfg = dict(KIMI_K2_INT4, ignore=["lm_head"], config_groups={
+        "linear": dict(KIMI_K2_INT4["config_groups"]["group_0"], targets=["Linear"]),
+        "experts": dict(KIMI_K2_INT4["config_groups"]["group_0"], targets=["re:.*mlp\\.experts\\..*"],
+                        weights=dict(KIMI_K2_INT4["config_groups"]["group_0"]["weights"], group_size=16))})
+    names = layout("deepseek_v3", DSV3)
+    chosen = select_targets(parse_quantization_config(cfg), names, is_linear_weight, keep_unquantized=())
+    by_size = {32: "linear", 16: "experts"}
+    for name in filter(is_linear_weight, names):
+        expected = vllm_ct_group(name.removesuffix(".weight"), cfg)
+        assert (by_size[chosen[name].group_size] if name in chosen else None) == expected, name
+    assert chosen["model.layers.1.mlp.experts.0.up_proj.weight"] == Int4Group(16)
+
+
+def test_family_defaults_stay_unquantized_whatever_the_config_says():
+    cfg = dict(KIMI_K2_INT4, ignore=[])  # targets every Linear, router gate and lm_head included
+    names = layout("deepseek_v3", DSV3)
+    plan = QuantPlan.from_hf_config(cfg, names, is_linear_weight)
+    assert "model.layers.1.mlp.gate.weight" not in plan.schemes and "lm_head.weight" not in plan.schemes
+    everything = select_targets(parse_quantization_config(cfg), names, is_linear_weight, keep_unquantized=())
+    assert set(everything) - set(plan.schemes) == {"lm_head.weight", "model.layers.1.mlp.gate.weight",
+                                                   "model.layers.2.mlp.gate.weight"}
+    assert "model.layers.{layer}.mlp.gate.weight" in DEFAULT_UNQUANTIZED  # anchored: gate_proj stays targeted
+    assert "model.layers.0.mlp.gate_proj.weight" in plan.schemes
+
+
+def test_parsed_configs_agree_with_vllm_and_compressed_tensors_parsers():
+    from compressed_tensors.quantization import QuantizationConfig
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+    for cfg in (DEEPSEEK_V3_FP8, dict(DEEPSEEK_V3_FP8, weight_block_size=None, modules_to_not_convert=["lm_head"])):
+        ours, theirs = parse_quantization_config(cfg), Fp8Config.from_config(cfg)
+        scheme = ours.groups[0].scheme
+        assert (list(scheme.block) if isinstance(scheme, Fp8Block) else None) == theirs.weight_block_size
+        assert list(ours.ignore) == theirs.ignored_layers
+    ours, theirs = parse_quantization_config(KIMI_K2_INT4), QuantizationConfig.model_validate(KIMI_K2_INT4)
+    assert ours.groups[0].scheme.group_size == theirs.config_groups["group_0"].weights.group_size
+    assert list(ours.groups[0].targets) == theirs.config_groups["group_0"].targets
+    assert list(ours.ignore) == theirs.ignore
+
+
+def _with(base: dict, path: str, value) -> dict:
+    cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+    if path.startswith("w."):
+        group = dict(cfg["config_groups"]["group_0"])
+        group["weights"] = dict(group["weights"], **{path[2:]: value})
+        cfg["config_groups"] = {"group_0": group}
+    elif path.startswith("g."):
+        cfg["config_groups"] = {"group_0": dict(cfg["config_groups"]["group_0"], **{path[2:]: value})}
+    else:
+        cfg[path] = value
+    return cfg
+
+
+@pytest.mark.parametrize("cfg,message", [
+    ({"quant_method": "awq"}, "quant_method='awq'"),
+    (_with(DEEPSEEK_V3_FP8, "fmt", "e5m2"), "fmt='e5m2'"),
+    (_with(DEEPSEEK_V3_FP8, "activation_scheme", "static"), "activation_scheme='static'"),
+    (_with(DEEPSEEK_V3_FP8, "scale_fmt", "e8m0"), "scale_fmt='e8m0'"),
+    (_with(_with(DEEPSEEK_V3_FP8, "weight_block_size", None), "scale_fmt", "ue8m0"), "scale_fmt='ue8m0'"),
+    (_with(DEEPSEEK_V3_FP8, "weight_block_size", [128]), "weight_block_size"),
+    (_with(DEEPSEEK_V3_FP8, "modules_to_not_convert", ["re:.*gate"]), "exact module names"),
+    (_with(KIMI_K2_INT4, "format", "float-quantized"), "format='float-quantized'"),
+    (_with(KIMI_K2_INT4, "w.num_bits", 8), "weights.num_bits=8"),
+    (_with(KIMI_K2_INT4, "w.symmetric", False), "weights.symmetric=False"),
+    (_with(KIMI_K2_INT4, "w.actorder", "group"), "weights.actorder='group'"),
+    (_with(KIMI_K2_INT4, "w.group_size", None), "weights.group_size"),
+    (_with(KIMI_K2_INT4, "g.input_activations", {"num_bits": 8}), "input_activations must be null"),
+    (_with(KIMI_K2_INT4, "g.targets", ["Embedding"]), "'Embedding' names a module class"),
+    (_with(KIMI_K2_INT4, "kv_cache_scheme", {"num_bits": 8}), "kv_cache_scheme"),
+    (_with(KIMI_K2_INT4, "config_groups", {}), "config_groups"),
+])
+def test_unsupported_config_raises_naming_the_key(cfg, message):
+    with pytest.raises(ValueError, match="quantization_config") as e:
+        parse_quantization_config(cfg)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("scheme,name,tensor,message", [
+    (Int4Group(128), "m.weight", torch.zeros(4, 96), "group_size=128"),
+    (Fp8Block(), "m.weight", torch.zeros(8), "2-D"),
+    (Fp8Tensor(), "m.bias", torch.zeros(4, 4), "'.weight'"),
+    (Int4Group(32), "m.weight", torch.zeros(4, 32, dtype=torch.int32), "dtype torch.int32"),
+])
+def test_unquantizable_tensor_raises_naming_it(scheme, name, tensor, message):
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")) as e:
+        quantize(name, tensor, scheme)
+    assert message in str(e.value)
