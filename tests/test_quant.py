@@ -435,3 +435,92 @@ def test_unquantizable_tensor_raises_naming_it(scheme, name, tensor, message):
     with pytest.raises(ValueError, match=name.replace(".", r"\.")) as e:
         quantize(name, tensor, scheme)
     assert message in str(e.value)
+
+
+# -- TP slicing of a weight with its scales -----------------------------------------------------
+
+SHARD_SCHEMES = [Fp8Block(), Fp8Block((64, 32), "ue8m0"), Fp8Tensor(), Int4Group(32), Int4Group(128)]
+
+
+@pytest.mark.parametrize("scheme", SHARD_SCHEMES)
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_shard_keeps_scales_with_their_rows_and_cols(scheme, dim, world):
+    x = weight((768, 768), torch.bfloat16, seed=21)
+    full = dict(quantize("m.weight", x, scheme))
+    whole = dequantize("m.weight", full, scheme)
+    chunk = 768 // world
+    for rank in range(world):
+        shard = shard_quantized("m.weight", full, scheme, dim, rank, world)
+        assert set(shard) == set(full)
+        rebuilt = dequantize("m.weight", shard, scheme)
+        assert_bits_equal(rebuilt, whole.narrow(dim, rank * chunk, chunk), f"rank {rank} dequantized")
+        if not isinstance(scheme, Fp8Tensor):  # block-local scales: the shard is the shard's own quantization
+            own = dict(quantize("m.weight", x.narrow(dim, rank * chunk, chunk).contiguous(), scheme))
+            for name in full:
+                assert_bits_equal(shard[name].contiguous(), own[name], f"rank {rank} {name}")
+
+
+def test_slice_of_ragged_last_block_takes_the_partial_scale_block():
+    x = weight((300, 260), torch.float32, seed=22)
+    full = dict(quantize("m.weight", x, Fp8Block()))
+    part = slice_quantized("m.weight", full, Fp8Block(), 0, 256, 300)
+    assert part["m.weight_scale_inv"].shape == (1, 3)
+    assert_bits_equal(dequantize("m.weight", part, Fp8Block()),
+                      dequantize("m.weight", full, Fp8Block())[256:300], "last block rows")
+
+
+@pytest.mark.parametrize("scheme,shape,dim,world,setting", [
+    (Fp8Block(), (384, 256), 0, 2, "weight_block_size"),
+    (Fp8Block((64, 128)), (256, 384), 1, 2, "weight_block_size"),
+    (Int4Group(128), (64, 384), 1, 2, "group_size"),
+    (Int4Group(32), (64, 192), 1, 4, "group_size"),
+    (Int4Group(4), (8, 24), 1, 6, "group_size"),  # whole groups, but 4 columns split an int32 word
+])
+def test_shard_edge_inside_a_block_or_group_raises_naming_the_setting(scheme, shape, dim, world, setting):
+    full = dict(quantize("m.weight", weight(shape, torch.bfloat16), scheme))
+    with pytest.raises(ValueError, match=setting) as e:
+        shard_quantized("m.weight", full, scheme, dim, 1, world)
+    assert "'m.weight'" in str(e.value) and f"dim {dim}" in str(e.value)
+
+
+def test_shard_into_unequal_chunks_raises():
+    full = dict(quantize("m.weight", weight((512, 256), torch.bfloat16), Fp8Tensor()))
+    with pytest.raises(ValueError, match="does not split into 3 equal shards"):
+        shard_quantized("m.weight", full, Fp8Tensor(), 0, 0, 3)
+
+
+# -- the converter's view: expected layout, reverse lookup, buckets -----------------------------
+
+@pytest.mark.parametrize("cfg", [DEEPSEEK_V3_FP8, dict(DEEPSEEK_V3_FP8, weight_block_size=None), KIMI_K2_INT4,
+                                 dict(DEEPSEEK_V3_FP8, scale_fmt="ue8m0")])
+def test_expected_layout_is_what_quantize_produces(cfg):
+    hf = layout("deepseek_v3", DSV3)
+    plan = QuantPlan.from_hf_config(cfg, hf, is_linear_weight)
+    produced = {}
+    for i, (name, (shape, dtype)) in enumerate(hf.items()):
+        tensor = torch.randn(shape, generator=torch.Generator().manual_seed(i)).to(dtype)
+        for out, t in plan.quantize(name, tensor):
+            assert out not in produced
+            produced[out] = (tuple(t.shape), t.dtype)
+            assert plan.weight_of(out) == (name if name in plan.schemes else None)
+    assert produced == plan.expected_layout(hf)
+
+
+def test_expected_layout_rejects_a_plan_built_from_other_names():
+    plan = QuantPlan({"model.layers.9.mlp.down_proj.weight": Int4Group(32)})
+    with pytest.raises(ValueError, match="not in the expected HF layout"):
+        plan.expected_layout(layout("deepseek_v3", DSV3))
+
+
+@pytest.mark.parametrize("cfg", [DEEPSEEK_V3_FP8, KIMI_K2_INT4, dict(DEEPSEEK_V3_FP8, weight_block_size=None)])
+def test_keep_together_puts_every_weight_in_its_scales_bucket(cfg):
+    from megatron_sync.plan import build_plan
+    hf = layout("deepseek_v3", DSV3)
+    plan = QuantPlan.from_hf_config(cfg, hf, is_linear_weight)
+    metas = [m for name, (shape, dtype) in hf.items() for m in plan.outputs(name, shape, dtype)]
+    sync = build_plan([metas], bucket_size_bytes=2048, keep_together=plan.keep_together())
+    bucket_of = {e.name: b.index for b in sync.buckets for e in b.entries}
+    assert len(sync.buckets) > 10  # small buckets, so separation would show
+    for name, scheme in plan.schemes.items():
+        assert len({bucket_of[out] for out in scheme.output_names(name)}) == 1, name
