@@ -36,3 +36,21 @@ def check_boundary(name: str, dim: int, index: int, size: int, unit: int, settin
         f"quantization unit of {unit} ({setting}); pick an inference tensor-parallel size whose shards "
         f"are multiples of {unit} along dim {dim}, or change {setting} in the HF quantization_config"
     )
+
+
+# Quantization runs over row chunks of about this many elements: it bounds the float32 temporaries
+# to 16 MiB whatever the weight's size, and keeps them in cache on a CPU.
+CHUNK_ELEMS = 1 << 22
+
+
+def row_chunks(rows: int, cols: int, unit: int) -> list[tuple[int, int]]:
+    """Return [start, stop) row ranges of about CHUNK_ELEMS elements each, every start a multiple of `unit`."""
+    step = max(1, CHUNK_ELEMS // max(1, unit * cols)) * unit
+    return [(r, min(rows, r + step)) for r in range(0, rows, step)]
+
+
+def abs_max(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
+    """Return max |x| over `dim` in x's dtype, exactly, without materializing |x| (two reductions)."""
+    if dim is None:
+        return torch.maximum(x.amax(), x.amin().neg())
+    return torch.maximum(x.amax(dim=dim, keepdim=keepdim), x.amin(dim=dim, keepdim=keepdim).neg_())

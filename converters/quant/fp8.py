@@ -44,7 +44,7 @@ from typing import Mapping
 
 import torch
 
-from converters.quant.base import check_boundary, require_2d, require_float, weight_prefix
+from converters.quant.base import abs_max, check_boundary, require_2d, require_float, row_chunks, weight_prefix
 from megatron_sync.meta import TensorMeta
 
 FP8 = torch.float8_e4m3fn
@@ -97,25 +97,34 @@ class Fp8Block:
         """Return the [out, in] shape of the weight held by `tensors`."""
         return tuple(tensors[name].shape)
 
+    def _scale(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Return the float32 dequantization scale of each block of a [rb, bo, cb, bi] view, as [rb, 1, cb, 1]."""
+        scale = abs_max(blocks, (1, 3), keepdim=True).float().clamp_(BLOCK_AMAX_FLOOR) / FP8_MAX
+        return torch.pow(2.0, torch.ceil(torch.log2(scale))) if self.scale_fmt == "ue8m0" else scale
+
     def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """Return [(name, e4m3 weight), (prefix.weight_scale_inv, float32 block scales)]."""
         rows, cols = require_2d(name, tuple(x.shape))
         require_float(name, x.dtype)
-        blocks = _padded_blocks(x, self.block)
-        amax = blocks.abs().amax(dim=(1, 3), keepdim=True).float().clamp(BLOCK_AMAX_FLOOR)
-        scale = amax / FP8_MAX
-        if self.scale_fmt == "ue8m0":
-            scale = torch.pow(2.0, torch.ceil(torch.log2(scale)))
-        q = torch.mul(blocks, 1.0 / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-        q = q.view(blocks.shape[0] * blocks.shape[1], -1)[:rows, :cols].contiguous()
-        return [(name, q), (weight_prefix(name) + "weight_scale_inv", scale.view(blocks.shape[0], blocks.shape[2]))]
+        q = torch.empty(rows, cols, dtype=FP8, device=x.device)
+        scales = []
+        for r0, r1 in row_chunks(rows, cols, self.block[0]):
+            blocks = _padded_blocks(x[r0:r1], self.block)
+            scale = self._scale(blocks)
+            # float32 product, as the reference's bf16 * float32 promotes: upcast, then multiply in place
+            scaled = blocks.to(torch.float32, copy=True).mul_(1.0 / scale).clamp_(-FP8_MAX, FP8_MAX)
+            q[r0:r1].copy_(scaled.view(-1, scaled.shape[2] * scaled.shape[3])[: r1 - r0, :cols])
+            scales.append(scale.view(scale.shape[0], scale.shape[2]))
+        return [(name, q), (weight_prefix(name) + "weight_scale_inv", torch.cat(scales))]
 
     def dequantize(self, name: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Return the weight rebuilt from its e4m3 values and block scales, cast to `dtype`."""
-        q, scale = tensors[name], tensors[weight_prefix(name) + "weight_scale_inv"]
+        q, scale = tensors[name], tensors[weight_prefix(name) + "weight_scale_inv"].float()
         rows, cols = q.shape
-        bo, bi = self.block
-        full = scale.float().repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
+        (bo, bi), (rb, cb) = self.block, scale.shape
+        if (rows, cols) == (rb * bo, cb * bi):
+            return q.view(rb, bo, cb, bi).float().mul_(scale.view(rb, 1, cb, 1)).view(rows, cols).to(dtype)
+        full = scale.repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
         return (q.float() * full).to(dtype)
 
     def slice(self, name: str, tensors: Mapping[str, torch.Tensor], dim: int, start: int, stop: int
@@ -149,11 +158,13 @@ class Fp8Tensor:
 
     def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """Return [(name, e4m3 weight), (prefix.weight_scale, float32 scalar)]."""
-        require_2d(name, tuple(x.shape))
+        rows, cols = require_2d(name, tuple(x.shape))
         require_float(name, x.dtype)
-        scale = (x.abs().amax().float() / FP8_MAX).clamp(min=TENSOR_SCALE_FLOOR)
-        # a [1, 1] factor, not a 0-dim one: 0-dim tensors do not promote, and the product must be float32
-        q = torch.mul(x, scale.reciprocal().view(1, 1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+        scale = (abs_max(x, None).float() / FP8_MAX).clamp(min=TENSOR_SCALE_FLOOR)
+        inverse = scale.reciprocal()
+        q = torch.empty(rows, cols, dtype=FP8, device=x.device)
+        for r0, r1 in row_chunks(rows, cols, 1):
+            q[r0:r1].copy_(x[r0:r1].to(torch.float32, copy=True).mul_(inverse).clamp_(-FP8_MAX, FP8_MAX))
         return [(name, q), (weight_prefix(name) + "weight_scale", scale)]
 
     def dequantize(self, name: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

@@ -28,7 +28,7 @@ from typing import Mapping
 
 import torch
 
-from converters.quant.base import check_boundary, require_2d, require_float, weight_prefix
+from converters.quant.base import abs_max, check_boundary, require_2d, require_float, row_chunks, weight_prefix
 from megatron_sync.meta import TensorMeta
 
 PACK = 8  # 4-bit values per int32 word
@@ -39,14 +39,28 @@ _SETTING = "config_groups.<group>.weights.group_size"
 assert sys.byteorder == "little", "pack_int4 builds int32 words from bytes in little-endian order"
 
 
+def _pack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """Return uint8 values 0..15 of shape [rows, cols] (cols a multiple of 8) packed into int32 words."""
+    return (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).view(torch.int32)
+
+
+def _padded_to_words(values: torch.Tensor) -> torch.Tensor:
+    """Return float values 0..15 as uint8, zero-padded to whole 8-value words (no padding copy when aligned)."""
+    rows, cols = values.shape
+    if cols % PACK == 0:
+        return values.to(torch.uint8)
+    nibbles = torch.zeros(rows, -(-cols // PACK) * PACK, dtype=torch.uint8, device=values.device)
+    nibbles[:, :cols] = values
+    return nibbles
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Return int8 values in [-8, 7] of shape [rows, cols] packed into int32 [rows, ceil(cols/8)]."""
     rows, cols = q.shape
     padded = -(-cols // PACK) * PACK
-    nibbles = torch.zeros(rows, padded, dtype=torch.uint8, device=q.device)
-    nibbles[:, :cols] = (q + 8).to(torch.uint8)
-    pairs = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
-    return pairs.view(torch.int32)
+    padded_q = torch.full((rows, padded), -8, dtype=torch.int8, device=q.device)  # pads as zero bits
+    padded_q[:, :cols] = q
+    return _pack_nibbles((padded_q + 8).view(torch.uint8))
 
 
 def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
@@ -102,11 +116,15 @@ class Int4Group:
         rows, cols = require_2d(name, tuple(x.shape))
         require_float(name, x.dtype)
         groups = x.view(rows, self._groups(name, cols), self.group_size)
-        scale = groups.abs().amax(dim=-1) / SCALE_DIVISOR
+        scale = abs_max(groups, -1) / SCALE_DIVISOR
         scale = torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
-        q = torch.div(groups, scale.unsqueeze(-1)).clamp_(QMIN, QMAX).round_().to(torch.int8)
-        logical = torch.tensor([rows, cols], dtype=torch.int64)
-        return list(zip(self.output_names(name), (pack_int4(q.view(rows, cols)), scale, logical)))
+        packed = torch.empty(rows, -(-cols // PACK), dtype=torch.int32, device=x.device)
+        for r0, r1 in row_chunks(rows, cols, 1):
+            # x / s, clamp and round in the weight's dtype, as compressed-tensors does; + 8 is exact
+            q = torch.div(groups[r0:r1], scale[r0:r1].unsqueeze(-1)).clamp_(QMIN, QMAX).round_().add_(8)
+            packed[r0:r1] = _pack_nibbles(_padded_to_words(q.view(r1 - r0, cols)))
+        logical = torch.tensor([rows, cols], dtype=torch.int64, device=x.device)
+        return list(zip(self.output_names(name), (packed, scale, logical)))
 
     def dequantize(self, name: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Return the weight rebuilt as q * scale (in the scale dtype), cast to `dtype`."""
