@@ -2,7 +2,10 @@
 
 Each size is one bf16 weight matrix (the full gathered tensor the convert stage
 quantizes); every (format, size) pair runs a warm-up and `--repeats` timed
-calls, and the median is printed. Prints figures only; nothing asserts on time.
+calls, and the median is printed, as wall-clock GB/s and as GB per CPU-second.
+The "(copy, baseline)" row is a plain clone (quantize column) and a bf16 ->
+float32 cast (dequantize column) of the same tensor: the memory speed the
+formats are bounded by. Prints figures only; nothing asserts on time.
 
     python bench/bench_quant.py                       # 64 and 256 MiB, every format
     python bench/bench_quant.py --sizes-mb 16 --repeats 5 --threads 1
@@ -35,32 +38,42 @@ def _shape(mib: int) -> tuple[int, int]:
     return mib * 2 ** 20 // 2 // cols, cols
 
 
-def _timed(fn, device: torch.device, repeats: int) -> float:
-    """Return the median seconds of `repeats` calls of `fn` after one warm-up."""
-    def once() -> float:
+def _timed(fn, device: torch.device, repeats: int) -> tuple[float, float]:
+    """Return the median (wall seconds, process CPU seconds) of `repeats` calls of `fn` after one warm-up.
+
+    CPU seconds (all threads) stay meaningful on a machine shared with other jobs, where wall time
+    also counts the time this process waited for a core.
+    """
+    def once() -> tuple[float, float]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return time.perf_counter() - start
+        return time.perf_counter() - wall, time.process_time() - cpu
     once()
-    return statistics.median(once() for _ in range(repeats))
+    runs = [once() for _ in range(repeats)]
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
 def run(sizes_mb: list[int], repeats: int, device: torch.device) -> None:
     """Print one row per (format, size): quantize and dequantize GB/s of bf16 source bytes."""
-    print(f"{'format':<20} {'size':>8} {'quantize GB/s':>14} {'dequantize GB/s':>16} {'out/in bytes':>13}")
+    print("GB/s of bf16 source bytes: wall-clock, and per CPU-second (all threads) in brackets")
+    print(f"{'format':<20} {'size':>8} {'quantize GB/s':>20} {'dequantize GB/s':>20} {'out/in bytes':>13}")
     for mib in sizes_mb:
         x = torch.randn(_shape(mib), device=device).to(torch.bfloat16)
+        gb = x.numel() * x.element_size() / 1e9
+        cases = {"(copy, baseline)": (lambda: x.clone(), lambda: x.float(), 1.0)}
         for label, scheme in FORMATS.items():
             out = dict(quantize("w.weight", x, scheme))
             ratio = sum(t.numel() * t.element_size() for t in out.values()) / (x.numel() * x.element_size())
-            t_q = _timed(lambda: quantize("w.weight", x, scheme), device, repeats)
-            t_d = _timed(lambda: dequantize("w.weight", out, scheme, torch.bfloat16), device, repeats)
-            gb = x.numel() * x.element_size() / 1e9
-            print(f"{label:<20} {mib:>5} MiB {gb / t_q:>14.2f} {gb / t_d:>16.2f} {ratio:>13.3f}")
+            cases[label] = (lambda s=scheme: quantize("w.weight", x, s),
+                            lambda s=scheme, o=out: dequantize("w.weight", o, s, torch.bfloat16), ratio)
+        for label, (quant, dequant, ratio) in cases.items():
+            (qw, qc), (dw, dc) = _timed(quant, device, repeats), _timed(dequant, device, repeats)
+            q_txt, d_txt = f"{gb / qw:.2f} [{gb / max(qc, 1e-9):.2f}]", f"{gb / dw:.2f} [{gb / max(dc, 1e-9):.2f}]"
+            print(f"{label:<20} {mib:>5} MiB {q_txt:>20} {d_txt:>20} {ratio:>13.3f}")
         del x
 
 

@@ -98,8 +98,8 @@ class Fp8Block:
         return tuple(tensors[name].shape)
 
     def _scale(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Return the float32 dequantization scale of each block of a [rb, bo, cb, bi] view, as [rb, 1, cb, 1]."""
-        scale = abs_max(blocks, (1, 3), keepdim=True).float().clamp_(BLOCK_AMAX_FLOOR) / FP8_MAX
+        """Return the float32 dequantization scale of each block of a float32 [rb, bo, cb, bi] view, as [rb, 1, cb, 1]."""
+        scale = abs_max(blocks, (1, 3), keepdim=True).clamp_(BLOCK_AMAX_FLOOR) / FP8_MAX
         return torch.pow(2.0, torch.ceil(torch.log2(scale))) if self.scale_fmt == "ue8m0" else scale
 
     def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -109,10 +109,10 @@ class Fp8Block:
         q = torch.empty(rows, cols, dtype=FP8, device=x.device)
         scales = []
         for r0, r1 in row_chunks(rows, cols, self.block[0]):
-            blocks = _padded_blocks(x[r0:r1], self.block)
+            # float32 throughout, as the reference's bf16 * float32 promotes (the upcast is exact)
+            blocks = _padded_blocks(x[r0:r1].to(torch.float32, copy=True), self.block)
             scale = self._scale(blocks)
-            # float32 product, as the reference's bf16 * float32 promotes: upcast, then multiply in place
-            scaled = blocks.to(torch.float32, copy=True).mul_(1.0 / scale).clamp_(-FP8_MAX, FP8_MAX)
+            scaled = blocks.mul_(1.0 / scale).clamp_(-FP8_MAX, FP8_MAX)
             q[r0:r1].copy_(scaled.view(-1, scaled.shape[2] * scaled.shape[3])[: r1 - r0, :cols])
             scales.append(scale.view(scale.shape[0], scale.shape[2]))
         return [(name, q), (weight_prefix(name) + "weight_scale_inv", torch.cat(scales))]

@@ -116,15 +116,27 @@ class Int4Group:
         rows, cols = require_2d(name, tuple(x.shape))
         require_float(name, x.dtype)
         groups = x.view(rows, self._groups(name, cols), self.group_size)
-        scale = abs_max(groups, -1) / SCALE_DIVISOR
-        scale = torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
         packed = torch.empty(rows, -(-cols // PACK), dtype=torch.int32, device=x.device)
+        scales = []
         for r0, r1 in row_chunks(rows, cols, 1):
-            # x / s, clamp and round in the weight's dtype, as compressed-tensors does; + 8 is exact
-            q = torch.div(groups[r0:r1], scale[r0:r1].unsqueeze(-1)).clamp_(QMIN, QMAX).round_().add_(8)
-            packed[r0:r1] = _pack_nibbles(_padded_to_words(q.view(r1 - r0, cols)))
+            scale, nibbles = self._quantize_rows(groups[r0:r1])
+            packed[r0:r1] = _pack_nibbles(_padded_to_words(nibbles.view(r1 - r0, cols)))
+            scales.append(scale)
         logical = torch.tensor([rows, cols], dtype=torch.int64, device=x.device)
-        return list(zip(self.output_names(name), (packed, scale, logical)))
+        return list(zip(self.output_names(name), (packed, torch.cat(scales), logical)))
+
+    def _quantize_rows(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (scales, q + 8) of [rows, groups, size] values, rounded exactly as compressed-tensors does.
+
+        Its arithmetic runs in the weight's dtype, where a bf16 op is the float32 op rounded to bf16;
+        working in float32 and rounding to the weight's dtype after each op gives the same bits, and
+        float32 reductions over short groups are several times faster than bf16 ones on a CPU.
+        """
+        dtype, wide = groups.dtype, groups.to(torch.float32, copy=True)
+        scale = abs_max(wide, -1).to(dtype) / SCALE_DIVISOR
+        scale = torch.where(scale == 0, torch.finfo(dtype).eps, scale)
+        q = wide.div_(scale.unsqueeze(-1).float()).to(dtype)
+        return scale, q.clamp_(QMIN, QMAX).round_().add_(8)  # + 8 is exact: the unsigned nibble
 
     def dequantize(self, name: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Return the weight rebuilt as q * scale (in the scale dtype), cast to `dtype`."""
