@@ -524,3 +524,38 @@ def test_keep_together_puts_every_weight_in_its_scales_bucket(cfg):
     assert len(sync.buckets) > 10  # small buckets, so separation would show
     for name, scheme in plan.schemes.items():
         assert len({bucket_of[out] for out in scheme.output_names(name)}) == 1, name
+
+
+# -- inputs the convert stage may hand over ------------------------------------------------------
+
+@pytest.mark.parametrize("scheme", SHARD_SCHEMES)
+def test_non_contiguous_source_quantizes_like_its_contiguous_copy(scheme):
+    x = weight((256, 512), torch.bfloat16, seed=30)
+    strided = x.t().contiguous().t()
+    assert not strided.is_contiguous()
+    for (n1, a), (n2, b) in zip(quantize("m.weight", strided, scheme), quantize("m.weight", x, scheme)):
+        assert n1 == n2
+        assert_bits_equal(a, b, n1)
+
+
+@pytest.mark.parametrize("scheme,shape", [(Fp8Block(), (300, 260)), (Fp8Block((64, 32), "ue8m0"), (300, 260)),
+                                          (Fp8Tensor(), (300, 260)), (Int4Group(32), (300, 384))])
+def test_many_row_chunks_equal_the_reference(vllm_refs, monkeypatch, scheme, shape):
+    """Large weights are quantized in row chunks; force many (and a ragged last one) on a small weight."""
+    import converters.quant.base as base
+    monkeypatch.setattr(base, "CHUNK_ELEMS", 5000)
+    assert len(base.row_chunks(shape[0], shape[1], 64)) > 3
+    x = weight(shape, torch.bfloat16, seed=31, special=True)
+    out = dict(quantize("m.weight", x, scheme))
+    block_cast, per_tensor = vllm_refs
+    if isinstance(scheme, Fp8Block):
+        ref = block_cast(x, block_size=list(scheme.block), use_ue8m0=scheme.scale_fmt == "ue8m0")
+        ref = {"m.weight": ref[0], "m.weight_scale_inv": ref[1]}
+    elif isinstance(scheme, Fp8Tensor):
+        ref = dict(zip(("m.weight", "m.weight_scale"), per_tensor.forward_native(x)))
+        ref["m.weight_scale"] = ref["m.weight_scale"].reshape(())
+    else:
+        ref = {"m." + k: v for k, v in ct_compress(x, scheme.group_size).items()}
+    assert sorted(out) == sorted(ref)
+    for name in out:
+        assert_bits_equal(out[name], ref[name], name)

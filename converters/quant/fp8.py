@@ -19,22 +19,24 @@ of the routine that produces them on the engine side:
   per-tensor path:
       s = max(amax(|x|) / 448, 1 / (448 * 512));  q = e4m3(clamp(x * reciprocal(s), -448, 448))
 
-Where the libraries differ (measured, see tests/test_quant.py):
+Where the libraries differ (each difference is shown by a test in tests/test_quant.py):
 - compressed-tensors divides (`x / s`); vLLM/DeepGEMM multiply by the
-  reciprocal. For bf16 sources the two disagree by one e4m3 step on ~0.05% of
-  elements, so each format follows the producer of its own ecosystem.
-- Zero (or tiny) blocks: DeepGEMM floors amax at 1e-4; compressed-tensors
-  replaces a zero scale by the scale dtype's eps; transformers'
-  `Fp8Quantize` writes 1.0 and computes the scale as 1 / (448 / amax) (not
-  amax / 448), and only quantizes shapes that are multiples of the block.
-  All dequantize a zero block to zeros.
+  reciprocal. With the same scale they disagree by one e4m3 step on up to a
+  few tenths of a percent of bf16 elements (block by block, depending on the
+  scale), so each format follows the producer of its own ecosystem.
+- transformers' `Fp8Quantize` computes the scale as 1 / (448 / amax), not
+  amax / 448 (equal after UE8M0 rounding, which the tests check bit for bit,
+  but not always in float format), writes 1.0 for a zero block, and leaves
+  shapes that are not multiples of the block unquantized.
+- Zero or tiny blocks: DeepGEMM floors amax at 1e-4; compressed-tensors
+  replaces a zero scale by its dtype's eps. All dequantize a zero block to 0.
 
 Dequantization is `q.float() * s` (the scale broadcast over its block), which
-is what every engine and compressed-tensors' `dequantize` compute.
-Error bound per element x with scale s (normal e4m3 range, round to nearest):
-|x - dequant(x)| <= 2**-4 * |x| + 2**-10 * s, up to float32 rounding
-(2**-4 is half an e4m3 step relative to the value; 2**-10 * s is half the
-subnormal step 2**-9 scaled back).
+is what engines and compressed-tensors' `dequantize` compute. Error bound for
+every element x of a block with scale s:
+    |x - dequant(x)| <= 2**-4 * |x| + 2**-10 * s   (+ float32 rounding)
+2**-4 |x| is half an e4m3 step (3 mantissa bits) in the normal range, 2**-10 s
+half the subnormal step 2**-9; |x / s| never exceeds 448, UE8M0 included.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ from typing import Mapping
 
 import torch
 
-from converters.quant.base import abs_max, check_boundary, require_2d, require_float, row_chunks, weight_prefix
+from converters.quant.base import (
+    abs_max, check_boundary, require_2d, require_float, row_chunks, weight_prefix,
+)
 from megatron_sync.meta import TensorMeta
 
 FP8 = torch.float8_e4m3fn
@@ -88,6 +92,7 @@ class Fp8Block:
     def outputs(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[TensorMeta]:
         """Return the metadata of the tensors `quantize` produces for a weight of this shape."""
         rows, cols = require_2d(name, tuple(shape))
+        require_float(name, dtype)
         bo, bi = self.block
         names = self.output_names(name)
         return [TensorMeta(names[0], (rows, cols), FP8),
@@ -98,7 +103,7 @@ class Fp8Block:
         return tuple(tensors[name].shape)
 
     def _scale(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Return the float32 dequantization scale of each block of a float32 [rb, bo, cb, bi] view, as [rb, 1, cb, 1]."""
+        """Return the float32 scale of each block of a float32 [rb, bo, cb, bi] view, shaped [rb, 1, cb, 1]."""
         scale = abs_max(blocks, (1, 3), keepdim=True).clamp_(BLOCK_AMAX_FLOOR) / FP8_MAX
         return torch.pow(2.0, torch.ceil(torch.log2(scale))) if self.scale_fmt == "ue8m0" else scale
 
@@ -106,6 +111,7 @@ class Fp8Block:
         """Return [(name, e4m3 weight), (prefix.weight_scale_inv, float32 block scales)]."""
         rows, cols = require_2d(name, tuple(x.shape))
         require_float(name, x.dtype)
+        x = x.contiguous()
         q = torch.empty(rows, cols, dtype=FP8, device=x.device)
         scales = []
         for r0, r1 in row_chunks(rows, cols, self.block[0]):
@@ -149,6 +155,7 @@ class Fp8Tensor:
     def outputs(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[TensorMeta]:
         """Return the metadata of the tensors `quantize` produces for a weight of this shape."""
         rows, cols = require_2d(name, tuple(shape))
+        require_float(name, dtype)
         names = self.output_names(name)
         return [TensorMeta(names[0], (rows, cols), FP8), TensorMeta(names[1], (), torch.float32)]
 
@@ -160,6 +167,7 @@ class Fp8Tensor:
         """Return [(name, e4m3 weight), (prefix.weight_scale, float32 scalar)]."""
         rows, cols = require_2d(name, tuple(x.shape))
         require_float(name, x.dtype)
+        x = x.contiguous()
         scale = (abs_max(x, None).float() / FP8_MAX).clamp(min=TENSOR_SCALE_FLOOR)
         inverse = scale.reciprocal()
         q = torch.empty(rows, cols, dtype=FP8, device=x.device)

@@ -5,7 +5,8 @@ Checkpoint layout (what vLLM's `CompressedTensorsWNA16` and compressed-tensors'
 - `weight_packed`: int32 [out, ceil(in/8)]; word j of a row holds columns
   8j..8j+7, column 8j+k in bits 4k..4k+3, stored as q + 8 (unsigned 0..15).
 - `weight_scale`: [out, in/g] in the weight's own dtype (compressed-tensors
-  gives the scale the observed weight's dtype: bf16 for a bf16 model).
+  gives the scale the observed weight's dtype: bf16 for a bf16 model; sources
+  are float32, bfloat16 or float16).
 - `weight_shape`: int64 [2], the logical [out, in].
 No zero point (symmetric). The rounding is compressed-tensors' own
 (`calculate_qparams` from the group min/max, then `quantize`), all in the
@@ -28,7 +29,9 @@ from typing import Mapping
 
 import torch
 
-from converters.quant.base import abs_max, check_boundary, require_2d, require_float, row_chunks, weight_prefix
+from converters.quant.base import (
+    abs_max, check_boundary, require_2d, require_float, row_chunks, weight_prefix,
+)
 from megatron_sync.meta import TensorMeta
 
 PACK = 8  # 4-bit values per int32 word
@@ -70,11 +73,6 @@ def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
     return nibbles[:, :cols].to(torch.int8) - 8
 
 
-def scale_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Return the dtype compressed-tensors gives the scales of a weight of `dtype`."""
-    return dtype if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float16
-
-
 @dataclass(frozen=True)
 class Int4Group:
     """Symmetric INT4 groups of `group_size` input columns, packed eight to an int32."""
@@ -101,9 +99,10 @@ class Int4Group:
     def outputs(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[TensorMeta]:
         """Return the metadata of the tensors `quantize` produces for a weight of this shape and dtype."""
         rows, cols = require_2d(name, tuple(shape))
+        require_float(name, dtype)
         packed, scale, logical = self.output_names(name)
         return [TensorMeta(packed, (rows, -(-cols // PACK)), torch.int32),
-                TensorMeta(scale, (rows, self._groups(name, cols)), scale_dtype(dtype)),
+                TensorMeta(scale, (rows, self._groups(name, cols)), dtype),
                 TensorMeta(logical, (2,), torch.int64)]
 
     def logical_shape(self, name: str, tensors: Mapping[str, torch.Tensor]) -> tuple[int, int]:
@@ -115,7 +114,7 @@ class Int4Group:
         """Return [(prefix.weight_packed, int32), (prefix.weight_scale, x.dtype), (prefix.weight_shape, int64)]."""
         rows, cols = require_2d(name, tuple(x.shape))
         require_float(name, x.dtype)
-        groups = x.view(rows, self._groups(name, cols), self.group_size)
+        groups = x.contiguous().view(rows, self._groups(name, cols), self.group_size)
         packed = torch.empty(rows, -(-cols // PACK), dtype=torch.int32, device=x.device)
         scales = []
         for r0, r1 in row_chunks(rows, cols, 1):
