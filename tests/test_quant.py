@@ -222,7 +222,8 @@ def test_int4_equals_compressed_tensors_compressor(shape, group_size, dtype, spe
     assert sorted(ref) == ["weight_packed", "weight_scale", "weight_shape"]
     for key in ref:
         assert_bits_equal(out["m." + key], ref[key], key)
-    assert [(n, tuple(t.shape), t.dtype) for n, t in out.items()] == quantized_names("m.weight", shape, dtype, scheme)
+    metas = [(n, tuple(t.shape), t.dtype) for n, t in out.items()]
+    assert metas == quantized_names("m.weight", shape, dtype, scheme)
     local = {k.removeprefix("m."): v for k, v in out.items()}
     assert_bits_equal(dequantize("m.weight", out, scheme, dtype), ct_decompress(local, group_size), "decompressed")
 
@@ -342,7 +343,8 @@ def test_kimi_style_int4_quantizes_routed_experts_only_as_vllm_and_compressed_te
     for name in filter(is_linear_weight, names):
         module = name.removesuffix(".weight")
         assert (name in chosen) == (vllm_ct_group(module, KIMI_K2_INT4) == "group_0"), name
-        assert (name in chosen) == is_match(module, torch.nn.Linear(1, 1), group["targets"], KIMI_K2_INT4["ignore"])
+        linear = torch.nn.Linear(1, 1)
+        assert (name in chosen) == is_match(module, linear, group["targets"], KIMI_K2_INT4["ignore"])
     plan = QuantPlan.from_hf_config(KIMI_K2_INT4, names, is_linear_weight)  # + the defaults: no router gate
     assert set(plan.schemes) == {n for n in names if ".mlp.experts." in n}
     assert set(plan.schemes.values()) == {Int4Group(32)}
@@ -377,7 +379,8 @@ def test_family_defaults_stay_unquantized_whatever_the_config_says():
 def test_parsed_configs_agree_with_vllm_and_compressed_tensors_parsers():
     from compressed_tensors.quantization import QuantizationConfig
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
-    for cfg in (DEEPSEEK_V3_FP8, dict(DEEPSEEK_V3_FP8, weight_block_size=None, modules_to_not_convert=["lm_head"])):
+    per_tensor = dict(DEEPSEEK_V3_FP8, weight_block_size=None, modules_to_not_convert=["lm_head"])
+    for cfg in (DEEPSEEK_V3_FP8, per_tensor):
         ours, theirs = parse_quantization_config(cfg), Fp8Config.from_config(cfg)
         scheme = ours.groups[0].scheme
         assert (list(scheme.block) if isinstance(scheme, Fp8Block) else None) == theirs.weight_block_size

@@ -60,10 +60,11 @@ class QuantConfig:
     ignore: tuple[str, ...] = ()
 
 
-def _get(cfg: Mapping[str, Any], key: str, supported: Iterable[Any], default: Any = None) -> Any:
+def _get(cfg: Mapping[str, Any], key: str, supported: Iterable[Any], default: Any = None, where: str = "") -> Any:
     value = cfg.get(key, default)
     if value not in supported:
-        raise ValueError(f"quantization_config.{key}={value!r} is not supported; use one of {list(supported)}")
+        raise ValueError(f"quantization_config.{where}{key}={value!r} is not supported; "
+                         f"use one of {list(supported)}")
     return value
 
 
@@ -96,7 +97,8 @@ def _parse_fp8(cfg: Mapping[str, Any]) -> QuantConfig:
         if not isinstance(block, (list, tuple)) or len(block) != 2:
             raise ValueError(f"quantization_config.weight_block_size must be [rows, cols], got {block!r}")
         scheme = Fp8Block(tuple(block), scale_fmt)
-    ignore = _check_entries("modules_to_not_convert", cfg.get("ignored_layers") or cfg.get("modules_to_not_convert"))
+    ignore = cfg.get("ignored_layers") or cfg.get("modules_to_not_convert")
+    ignore = _check_entries("modules_to_not_convert", ignore)
     regex = [e for e in ignore if e.startswith("re:")]
     if regex:
         raise ValueError(f"quantization_config.modules_to_not_convert entries {regex} are regexes; quant_method "
@@ -104,26 +106,28 @@ def _parse_fp8(cfg: Mapping[str, Any]) -> QuantConfig:
     return QuantConfig("fp8", (TargetGroup((LINEAR,), scheme),), ignore)
 
 
+# compressed-tensors weight arguments this module implements: key -> (supported values, default)
+_INT4_WEIGHTS = {
+    "num_bits": ((4,), None), "type": (("int",), "int"), "symmetric": ((True,), True),
+    "strategy": (("group", None), None), "dynamic": ((False,), False),
+    "actorder": ((None, False, "weight", "static"), None),  # "group" needs g_idx: not supported
+}
+
+
 def _parse_ct_weights(name: str, group: Mapping[str, Any]) -> Int4Group:
-    where = f"config_groups.{name}"
+    where = f"config_groups.{name}."
     for key in ("input_activations", "output_activations"):
         if group.get(key) is not None:
-            raise ValueError(f"quantization_config.{where}.{key} must be null: only weight-only (W4A16) is supported")
-    w = group.get("weights")
-    if not isinstance(w, Mapping):
-        raise ValueError(f"quantization_config.{where}.weights must be a mapping, got {w!r}")
-    sub = {k: v for k, v in w.items()}
-    for key, supported, default in (("num_bits", (4,), None), ("type", ("int",), "int"),
-                                    ("symmetric", (True,), True), ("strategy", ("group",), None),
-                                    ("dynamic", (False,), False),
-                                    ("actorder", (None, False, "weight", "static"), None)):
-        value = sub.get(key, default)
-        if value not in supported:
-            raise ValueError(f"quantization_config.{where}.weights.{key}={value!r} is not supported; "
-                             f"use one of {list(supported)}")
-    size = sub.get("group_size")
+            raise ValueError(f"quantization_config.{where}{key} must be null: only weight-only INT4 "
+                             f"(W4A16) is supported")
+    weights = group.get("weights")
+    if not isinstance(weights, Mapping):
+        raise ValueError(f"quantization_config.{where}weights must be a mapping, got {weights!r}")
+    for key, (supported, default) in _INT4_WEIGHTS.items():
+        _get(weights, key, supported, default, where + "weights.")
+    size = weights.get("group_size")
     if not isinstance(size, int) or size <= 0:
-        raise ValueError(f"quantization_config.{where}.weights.group_size must be a positive int, got {size!r}")
+        raise ValueError(f"quantization_config.{where}weights.group_size must be a positive int, got {size!r}")
     return Int4Group(size)
 
 
@@ -158,7 +162,8 @@ def parse_quantization_config(cfg: Any) -> QuantConfig:
         raise ValueError(f"quantization_config must be a mapping, got {type(cfg).__name__}")
     method = cfg.get("quant_method")
     if method not in _PARSERS:
-        raise ValueError(f"quantization_config.quant_method={method!r} is not supported; use one of {list(_PARSERS)}")
+        raise ValueError(f"quantization_config.quant_method={method!r} is not supported; "
+                         f"use one of {list(_PARSERS)}")
     return _PARSERS[method](cfg)
 
 

@@ -101,7 +101,7 @@ class QuantPlan:
         return [TensorMeta(name, shape, dtype)] if scheme is None else scheme.outputs(name, shape, dtype)
 
     def expected_layout(self, layout: Layout) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Return the converter's expected {name: (shape, dtype)} with every quantized weight replaced by its outputs."""
+        """Return the converter's expected {name: (shape, dtype)}, each quantized weight replaced by its outputs."""
         missing = sorted(set(self.schemes) - set(layout))
         if missing:
             raise ValueError(f"quantized weights {missing[:8]} are not in the expected HF layout; "
