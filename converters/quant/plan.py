@@ -1,0 +1,126 @@
+"""`QuantPlan`: which HF weights are quantized and how, the one object converters and engines consult.
+
+Built once from the HF `quantization_config` and the checkpoint's names; it
+turns a converted (name, tensor) into the engine's quantized tensors, rewrites
+the expected checkpoint layout for the completeness check, maps a received
+scale back to its weight, and slices a weight and its scales for a TP rank.
+Unquantized names pass through every method unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from converters.quant.config import (
+    DEFAULT_UNQUANTIZED, IsLinearWeight, QuantScheme, parse_quantization_config, select_targets,
+)
+from megatron_sync.meta import TensorMeta
+
+Layout = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def quantized_names(name: str, shape: Iterable[int], dtype: torch.dtype, scheme: QuantScheme
+                    ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """Return (name, shape, dtype) of each tensor `quantize` makes from weight `name`, without data."""
+    return [(m.name, m.shape, m.dtype) for m in scheme.outputs(name, tuple(shape), dtype)]
+
+
+def quantize(name: str, tensor: torch.Tensor, scheme: QuantScheme) -> list[tuple[str, torch.Tensor]]:
+    """Return the engine-format (name, tensor) pairs of the full weight `tensor` under `scheme`."""
+    return scheme.quantize(name, tensor)
+
+
+def dequantize(name: str, tensors: Mapping[str, torch.Tensor], scheme: QuantScheme,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Return weight `name` rebuilt from its quantized tensors (keyed by their names), cast to `dtype`."""
+    return scheme.dequantize(name, tensors, dtype)
+
+
+def slice_quantized(name: str, tensors: Mapping[str, torch.Tensor], scheme: QuantScheme, dim: int,
+                    start: int, stop: int) -> dict[str, torch.Tensor]:
+    """Return the quantized tensors of weight rows (dim 0) or cols (dim 1) [start, stop), scales included.
+
+    Raises ValueError when an edge falls inside a scale block or group.
+    """
+    if dim not in (0, 1) or not 0 <= start < stop:
+        raise ValueError(f"{name!r}: cannot slice dim {dim} over [{start}, {stop})")
+    return scheme.slice(name, tensors, dim, start, stop)
+
+
+def shard_quantized(name: str, tensors: Mapping[str, torch.Tensor], scheme: QuantScheme, dim: int,
+                    rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Return rank `rank`'s equal contiguous chunk of `world` along `dim`, with its scales."""
+    size = scheme.logical_shape(name, tensors)[dim]
+    if not 0 <= rank < world or size % world:
+        raise ValueError(f"{name!r}: dim {dim} of size {size} does not split into {world} equal shards "
+                         f"(rank {rank}); choose a tensor-parallel size that divides {size}")
+    chunk = size // world
+    return slice_quantized(name, tensors, scheme, dim, rank * chunk, (rank + 1) * chunk)
+
+
+_KEEP_TOGETHER_SUFFIXES = {
+    "Fp8Block": (r"\.weight", r"\.weight_scale_inv"),
+    "Fp8Tensor": (r"\.weight", r"\.weight_scale"),
+    "Int4Group": (r"\.weight_packed", r"\.weight_scale", r"\.weight_shape"),
+}
+
+
+class QuantPlan:
+    """The quantized HF weights of one model: {weight name: scheme}, with the operations on them."""
+
+    def __init__(self, schemes: Mapping[str, QuantScheme]):
+        self.schemes: dict[str, QuantScheme] = dict(schemes)
+        self._weight_of = {out: name for name, s in self.schemes.items() for out in s.output_names(name)}
+
+    @classmethod
+    def from_hf_config(cls, quantization_config: Any, hf_names: Iterable[str], is_linear_weight: IsLinearWeight,
+                       *, keep_unquantized: Iterable[str] = DEFAULT_UNQUANTIZED) -> "QuantPlan":
+        """Return the plan for an HF `quantization_config` over the checkpoint names `hf_names`."""
+        config = parse_quantization_config(quantization_config)
+        return cls(select_targets(config, hf_names, is_linear_weight, keep_unquantized=keep_unquantized))
+
+    def scheme_of(self, name: str) -> QuantScheme | None:
+        """Return the scheme quantizing HF weight `name`, or None if it travels unquantized."""
+        return self.schemes.get(name)
+
+    def weight_of(self, produced_name: str) -> str | None:
+        """Return the HF weight a produced tensor (a scale, a packed weight) belongs to, or None."""
+        return self._weight_of.get(produced_name)
+
+    def quantize(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Return the engine-format (name, tensor) pairs for converted HF tensor `name`."""
+        scheme = self.schemes.get(name)
+        return [(name, tensor)] if scheme is None else scheme.quantize(name, tensor)
+
+    def outputs(self, name: str, shape: Iterable[int], dtype: torch.dtype) -> list[TensorMeta]:
+        """Return the metadata `quantize` produces for HF tensor `name` of this shape and dtype."""
+        scheme = self.schemes.get(name)
+        shape = tuple(shape)
+        return [TensorMeta(name, shape, dtype)] if scheme is None else scheme.outputs(name, shape, dtype)
+
+    def expected_layout(self, layout: Layout) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Return the converter's expected {name: (shape, dtype)}, each quantized weight replaced by its outputs."""
+        missing = sorted(set(self.schemes) - set(layout))
+        if missing:
+            raise ValueError(f"quantized weights {missing[:8]} are not in the expected HF layout; "
+                             f"build the QuantPlan from the same names the converter expects")
+        return {m.name: (m.shape, m.dtype) for name, (shape, dtype) in layout.items()
+                for m in self.outputs(name, shape, dtype)}
+
+    def keep_together(self) -> tuple[tuple[str, ...], ...]:
+        """Return regex groups (one capture: the module) that keep each weight with its scales in one bucket."""
+        kinds = sorted({type(s).__name__ for s in self.schemes.values()})
+        return tuple(tuple("(.+)" + suffix for suffix in _KEEP_TOGETHER_SUFFIXES[k]) for k in kinds)
+
+    def dequantize(self, name: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Return HF weight `name` in `dtype`, rebuilt from its quantized tensors when it is quantized."""
+        scheme = self.schemes.get(name)
+        return tensors[name].to(dtype) if scheme is None else scheme.dequantize(name, tensors, dtype)
+
+    def shard(self, name: str, tensors: Mapping[str, torch.Tensor], dim: int, rank: int, world: int
+              ) -> dict[str, torch.Tensor]:
+        """Return rank `rank`'s chunk of weight `name` and of its scales; see `shard_quantized`."""
+        return shard_quantized(name, tensors, self.schemes[name], dim, rank, world)
+
