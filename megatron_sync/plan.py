@@ -11,6 +11,8 @@ Rules:
 - Keep-together groups: tensors whose names fullmatch the patterns of one
   group *with the same captured values* (e.g. the same layer index) form one
   unit that lands in one bucket; the unit sits at its first member's position.
+  Groups sharing a member merge (a DeepSeek q_a_proj weight, its FP8 scale and
+  kv_a_proj_with_mqa's weight and scale form one unit).
 - Alignment rule: inside a bucket, entries are laid out by dtype itemsize
   descending (stable in stream order) and packed back to back. Every tensor's
   nbytes is a multiple of its itemsize, so every offset is a multiple of its own
@@ -114,10 +116,9 @@ def build_plan(
     if bucket_size_bytes <= 0:
         raise ValueError(f"bucket_size_bytes must be > 0, got {bucket_size_bytes}")
     _check_unique_names(stage_metas)
-    matchers = [[compile_pattern(p) for p in group] for group in keep_together]
     buckets: list[BucketPlan] = []
     for stage, metas in enumerate(stage_metas):
-        for members in _cut_buckets(_units(metas, matchers), bucket_size_bytes):
+        for members in _cut_buckets(_units(metas, keep_together), bucket_size_bytes):
             buckets.append(_layout(len(buckets), stage, members))
     return SyncPlan(tuple(buckets), bucket_size_bytes, len(stage_metas))
 
@@ -134,29 +135,58 @@ def _check_unique_names(stage_metas: Sequence[Sequence[TensorMeta]]) -> None:
             seen[m.name] = stage
 
 
-def _units(metas: Iterable[TensorMeta], matchers: list[list[Pattern]]) -> list[list[TensorMeta]]:
-    """Return stream-ordered units: single tensors, or keep-together groups collected at first member."""
+def _units(metas: Iterable[TensorMeta], keep_together: KeepTogether) -> list[list[TensorMeta]]:
+    """Return stream-ordered units: single tensors, or keep-together components collected at their
+    first member. Groups that share a member merge (keeping together is transitive)."""
+    index = _KeepTogetherIndex(keep_together)
+    metas = list(metas)
+    parent: dict[tuple, tuple] = {}
+
+    def root(key: tuple) -> tuple:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    keys_of = [index.keys(m.name) for m in metas]
+    for keys in keys_of:
+        for key in keys[1:]:
+            parent[root(key)] = root(keys[0])
     units: list[list[TensorMeta]] = []
-    unit_of_key: dict[tuple, list[TensorMeta]] = {}
-    for meta in metas:
-        key = _group_key(meta.name, matchers)
-        if key is None:
+    unit_of_root: dict[tuple, list[TensorMeta]] = {}
+    for meta, keys in zip(metas, keys_of):
+        if not keys:
             units.append([meta])
-        elif key in unit_of_key:
-            unit_of_key[key].append(meta)
-        else:
-            unit_of_key[key] = [meta]
-            units.append(unit_of_key[key])
+            continue
+        component = root(keys[0])
+        if component not in unit_of_root:
+            unit_of_root[component] = []
+            units.append(unit_of_root[component])
+        unit_of_root[component].append(meta)
     return units
 
 
-def _group_key(name: str, matchers: list[list[Pattern]]) -> tuple | None:
-    for gi, group in enumerate(matchers):
-        for pattern in group:
+class _KeepTogetherIndex:
+    """Which keep-together groups a name belongs to: literal patterns by dict, wildcard ones by scan."""
+
+    def __init__(self, keep_together: KeepTogether) -> None:
+        self._literal: dict[str, list[int]] = {}
+        self._wildcard: list[tuple[int, Pattern]] = []
+        for gi, group in enumerate(keep_together):
+            for template in group:
+                pattern = compile_pattern(template)
+                if pattern.fields:
+                    self._wildcard.append((gi, pattern))
+                else:
+                    self._literal.setdefault(template, []).append(gi)
+
+    def keys(self, name: str) -> list[tuple]:
+        """Return one key per group `name` belongs to: (group, captured indices)."""
+        keys = [(gi, ()) for gi in self._literal.get(name, ())]
+        for gi, pattern in self._wildcard:
             captures = pattern.match(name)
             if captures is not None:
-                return (gi, tuple(sorted(captures.items())))
-    return None
+                keys.append((gi, tuple(sorted(captures.items()))))
+        return keys
 
 
 def _cut_buckets(units: list[list[TensorMeta]], bound: int) -> list[list[TensorMeta]]:

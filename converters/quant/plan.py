@@ -60,13 +60,6 @@ def shard_quantized(name: str, tensors: Mapping[str, torch.Tensor], scheme: Quan
     return slice_quantized(name, tensors, scheme, dim, rank * chunk, (rank + 1) * chunk)
 
 
-_KEEP_TOGETHER_SUFFIXES = {
-    "Fp8Block": (r"\.weight", r"\.weight_scale_inv"),
-    "Fp8Tensor": (r"\.weight", r"\.weight_scale"),
-    "Int4Group": (r"\.weight_packed", r"\.weight_scale", r"\.weight_shape"),
-}
-
-
 class QuantPlan:
     """The quantized HF weights of one model: {weight name: scheme}, with the operations on them."""
 
@@ -110,9 +103,9 @@ class QuantPlan:
                 for m in self.outputs(name, shape, dtype)}
 
     def keep_together(self) -> tuple[tuple[str, ...], ...]:
-        """Return regex groups (one capture: the module) that keep each weight with its scales in one bucket."""
-        kinds = sorted({type(s).__name__ for s in self.schemes.values()})
-        return tuple(tuple("(.+)" + suffix for suffix in _KEEP_TOGETHER_SUFFIXES[k]) for k in kinds)
+        """Return one group per quantized weight: the weight's output names and its scales', which
+        must share a bucket (literal names in the converters' pattern grammar)."""
+        return tuple(tuple(scheme.output_names(name)) for name, scheme in sorted(self.schemes.items()))
 
     def dequantize(self, name: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Return HF weight `name` in `dtype`, rebuilt from its quantized tensors when it is quantized."""
