@@ -148,7 +148,8 @@ def megatron_delta_chain(rank: int, world_size: int, spec, steps: int, lr: float
             changed=changed_fraction(replica, previous) if previous else None,
             baseline_bytes=baseline_bytes(replica, previous) if previous else None,
             raw_bytes=stats.raw_bytes, delta_bytes=stats.delta_bytes, snapshot_bytes=stats.snapshot_bytes,
-            publish_s=stats.seconds, apply_s=sum(staged.seconds.values()), plan=staged.plan.versions,
+            publish_s=stats.seconds, stage_s=staged.seconds["verify_files"] + staged.seconds["decode"],
+            commit_s=staged.seconds["commit"], plan=staged.plan.versions,
             encodings=stats.encodings))
         previous = replica
     writer.close(), reader.close()

@@ -29,7 +29,6 @@ from megatron_sync.delta import (
     ChainError, CorruptFileError, DeltaReader, DeltaWriter, LockHeldError, StoreWriteError,
     VersionNotPublishedError, WriterOptions,
 )
-from megatron_sync.delta.localcopy import slot_path
 from megatron_sync.delta.storedir import published_versions, version_path
 from tests.delta_support import assert_same_bytes, make_pair, publish, small_model, sparse_update
 
@@ -55,7 +54,7 @@ class _Unchanged:
 
     def __init__(self, reader: DeltaReader, expected: dict[str, torch.Tensor]):
         self.reader, self.expected, self.version = reader, expected, reader.version
-        self.path = slot_path(reader.local_dir, reader._slot)
+        self.path = reader.committed_file
         self.file = open(self.path, "rb").read()
 
     def check(self) -> None:

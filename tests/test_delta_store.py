@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -155,6 +156,13 @@ def test_versions_only_increase(tmp_path):
     writer.close(), reader.close()
 
 
+def _wait_until_published(root: str, versions: list[int], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while published_versions(root) != versions:
+        assert time.monotonic() < deadline, f"{versions} not published within {timeout}s"
+        time.sleep(0.01)
+
+
 def test_when_behind_coalesce_publishes_the_newest_version_against_the_last_published(tmp_path):
     # Holding the store's gc lock parks the writer thread right after it published version 1
     # (garbage collection waits for the lock), so versions 2..4 arrive while it is busy.
@@ -162,6 +170,7 @@ def test_when_behind_coalesce_publishes_the_newest_version_against_the_last_publ
     versions = {1: small_model()}
     with gc_lock(writer.root):
         writer.submit(1, versions[1])
+        _wait_until_published(writer.root, [1])  # the writer thread now waits for the lock
         for version in (2, 3, 4):
             versions[version] = sparse_update(versions[version - 1], version)
             writer.submit(version, versions[version])
@@ -178,6 +187,7 @@ def test_when_behind_block_waits_and_times_out(tmp_path):
     tensors = small_model()
     with gc_lock(writer.root):
         writer.submit(1, tensors)
+        _wait_until_published(writer.root, [1])
         writer.submit(2, sparse_update(tensors, 2))  # waits in the queue
         with pytest.raises(TimeoutError, match="when_behind='block'"):
             writer.submit(3, sparse_update(tensors, 3))
@@ -234,4 +244,21 @@ def test_reader_survives_a_restart_and_continues_from_its_committed_version(tmp_
     staged = reader.apply()
     assert staged.plan.versions == (2,) and staged.plan.steps[0].part == "delta"
     assert_same_bytes(staged.tensors, tensors)
+    writer.close(), reader.close()
+
+
+def test_a_reading_lease_protects_versions_from_garbage_collection(tmp_path):
+    from megatron_sync.delta.chain import Lease
+    from megatron_sync.delta.storedir import write_lease
+
+    writer, reader = make_pair(tmp_path, snapshot_every=3, retention=1)
+    publish(writer, 1, tensors := small_model())
+    publish(writer, 2, tensors := sparse_update(tensors, 2))
+    write_lease(writer.root, Lease("slow-host", None, (1, 2)))  # a reader in the middle of reading 1 and 2
+    for version in range(3, 8):
+        publish(writer, version, tensors := sparse_update(tensors, version))
+    assert published_versions(writer.root) == [1, 2, 7]  # 7 is a snapshot; 1, 2 are being read
+    write_lease(writer.root, Lease("slow-host", None, ()))  # done reading
+    publish(writer, 8, tensors := sparse_update(tensors, 8))
+    assert published_versions(writer.root) == [7, 8]
     writer.close(), reader.close()

@@ -55,6 +55,7 @@ class ChainPlan:
 
     @property
     def versions(self) -> tuple[int, ...]:
+        """Return the versions the steps read, oldest first."""
         return tuple(s.version for s in self.steps)
 
 

@@ -30,6 +30,7 @@ import threading
 from typing import Callable, Optional
 
 import numpy as np
+import torch
 import zstandard
 
 DEFAULT_LEVEL = 1
@@ -39,6 +40,7 @@ DEFAULT_LEVEL = 1
 SPARSE_AUTO_MAX_FRACTION = 0.3
 
 _ELEMENT_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_ELEMENT_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 _SPARSE_HEADER = struct.Struct("<QB")  # changed-element count, bytes per index gap
 _local = threading.local()  # zstd contexts are not thread-safe; one set per thread
 
@@ -69,7 +71,7 @@ class _Tensor:
 
     @functools.cached_property
     def xor(self) -> np.ndarray:
-        return xor_bytes(self.new, self.base)
+        return xor_bytes(self.new, self.base, out=_scratch(2, self.new.nbytes))
 
     @functools.cached_property
     def xor_elements(self) -> np.ndarray:
@@ -77,7 +79,9 @@ class _Tensor:
 
     @functools.cached_property
     def changed(self) -> np.ndarray:
-        return np.flatnonzero(self.xor_elements)
+        # torch's nonzero is 2-3x numpy's flatnonzero here; signed views, as torch lacks some unsigned kernels
+        signed = torch.from_numpy(self.xor.view(_ELEMENT_INT[self.itemsize]))
+        return torch.nonzero(signed).reshape(-1).numpy()
 
     @property
     def numel(self) -> int:
@@ -102,11 +106,14 @@ def xor_bytes(a: np.ndarray, b: np.ndarray, out: Optional[np.ndarray] = None) ->
     return out
 
 
-def to_planes(data: np.ndarray, itemsize: int) -> np.ndarray:
-    """Return the byte planes of `data`: byte 0 of every element, then byte 1 of every element, ..."""
+def to_planes(data: np.ndarray, itemsize: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """Return the byte planes of `data`: byte 0 of every element, then byte 1 of every element, ...
+
+    Written into `out` (uint8, same size) when given; with element size 1, `data` itself.
+    """
     if itemsize == 1:
         return data
-    planes = np.empty_like(data).reshape(itemsize, -1)
+    planes = (np.empty_like(data) if out is None else out).reshape(itemsize, -1)
     for k, column in enumerate(data.reshape(-1, itemsize).T):  # one strided column at a time: ~5x a 2-D transpose
         planes[k] = column
     return planes.reshape(-1)
@@ -168,7 +175,7 @@ def _encode_zstd(t: _Tensor, level: int) -> bytes:
 
 
 def _encode_plane_zstd(t: _Tensor, level: int) -> bytes:
-    return _zstd(to_planes(t.new, t.itemsize), level)
+    return _zstd(to_planes(t.new, t.itemsize, _scratch(3, t.new.nbytes)), level)
 
 
 def _encode_xor_zstd(t: _Tensor, level: int) -> bytes:
@@ -176,7 +183,7 @@ def _encode_xor_zstd(t: _Tensor, level: int) -> bytes:
 
 
 def _encode_plane_xor_zstd(t: _Tensor, level: int) -> bytes:
-    return _zstd(to_planes(t.xor, t.itemsize), level)
+    return _zstd(to_planes(t.xor, t.itemsize, _scratch(3, t.new.nbytes)), level)
 
 
 def _encode_sparse_xor(t: _Tensor, level: int) -> bytes:

@@ -68,10 +68,12 @@ class TensorEntry:
 
     @property
     def itemsize(self) -> int:
+        """Return the element size in bytes."""
         return TORCH_DTYPES[self.dtype].itemsize
 
     @property
     def nbytes(self) -> int:
+        """Return the tensor's size in bytes."""
         numel = 1
         for size in self.shape:
             numel *= size
@@ -117,10 +119,12 @@ class Manifest:
 
     @property
     def state_digest(self) -> str:
+        """Return the digest of the whole version's content (see `state_digest`)."""
         return state_digest(self.tensors)
 
     @property
     def base_version(self) -> Optional[int]:
+        """Return the version the delta part is against (None without a delta part)."""
         return self.delta.base_version if self.delta else None
 
     def part_bytes(self, part: Optional[Part]) -> int:

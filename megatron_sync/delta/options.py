@@ -27,7 +27,8 @@ class WriterOptions:
     """zstd compression level (1 is fastest; higher levels gain little on XOR data)."""
 
     chunk_mb: float = 64.0
-    """Tensors are encoded in chunks of this many MiB: the unit of parallelism and of scratch memory."""
+    """Tensors are encoded in chunks of this many MiB: the unit of parallelism, and of scratch memory
+    (each encode thread keeps two scratch buffers of this size; the reader two for decoding)."""
 
     file_mb: float = 1024.0
     """A version's data files are cut at this size (a larger single chunk gets its own file)."""
@@ -70,4 +71,5 @@ class WriterOptions:
 
     @property
     def file_bytes(self) -> int:
+        """Data file size limit in bytes."""
         return max(1, int(self.file_mb * 2**20))

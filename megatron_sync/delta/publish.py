@@ -131,19 +131,23 @@ class _DataFiles:
             self.files[self._name] = (self._size, self._hash.hexdigest())
 
 
-def _ordered_map(fn, items, threads: int) -> Iterator:
-    """Yield `fn(item)` in order, computing up to 2 * threads ahead on a thread pool."""
-    if threads <= 1:
+def _ordered_map(fn, items, executor: Optional[concurrent.futures.Executor], ahead: int) -> Iterator:
+    """Yield `fn(item)` in order; with an executor, computing up to `ahead` items in advance."""
+    if executor is None:
         yield from map(fn, items)
         return
-    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="delta-encode") as pool:
-        pending: collections.deque = collections.deque()
+    pending: collections.deque = collections.deque()
+    try:
         for item in items:
-            pending.append(pool.submit(fn, item))
-            if len(pending) >= 2 * threads:
+            pending.append(executor.submit(fn, item))
+            if len(pending) >= ahead:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+    finally:  # on a write failure, wait for the chunks in flight before the directory is removed
+        for future in pending:
+            future.cancel()
+        concurrent.futures.wait(pending)
 
 
 def _chunks(layout: TensorLayout, chunk_bytes: int) -> Iterator[tuple[int, int, int]]:
@@ -154,11 +158,13 @@ def _chunks(layout: TensorLayout, chunk_bytes: int) -> Iterator[tuple[int, int, 
 
 
 def write_version(root: str, version: int, layout: TensorLayout, data: np.ndarray, *,
-                  base: Optional[Base], snapshot: bool, options: WriterOptions) -> tuple[Manifest, PublishStats]:
+                  base: Optional[Base], snapshot: bool, options: WriterOptions,
+                  executor: Optional[concurrent.futures.Executor] = None) -> tuple[Manifest, PublishStats]:
     """Encode `data` (laid out by `layout`) and publish it as `version` under `root`; return its manifest.
 
     With `base`, the version carries a delta part against it; with `snapshot`, a snapshot part.
-    Raises StoreWriteError (disk full, ...) with nothing published.
+    Chunks are encoded on `executor` when given (else in this thread). Raises StoreWriteError
+    (disk full, ...) with nothing published.
     """
     assert base is not None or snapshot, "a version needs a delta part, a snapshot part, or both"
     assert base is None or base.layout == layout, "a delta needs the base's exact tensor layout"
@@ -166,7 +172,7 @@ def write_version(root: str, version: int, layout: TensorLayout, data: np.ndarra
     tmp = storedir.tmp_path(root, version, f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     try:
-        manifest, encodings = _write_parts(tmp, version, layout, data, base, snapshot, options)
+        manifest, encodings = _write_parts(tmp, version, layout, data, base, snapshot, options, executor)
         _write_manifest(tmp, manifest)
         fsio.publish_dir(tmp, storedir.version_path(root, version))
     except BaseException:
@@ -178,7 +184,7 @@ def write_version(root: str, version: int, layout: TensorLayout, data: np.ndarra
 
 
 def _write_parts(tmp: str, version: int, layout: TensorLayout, data: np.ndarray, base: Optional[Base],
-                 snapshot: bool, options: WriterOptions) -> tuple[Manifest, dict[str, int]]:
+                 snapshot: bool, options: WriterOptions, executor) -> tuple[Manifest, dict[str, int]]:
     delta_files = _DataFiles(tmp, "delta", options.file_bytes) if base else None
     snapshot_files = _DataFiles(tmp, "snapshot", options.file_bytes) if snapshot else None
     delta_chunks = [[] for _ in layout.entries]
@@ -193,7 +199,7 @@ def _write_parts(tmp: str, version: int, layout: TensorLayout, data: np.ndarray,
         delta = encode_delta(new, layout.view(base.data, entry)[start:end], itemsize, **opts) if base else None
         return task, delta, encode_snapshot(new, itemsize, **opts) if snapshot else None
 
-    results = _ordered_map(encode, _chunks(layout, options.chunk_bytes), options.encode_threads)
+    results = _ordered_map(encode, _chunks(layout, options.chunk_bytes), executor, 2 * options.encode_threads)
     try:
         for (index, start, end), delta, full in results:
             if delta is not None:
@@ -202,7 +208,7 @@ def _write_parts(tmp: str, version: int, layout: TensorLayout, data: np.ndarray,
             if full is not None:
                 snapshot_chunks[index].append(snapshot_files.append(full))
     finally:
-        results.close()  # on a write failure, stop the encoder threads before removing the directory
+        results.close()
         for files in (delta_files, snapshot_files):
             if files is not None:
                 files.close()

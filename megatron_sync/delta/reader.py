@@ -44,7 +44,7 @@ class StagedVersion:
     plan: ChainPlan
     tensors: dict[str, torch.Tensor]
     payload_bytes: int  # bytes read from the store
-    seconds: dict[str, float]  # "verify_files", "decode"
+    seconds: dict[str, float]  # "verify_files", "decode", and "commit" once committed (flush + fsync + state)
 
 
 class DeltaReader:
@@ -72,6 +72,11 @@ class DeltaReader:
     def version(self) -> Optional[int]:
         """Return the committed version of the local copy (None when it holds none)."""
         return self._held.version if self._held else None
+
+    @property
+    def committed_file(self) -> Optional[str]:
+        """Return the safetensors file holding the committed version (None before the first commit)."""
+        return slot_path(self.local_dir, self._slot) if self._slot else None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Return views of the committed version's tensors (empty before the first commit)."""
@@ -117,8 +122,10 @@ class DeltaReader:
         """Make `staged` the local copy's committed version (flushes the slot, then switches atomically)."""
         if staged is not self._staged:
             raise ValueError(f"version {staged.version} is not the version staged by this reader")
+        start = time.perf_counter()
         self._slots[staged.slot].flush()
         write_state(self.local_dir, staged.held, staged.slot)
+        staged.seconds["commit"] = time.perf_counter() - start
         self._held, self._slot, self._staged = staged.held, staged.slot, None
         self._write_lease(())
 

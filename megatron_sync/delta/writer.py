@@ -25,6 +25,7 @@ that was published.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -76,6 +77,9 @@ class DeltaWriter:
         self._error: Optional[BaseException] = None
         self.stats: list[PublishStats] = []
         self.skipped: list[int] = []  # versions replaced by a newer one before they were published
+        # A pool that lives as long as the writer keeps each thread's scratch buffers warm.
+        self._executor = (concurrent.futures.ThreadPoolExecutor(self.options.encode_threads, "delta-encode")
+                          if self.options.encode_threads > 1 else None)
         self._thread = threading.Thread(target=self._run, name="delta-writer", daemon=True)
         self._thread.start()
 
@@ -120,6 +124,8 @@ class DeltaWriter:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"the delta writer did not finish within {timeout}s")
+        if self._executor is not None:
+            self._executor.shutdown()
         self._lock.release()
         with self._cond:
             self._raise_error_locked(closing=True)
@@ -182,8 +188,8 @@ class DeltaWriter:
     def _publish(self, job: _Job) -> None:
         base = self._base if self._base is not None and self._base.layout == job.layout else None
         snapshot = base is None or self._since_snapshot + 1 >= self.options.snapshot_every
-        manifest, stats = write_version(self.root, job.version, job.layout, job.buffer,
-                                        base=base, snapshot=snapshot, options=self.options)
+        manifest, stats = write_version(self.root, job.version, job.layout, job.buffer, base=base,
+                                        snapshot=snapshot, options=self.options, executor=self._executor)
         self._cache.add(manifest)
         with self._cond:
             if self._base is not None:
