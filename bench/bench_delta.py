@@ -139,6 +139,28 @@ def store_row(versions: list[list[np.ndarray]], threads: int) -> dict:
             "commit_gbs": stats.raw_bytes / staged.seconds["commit"] / 1e9}
 
 
+SWEEP = (0.002, 0.02, 0.1, 0.3, 0.6, 1.0)
+
+
+def sweep_rows(repeats: int) -> list[list[str]]:
+    """Return, per fraction of elements changed by one ulp in a 32 MiB bf16 tensor, each delta encoding's
+    size (% of full) and encode GB/s, and what "auto" picks: the evidence behind the chooser's threshold."""
+    gen = torch.Generator().manual_seed(1)
+    weights = (torch.randn(TENSOR_ELEMENTS, generator=gen) * 0.02).to(torch.bfloat16)
+    old, lines = weights.view(torch.uint8).numpy(), []
+    for fraction in SWEEP:
+        mask = torch.rand(TENSOR_ELEMENTS, generator=gen) < fraction
+        changed = weights.clone()
+        changed.view(torch.int16)[mask] += 1
+        new, cells = changed.view(torch.uint8).numpy(), [f"{100 * fraction:g}%"]
+        for name in codec.DELTA_CANDIDATES:
+            encoded, seconds = _best_time(lambda: _codec(name, 1)(new, old), repeats)
+            cells.append(f"{100 * encoded.size / new.nbytes:.2f}% @ {new.nbytes / seconds / 1e9:.2f}")
+        cells.append(codec.encode_delta(new, old, 2, choice="auto").name)
+        lines.append(cells)
+    return lines
+
+
 def format_codec_rows(rows: list[dict], baseline: float) -> str:
     """Return the synthetic table: payload, its share of full and of the baseline, encode / decode GB/s."""
     header = ["method", "payload_MB", "of_full", "vs_baseline", "encode_GB/s", "decode_GB/s", "commit_GB/s"]
@@ -223,6 +245,9 @@ def main(argv=None) -> None:
         print(f"(b) synthetic: {len(new)} bf16 tensors, {sum(a.nbytes for a in new) / 2**20:.0f} MiB, "
               f"{100 * changed / (sum(a.nbytes for a in new) // 2):.2f}% of elements changed {what}\n")
         print(format_codec_rows(rows, rows[0]["bytes"]) + "\n", flush=True)
+    print("Chooser evidence: payload (% of full) @ encode GB/s per fraction of bf16 elements changed by one ulp,"
+          " 32 MiB tensor, zstd level 1, best of --repeats\n")
+    print(_table(["changed", *codec.DELTA_CANDIDATES, "auto picks"], sweep_rows(args.repeats)) + "\n", flush=True)
     if args.skip_real:
         return
     for lr in args.lrs:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from megatron_sync.delta import DeltaReader, DeltaWriter, WriterOptions
 from megatron_sync.delta.chain import Step
-from megatron_sync.delta.localcopy import open_committed, slot_path
+from megatron_sync.delta.localcopy import open_committed, read_slot, slot_path
 from megatron_sync.delta.manifest import read_manifest
 from megatron_sync.delta.storedir import gc_lock, published_versions, version_path
 from tests.delta_support import assert_same_bytes, make_pair, publish, small_model, sparse_update
@@ -80,6 +80,7 @@ def test_stage_then_discard_keeps_the_committed_version(tmp_path):
     publish(writer, 2, second)
     staged = reader.stage()
     assert_same_bytes(staged.tensors, second)
+    assert_same_bytes(read_slot(staged.file), second)  # what the host's other ranks load
     assert_same_bytes(reader.tensors(), first)  # staged, not committed
     reader.discard(staged)
     assert reader.version == 1
@@ -261,4 +262,17 @@ def test_a_reading_lease_protects_versions_from_garbage_collection(tmp_path):
     write_lease(writer.root, Lease("slow-host", None, ()))  # done reading
     publish(writer, 8, tensors := sparse_update(tensors, 8))
     assert published_versions(writer.root) == [7, 8]
+    writer.close(), reader.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_tensors_are_published_exactly(tmp_path):
+    writer, reader = make_pair(tmp_path)
+    tensors = small_model()
+    publish(writer, 1, {name: t.cuda() for name, t in tensors.items()})
+    second = sparse_update(tensors, 2)
+    publish(writer, 2, {name: t.cuda() for name, t in second.items()})
+    reader.apply(1)
+    assert_same_bytes(reader.apply(2).tensors, second)
     writer.close(), reader.close()

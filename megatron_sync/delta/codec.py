@@ -34,9 +34,10 @@ import torch
 import zstandard
 
 DEFAULT_LEVEL = 1
-# Above this fraction of changed elements "auto" stops trying sparse_xor: measured on bf16
-# updates (bench/RESULTS.md), sparse_xor stays the smallest up to a few tens of percent changed,
-# and past ~30% byte planes of the full XOR win.
+# Up to this fraction of changed elements "auto" picks sparse_xor, above it plane_xor_zstd.
+# Measured on bf16 one-ulp updates (bench/RESULTS.md, chooser evidence): sparse_xor is the
+# smallest up to 30% changed (0.5x the XOR+zstd baseline at 2%), plane_xor_zstd from 60%;
+# sparse_xor's encode slows down as its index grows, so the switch sits at the low end.
 SPARSE_AUTO_MAX_FRACTION = 0.3
 
 _ELEMENT_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

@@ -152,6 +152,11 @@ def write_state(local_dir: str, held: Held, slot: str) -> None:
                            {"version": held.version, "state_digest": held.state_digest, "slot": slot})
 
 
+def read_slot(path: str) -> dict[str, torch.Tensor]:
+    """Return read-only views of every tensor in a slot file (for example a staged version's `file`)."""
+    return SlotFile(path, writable=False).tensors()
+
+
 def open_committed(local_dir: str) -> tuple[Optional[int], dict[str, torch.Tensor]]:
     """Return the committed version of a host's local copy and read-only views of its tensors.
 
@@ -160,4 +165,4 @@ def open_committed(local_dir: str) -> tuple[Optional[int], dict[str, torch.Tenso
     held, slot = read_state(local_dir)
     if held is None:
         return None, {}
-    return held.version, SlotFile(slot_path(local_dir, slot), writable=False).tensors()
+    return held.version, read_slot(slot_path(local_dir, slot))

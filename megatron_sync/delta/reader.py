@@ -36,11 +36,17 @@ _REBUILD = "delete the local directory {local} and apply again: the reader rebui
 
 @dataclasses.dataclass
 class StagedVersion:
-    """A version decoded and verified in the uncommitted slot; `tensors` are views into that slot."""
+    """A version decoded and verified in the uncommitted slot; `tensors` are views into that slot.
+
+    The views stay valid until the reader stages into the same slot again (two versions later):
+    an engine copies them in `load_shards`. Other ranks of the host open `file` read-only
+    (`localcopy.read_slot`) once the applier has staged it.
+    """
 
     version: int
     held: Held
     slot: str
+    file: str
     plan: ChainPlan
     tensors: dict[str, torch.Tensor]
     payload_bytes: int  # bytes read from the store
@@ -210,7 +216,7 @@ class DeltaReader:
                 if isinstance(data, mmap.mmap):
                     data.close()
         return StagedVersion(
-            plan.target, Held(plan.target, target.state_digest), slot, plan, out.tensors(),
+            plan.target, Held(plan.target, target.state_digest), slot, out.path, plan, out.tensors(),
             sum(manifests[v].files[name][0] for v, name in files),
             {"verify_files": verified - start, "decode": time.perf_counter() - verified})
 
