@@ -75,29 +75,31 @@ def version_info(manifest: Manifest) -> VersionInfo:
 
 
 class ManifestCache:
-    """Manifests of published versions, read once each (a published version never changes)."""
+    """Manifests of published versions, read once per version directory (a published version never
+    changes; a directory replaced under the same name, by a new run in the same root, is read again)."""
 
     def __init__(self, root: str):
         self.root = root
-        self._manifests: dict[int, Manifest] = {}
+        self._manifests: dict[int, tuple[tuple[int, int], Manifest]] = {}  # version -> (dir identity, manifest)
 
     def scan(self) -> tuple[dict[int, Manifest], dict[int, CorruptFileError]]:
         """Return the readable manifests of every published version, and the error of each unreadable one."""
-        versions = published_versions(self.root)
-        self._manifests = {v: m for v, m in self._manifests.items() if v in versions}
-        broken = {}
-        for version in versions:
-            if version not in self._manifests:
-                try:
-                    self._manifests[version] = read_manifest(version_path(self.root, version))
-                except CorruptFileError as exc:
-                    if os.path.isdir(version_path(self.root, version)):  # else deleted meanwhile
-                        broken[version] = exc
-        return dict(self._manifests), broken
-
-    def add(self, manifest: Manifest) -> None:
-        """Remember a manifest this process just published."""
-        self._manifests[manifest.version] = manifest
+        manifests, broken = {}, {}
+        for version in published_versions(self.root):
+            path = version_path(self.root, version)
+            try:
+                stat = os.stat(path)
+                identity = (stat.st_ino, stat.st_ctime_ns)
+                if self._manifests.get(version, (None,))[0] != identity:
+                    self._manifests[version] = (identity, read_manifest(path))
+                manifests[version] = self._manifests[version][1]
+            except FileNotFoundError:
+                continue  # deleted meanwhile
+            except CorruptFileError as exc:
+                if os.path.isdir(path):
+                    broken[version] = exc
+        self._manifests = {v: self._manifests[v] for v in manifests}
+        return manifests, broken
 
 
 # ----------------------------------------------------------------------------- leases

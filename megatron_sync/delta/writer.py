@@ -190,7 +190,6 @@ class DeltaWriter:
         snapshot = base is None or self._since_snapshot + 1 >= self.options.snapshot_every
         manifest, stats = write_version(self.root, job.version, job.layout, job.buffer, base=base,
                                         snapshot=snapshot, options=self.options, executor=self._executor)
-        self._cache.add(manifest)
         with self._cond:
             if self._base is not None:
                 self._free.append(self._base.data)
