@@ -86,10 +86,10 @@ class SlotFile:
             f.write(head)
             try:
                 os.posix_fallocate(f.fileno(), 0, max(total, 1))
-            except OSError as exc:
-                if exc.errno != errno.EOPNOTSUPP:
+            except (OSError, AttributeError) as exc:  # AttributeError: no posix_fallocate (macOS)
+                if isinstance(exc, OSError) and exc.errno != errno.EOPNOTSUPP:
                     raise
-                f.truncate(total)  # file systems without fallocate: sparse, allocated on first write
+                f.truncate(total)  # without fallocate the file is sparse, allocated on first write
             os.fsync(f.fileno())
         os.replace(tmp, path)
         return cls(path, writable=True)
