@@ -30,7 +30,6 @@ import threading
 from typing import Callable, Optional
 
 import numpy as np
-import torch
 import zstandard
 
 DEFAULT_LEVEL = 1
@@ -41,7 +40,6 @@ DEFAULT_LEVEL = 1
 SPARSE_AUTO_MAX_FRACTION = 0.3
 
 _ELEMENT_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_ELEMENT_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 _SPARSE_HEADER = struct.Struct("<QB")  # changed-element count, bytes per index gap
 _local = threading.local()  # zstd contexts are not thread-safe; one set per thread
 
@@ -80,9 +78,9 @@ class _Tensor:
 
     @functools.cached_property
     def changed(self) -> np.ndarray:
-        # torch's nonzero is 2-3x numpy's flatnonzero here; signed views, as torch lacks some unsigned kernels
-        signed = torch.from_numpy(self.xor.view(_ELEMENT_INT[self.itemsize]))
-        return torch.nonzero(signed).reshape(-1).numpy()
+        # Through a boolean mask: numpy's nonzero has a fast path for booleans (3x on uint16 here).
+        mask = _scratch(4, self.numel).view(np.bool_)
+        return np.flatnonzero(np.not_equal(self.xor_elements, 0, out=mask))
 
     @property
     def numel(self) -> int:
