@@ -33,12 +33,12 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for tests.delta_support
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.support
 
 from bench_sync import _table, machine_description  # noqa: E402 — the benchmarks' shared helpers
 from megatron_sync.delta import DeltaReader, DeltaWriter, WriterOptions, codec  # noqa: E402
-from megatron_sync.testing.dist import run_distributed  # noqa: E402
-from megatron_sync.testing.models import ModelSpec  # noqa: E402
+from tests.support.dist import run_distributed  # noqa: E402
+from tests.support.models import ModelSpec  # noqa: E402
 
 TENSOR_ELEMENTS = 16 * 2**20  # 32 MiB of bf16 per tensor
 FRACTION = 0.02

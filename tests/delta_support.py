@@ -111,9 +111,9 @@ def megatron_delta_chain(rank: int, world_size: int, spec, steps: int, lr: float
     from megatron_sync.engines.reference import ReferenceEngine
     from megatron_sync.parallel import ParallelLayout
     from megatron_sync.stream import MegatronWeightStream
-    from megatron_sync.testing import models
-    from megatron_sync.testing.dist import init_megatron
-    from megatron_sync.testing.train import make_optimizer, train_step, wrap_in_ddp
+    from tests.support import models
+    from tests.support.dist import init_megatron
+    from tests.support.train import make_optimizer, train_step, wrap_in_ddp
 
     init_megatron()
     chunks = models.build_model_chunks(spec)

@@ -7,7 +7,7 @@ the same reader applying correctly once the fault is gone.
 
 Processes: a writer killed between writing and renaming, two appliers racing,
 and a disk that fills up mid-write run in spawned subprocesses with hard
-timeouts. "Disk full" uses RLIMIT_FSIZE (unprivileged, so it runs in any CI):
+timeouts (the project's harness, tests/support/dist.py). "Disk full" uses RLIMIT_FSIZE (unprivileged, so it runs in any CI):
 the kernel itself cuts the write at the limit and then fails it with EFBIG,
 through the writer's one write path, just as a full disk fails it with ENOSPC;
 both take the same branch (`fsio.write_all`), which names each errno's fix.
@@ -15,9 +15,7 @@ both take the same branch (`fsio.write_all`), which names each errno's fix.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import queue
 import resource
 import shutil
 import signal
@@ -31,6 +29,7 @@ from megatron_sync.delta import (
 )
 from megatron_sync.delta.storedir import published_versions, version_path
 from tests.delta_support import assert_same_bytes, make_pair, publish, small_model, sparse_update
+from tests.support.dist import run_distributed, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 CHILD_TIMEOUT = 60
@@ -174,26 +173,7 @@ def test_missing_version_falls_back_to_the_newest_snapshot(tmp_path):
 # ----------------------------------------------------------------------------- processes
 
 
-def _run_child(target, *args) -> list:
-    """Run `target(results, *args)` in a spawned process; return what it put on `results`, and its exit code."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    proc = ctx.Process(target=target, args=(results, *args), daemon=True)
-    proc.start()
-    proc.join(CHILD_TIMEOUT)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(5)
-        raise TimeoutError(f"{target.__name__} did not finish within {CHILD_TIMEOUT}s")
-    out = []
-    while True:
-        try:
-            out.append(results.get(timeout=1))
-        except queue.Empty:
-            return out + [proc.exitcode]
-
-
-def _writer_killed_before_rename(results, root):
+def _writer_killed_before_rename(rank, root):
     from megatron_sync.delta import fsio
 
     writer = DeltaWriter(root, WriterOptions(snapshot_every=100))
@@ -201,16 +181,15 @@ def _writer_killed_before_rename(results, root):
     for version in (1, 2):
         tensors = sparse_update(tensors, version) if version > 1 else tensors
         publish(writer, version, tensors)
-    results.put("published 1, 2")
     fsio.publish_dir = lambda tmp, final: os.kill(os.getpid(), signal.SIGKILL)  # die at the rename
     writer.submit(3, sparse_update(tensors, 3))
     writer.flush(timeout=30)
-    results.put("not killed")
 
 
 def test_writer_killed_between_write_and_rename_publishes_nothing(tmp_path):
     root = str(tmp_path / "store")
-    assert _run_child(_writer_killed_before_rename, root) == ["published 1, 2", -signal.SIGKILL]
+    outcome = run_ranks(_writer_killed_before_rename, 1, root, init_group=False, timeout=CHILD_TIMEOUT)
+    assert outcome == {0: ("exited", -signal.SIGKILL)}
     leftovers = [n for n in os.listdir(root) if n.startswith(".tmp-v00000003-")]
     assert leftovers and "manifest.json" in os.listdir(os.path.join(root, leftovers[0]))  # written, not renamed
     assert published_versions(root) == [1, 2]
@@ -230,40 +209,29 @@ def test_writer_killed_between_write_and_rename_publishes_nothing(tmp_path):
     writer.close(), reader.close()
 
 
-def _applier(results, root, local, barrier, done):
+def _applier(rank, world_size, root, local):
+    import torch.distributed as dist
+
+    dist.barrier()  # both processes try at once
     try:
-        barrier.wait(CHILD_TIMEOUT)
-        reader = DeltaReader(root, local, reader_id=f"host-{os.getpid()}")
+        reader = DeltaReader(root, local, reader_id=f"host-{rank}")
     except LockHeldError as exc:
-        results.put(("refused", str(exc)))
-        done.set()
-        return
+        dist.barrier()
+        return "refused", str(exc)
     staged = reader.apply()
-    results.put(("applied", staged.version))
-    done.wait(CHILD_TIMEOUT)  # hold the host's lock until the other applier has tried
+    dist.barrier()  # hold the host's lock until the other applier has tried
     reader.close()
+    return "applied", staged.version
 
 
 def test_two_appliers_racing_on_one_host_one_applies_the_other_is_refused(tmp_path):
     writer, first, versions = _chain(tmp_path, 3)
     first.close()
     local = str(tmp_path / "shared_local")
-    ctx = multiprocessing.get_context("spawn")
-    results, barrier, done = ctx.Queue(), ctx.Barrier(2), ctx.Event()
-    procs = [ctx.Process(target=_applier, args=(results, writer.root, local, barrier, done), daemon=True)
-             for _ in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        outcome = sorted(results.get(timeout=CHILD_TIMEOUT) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(CHILD_TIMEOUT)
-            if proc.is_alive():
-                proc.kill()
-    assert [kind for kind, _ in outcome] == ["applied", "refused"]
-    assert outcome[0][1] == 3
-    message = outcome[1][1]
+    outcome = run_distributed(_applier, 2, writer.root, local, timeout=CHILD_TIMEOUT)
+    assert sorted(kind for kind, _ in outcome) == ["applied", "refused"]
+    (_, applied), (_, message) = sorted(outcome)
+    assert applied == 3
     assert os.path.join(local, "applier.lock") in message and "pid=" in message and "one DeltaReader per host" in message
     with DeltaReader(writer.root, local, reader_id="host0") as reader:  # the lock died with its holder
         assert reader.version == 3 and reader.apply() is None
@@ -271,7 +239,7 @@ def test_two_appliers_racing_on_one_host_one_applies_the_other_is_refused(tmp_pa
     writer.close()
 
 
-def _writer_with_file_size_limit(results, root):
+def _writer_with_file_size_limit(rank, root):
     writer = DeltaWriter(root, WriterOptions(snapshot_every=100))
     first = small_model()
     publish(writer, 1, first)
@@ -281,25 +249,28 @@ def _writer_with_file_size_limit(results, root):
     writer.submit(2, sparse_update(first, 2))
     try:
         writer.flush(timeout=30)
-        results.put(("published", None))
+        failure = None
     except StoreWriteError as exc:
-        results.put(("failed", str(exc)))
-    results.put(("after failure", published_versions(root), sorted(os.listdir(root))))
+        failure = str(exc)
+    after = published_versions(root), sorted(os.listdir(root))
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # space is back
     publish(writer, 3, sparse_update(first, 3))
     writer.close()
-    results.put(("recovered", published_versions(root)))
+    return failure, after, published_versions(root)
 
 
 def test_disk_full_mid_write_publishes_nothing_and_the_next_version_recovers(tmp_path):
     root = str(tmp_path / "store")
-    failed, after, recovered, exitcode = _run_child(_writer_with_file_size_limit, root)
-    assert exitcode == 0 and failed[0] == "failed"
-    assert ".tmp-v00000002-" in failed[1] and "delta-00000.bin" in failed[1] and "file size limit" in failed[1]
-    written = int(failed[1].split("failed after ")[1].split(" of ")[0])
+    (status, result), = run_ranks(_writer_with_file_size_limit, 1, root, init_group=False,
+                                  timeout=CHILD_TIMEOUT).values()
+    assert status == "ok", result
+    failure, (published_after, listing_after), recovered = result
+    assert failure is not None
+    assert ".tmp-v00000002-" in failure and "delta-00000.bin" in failure and "file size limit" in failure
+    written = int(failure.split("failed after ")[1].split(" of ")[0])
     assert 0 < written  # really mid-write: the kernel accepted part of the file
-    assert after[1] == [1] and not [n for n in after[2] if n.startswith(".tmp-")]
-    assert recovered[1] == [1, 3]
+    assert published_after == [1] and not [n for n in listing_after if n.startswith(".tmp-")]
+    assert recovered == [1, 3]
     reader = DeltaReader(root, str(tmp_path / "local"), reader_id="host0")
     staged = reader.apply()
     assert staged.version == 3

@@ -21,8 +21,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_sync.delta import WriterOptions
-from megatron_sync.testing.dist import run_distributed
-from megatron_sync.testing.models import ModelSpec
+from tests.support.dist import run_distributed
+from tests.support.models import ModelSpec
 from tests.delta_support import megatron_delta_chain
 
 pytestmark = pytest.mark.multiproc

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_sync.delta import DeltaReader, DeltaWriter, WriterOptions
+from megatron_sync.delta import DeltaReader, DeltaWriter, StoreWriteError, WriterOptions
 from megatron_sync.delta.chain import Step
 from megatron_sync.delta.localcopy import open_committed, read_slot, slot_path
 from megatron_sync.delta.manifest import read_manifest
@@ -276,3 +276,23 @@ def test_device_tensors_are_published_exactly(tmp_path):
     reader.apply(1)
     assert_same_bytes(reader.apply(2).tensors, second)
     writer.close(), reader.close()
+
+
+def test_on_published_hears_of_every_published_version_and_its_errors_are_reported(tmp_path):
+    heard = []
+
+    def tell_engines(stats):
+        heard.append((stats.version, stats.delta_bytes > 0))
+        if stats.version == 2:
+            raise RuntimeError("control channel down")
+
+    writer = DeltaWriter(str(tmp_path / "store"), WriterOptions(), on_published=tell_engines)
+    publish(writer, 1, tensors := small_model())
+    writer.submit(2, tensors := sparse_update(tensors, 2))
+    with pytest.raises(StoreWriteError, match="control channel down"):
+        writer.flush(timeout=60)
+    publish(writer, 3, tensors := sparse_update(tensors, 3))  # the writer goes on; 2 stayed published
+    assert heard == [(1, False), (2, True), (3, True)] and published_versions(writer.root) == [1, 2, 3]
+    with DeltaReader(writer.root, str(tmp_path / "local"), reader_id="host0") as reader:
+        assert_same_bytes(reader.apply().tensors, tensors)
+    writer.close()

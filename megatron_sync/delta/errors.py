@@ -1,14 +1,15 @@
 """Errors of the disk-delta store: each names the file or version at fault and the fix.
 
-Every error derives from `DeltaError`, so a caller can catch the family. When
-the lead's `megatron_sync/errors.py` lands, `DeltaError`'s base becomes its
-`SyncError` (the one line marked below).
+Every error derives from `DeltaError`, itself a `SyncError`, so a caller can
+catch the family or every sync failure.
 """
 
 from __future__ import annotations
 
+from megatron_sync.errors import SyncError
 
-class DeltaError(RuntimeError):  # becomes `SyncError` once megatron_sync/errors.py exists
+
+class DeltaError(SyncError):
     """Base of every disk-delta store error; nothing was applied or published when it is raised."""
 
 

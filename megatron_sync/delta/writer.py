@@ -31,7 +31,7 @@ import logging
 import os
 import threading
 import time
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -59,8 +59,11 @@ class DeltaWriter:
     unpublished and starts with a full snapshot; versions must keep increasing.
     """
 
-    def __init__(self, root: str, options: Optional[WriterOptions] = None):
-        self.root, self.options = root, options or WriterOptions()
+    def __init__(self, root: str, options: Optional[WriterOptions] = None, *,
+                 on_published: Optional[Callable[[PublishStats], None]] = None):
+        """`on_published(stats)` runs on the writer thread after each version is visible (for example to
+        tell the engines); an exception it raises is reported like a failed publish."""
+        self.root, self.options, self._on_published = root, options or WriterOptions(), on_published
         os.makedirs(root, exist_ok=True)
         self._lock = FileLock(os.path.join(root, "writer.lock"), "the delta store's writer",
                               "run one writer per store directory (the trainer's first rank)").acquire()
@@ -175,17 +178,19 @@ class DeltaWriter:
                 self._busy = True
                 self._cond.notify_all()
             try:
-                self._publish(job)
+                stats = self._publish(job)
             except BaseException as exc:  # noqa: BLE001 — reported by the next submit/flush/close
                 with self._cond:
                     self._error = exc
                     self._free.append(job.buffer)
+            else:
+                self._after_publish(stats)
             finally:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _publish(self, job: _Job) -> None:
+    def _publish(self, job: _Job) -> PublishStats:
         base = self._base if self._base is not None and self._base.layout == job.layout else None
         snapshot = base is None or self._since_snapshot + 1 >= self.options.snapshot_every
         manifest, stats = write_version(self.root, job.version, job.layout, job.buffer, base=base,
@@ -196,6 +201,15 @@ class DeltaWriter:
             self._base = Base(manifest, job.layout, job.buffer)
             self._since_snapshot = 0 if snapshot else self._since_snapshot + 1
             self.stats.append(stats)
+        return stats
+
+    def _after_publish(self, stats: PublishStats) -> None:
+        try:
+            if self._on_published is not None:
+                self._on_published(stats)
+        except BaseException as exc:  # noqa: BLE001 — the version is published; the caller hears of it
+            with self._cond:
+                self._error = exc
         try:
             storedir.collect_garbage(self.root, self.options.retention, self.options.lease_ttl_s, self._cache)
         except OSError as exc:  # the version is published; a failed clean-up must not fail training
