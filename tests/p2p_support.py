@@ -30,3 +30,43 @@ def role_of(name: str) -> Shard:
 def tensor_specs(expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> list[TensorSpec]:
     """Return `TensorSpec`s for a converter's `expected_hf_tensors()`, in its order."""
     return [TensorSpec(name, tuple(shape), dtype, role_of(name)) for name, (shape, dtype) in expected.items()]
+
+
+def synthetic_plan(family: str, engines, senders: int, bucket: int, *, kv: int = 2):
+    """Return (specs, receivers, holders, plan) for a tiny model of `family` and engine layout factories.
+
+    Every HF tensor is its own unit; holders balance the bytes sent.
+    """
+    from converters import get_converter
+    from megatron_sync.p2p.assign import ReplicaUnit, TrainerRank, assign_replica
+    from megatron_sync.p2p.plan import build_transfer_plan, fleet_receivers, send_bytes_per_tensor
+    from megatron_sync.testing import models
+
+    cfg = models.hf_config(models.ModelSpec(family=family, num_kv_heads=kv))
+    specs = tensor_specs(get_converter(family, cfg).expected_hf_tensors())
+    receivers = fleet_receivers(specs, [make(kv) for make in engines])
+    units = [ReplicaUnit(s.name, 0, ((s.name, s.nbytes),)) for s in specs]
+    cost = send_bytes_per_tensor(specs, receivers)
+    holders = assign_replica(units, [TrainerRank(r) for r in range(senders)], cost=cost).hf_holders()
+    return specs, receivers, holders, build_transfer_plan(specs, holders, receivers, bucket)
+
+
+def seeded_full(spec: TensorSpec) -> torch.Tensor:
+    """Return a full tensor for `spec` whose values depend only on its name."""
+    import zlib
+
+    gen = torch.Generator().manual_seed(zlib.crc32(spec.name.encode()))
+    return torch.randn(spec.shape, generator=gen).to(spec.dtype)
+
+
+SENTINEL = 0xA5
+
+
+def untouched_outside_placements(layout, staging: torch.Tensor) -> bool:
+    """True when every staging byte outside the layout's placements still holds SENTINEL."""
+    offsets = layout.param_offsets()
+    mask = torch.ones(staging.numel(), dtype=torch.bool)
+    for p in layout.placements:
+        at = offsets[p.param] + p.offset
+        mask[at:at + p.nbytes] = False
+    return bool((staging[mask] == SENTINEL).all())
