@@ -70,3 +70,36 @@ def untouched_outside_placements(layout, staging: torch.Tensor) -> bool:
         at = offsets[p.param] + p.offset
         mask[at:at + p.nbytes] = False
     return bool((staging[mask] == SENTINEL).all())
+
+
+def run_side_by_side(jobs, timeout: float) -> list[list]:
+    """Run several `run_distributed` jobs at once (e.g. a trainer job and an inference job); return their results.
+
+    `jobs` are (fn, world_size, args) triples; each job gets its own default process group.
+    The first job to fail raises once every job has stopped (each is bounded by `timeout`).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_sync.testing.dist import run_distributed
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(run_distributed, fn, world, *args, timeout=timeout) for fn, world, args in jobs]
+        errors = [f.exception() for f in futures]
+    for error in errors:
+        if error is not None:
+            raise error
+    return [f.result() for f in futures]
+
+
+def spec_wire(specs) -> list:
+    """Return `TensorSpec`s as JSON-able rows (name, shape, dtype name, role)."""
+    from megatron_sync.meta import dtype_name
+
+    return [[s.name, list(s.shape), dtype_name(s.dtype), s.role.value] for s in specs]
+
+
+def specs_from_wire(rows) -> list[TensorSpec]:
+    """Return the `TensorSpec`s of `spec_wire` rows."""
+    from megatron_sync.meta import dtype_from_name
+
+    return [TensorSpec(n, tuple(shape), dtype_from_name(d), Shard(r)) for n, shape, d, r in rows]
