@@ -190,6 +190,13 @@ def test_vllm_keeps_mla_down_projections_stacked_and_replicated():
         assert torch.equal(params[a + "kv_b_proj.weight"], _chunk(full[a + "kv_b_proj.weight"], rank, 2))
 
 
+def test_vllm_pads_the_vocabulary_even_at_tp1():
+    specs, _ = _specs("qwen3")
+    _, params = _stage(VllmLayout(1, num_kv_heads=2), specs, 0)
+    assert params["model.embed_tokens.weight"].shape == (256, 64)  # 250 rows padded to a multiple of 64
+    assert not params["model.embed_tokens.weight"][250:].any()
+
+
 def test_vllm_shard_bytes_exclude_padding():
     specs, _ = _specs("llama")
     layout = VllmLayout(4, num_kv_heads=2)

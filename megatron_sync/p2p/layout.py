@@ -21,7 +21,7 @@ import enum
 import math
 import re
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -222,7 +222,7 @@ class ReferenceLayout:
 
     def region(self, spec: TensorSpec, rank: int) -> Region:
         """Return the region of `spec` that rank `rank` holds."""
-        return _role_region(spec, rank, self.tp_size, self.num_kv_heads, vocab_split=False)
+        return WHOLE if self.tp_size == 1 else REFERENCE_REGIONS[spec.role](spec, rank, self)
 
     def rank_layout(self, tensors: Sequence[TensorSpec], rank: int) -> RankLayout:
         """Return rank `rank`'s layout: each HF tensor's region stored under its own name."""
@@ -239,20 +239,36 @@ def _check_tp(tp_size: int) -> None:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
 
 
-def _role_region(spec: TensorSpec, rank: int, tp: int, num_kv_heads: int, *, vocab_split: bool,
-                 vocab_padding: int = 64) -> Region:
-    """Return rank `rank`'s region of `spec` by its role (VOCAB split only when `vocab_split`)."""
-    role = spec.role
-    if role is Shard.REPLICATED or tp == 1 or (role is Shard.VOCAB and not vocab_split):
-        return WHOLE
-    if role is Shard.COLUMN:
-        return even_region(spec, 0, rank, tp)
-    if role is Shard.ROW:
-        return even_region(spec, 1, rank, tp)
-    if role is Shard.KV_HEADS:
-        return kv_head_region(spec, num_kv_heads, rank, tp)
-    start, length, _ = vllm_vocab_rows(spec.shape[0], rank, tp, vocab_padding)
+class _Sizes(Protocol):
+    tp_size: int
+    num_kv_heads: int
+
+
+def _whole(spec: TensorSpec, rank: int, engine: _Sizes) -> Region:
+    return WHOLE
+
+
+def _columns(spec: TensorSpec, rank: int, engine: _Sizes) -> Region:
+    return even_region(spec, 0, rank, engine.tp_size)
+
+
+def _rows(spec: TensorSpec, rank: int, engine: _Sizes) -> Region:
+    return even_region(spec, 1, rank, engine.tp_size)
+
+
+def _kv_heads(spec: TensorSpec, rank: int, engine: _Sizes) -> Region:
+    return kv_head_region(spec, engine.num_kv_heads, rank, engine.tp_size)
+
+
+def _vocab_block(spec: TensorSpec, rank: int, engine) -> Region:
+    start, length, _ = vllm_vocab_rows(spec.shape[0], rank, engine.tp_size, engine.vocab_padding)
     return Region(0, start, length)
+
+
+# How each engine slices each role: role -> (spec, rank, engine) -> Region.
+REFERENCE_REGIONS = {Shard.REPLICATED: _whole, Shard.VOCAB: _whole, Shard.COLUMN: _columns, Shard.ROW: _rows,
+                     Shard.KV_HEADS: _kv_heads}
+VLLM_REGIONS = {**REFERENCE_REGIONS, Shard.VOCAB: _vocab_block}
 
 
 @dataclass(frozen=True)
@@ -301,6 +317,15 @@ class _Member:
     num_parts: int
 
 
+class _Entry(NamedTuple):
+    """One HF tensor's region on a rank and its slot (expert, part) inside its param."""
+
+    slot: int | None
+    part: int
+    spec: TensorSpec
+    region: Region
+
+
 def linear_expert_range(num_experts: int, ep_rank: int, ep_size: int) -> range:
     """Return the global experts EP rank `ep_rank` holds under vLLM's "linear" placement.
 
@@ -331,17 +356,16 @@ class VllmLayout:
         """Return rank `rank`'s params (vLLM's, per rank) and where each HF region lands in them."""
         members = self._members(tensors)
         num_experts = _experts_per_param(members.values())
-        entries: dict[str, list[tuple[int | None, int, TensorSpec, Region]]] = {}
+        entries: dict[str, list[_Entry]] = {}
         for spec in tensors:
             member = members.get(spec.name)
             key = member.param if member else spec.name
             found = self._place(spec, member, rank, num_experts.get(key, 0))
             if found is not None:
-                slot, region = found
-                entries.setdefault(key, []).append((slot, member.part if member else 0, spec, region))
+                entries.setdefault(key, []).append(_Entry(found[0], member.part if member else 0, spec, found[1]))
         params, placements = [], []
         for key, items in entries.items():
-            param, placed = self._stack(key, items, members.get(items[0][2].name), rank)
+            param, placed = self._stack(key, items, members.get(items[0].spec.name), rank)
             params.append(param)
             placements.extend(placed)
         order = {spec.name: i for i, spec in enumerate(tensors)}
@@ -374,34 +398,29 @@ class VllmLayout:
         if member is not None and member.expert is not None and self.expert_parallel:
             owned = linear_expert_range(num_experts, rank, self.tp_size)
             return (member.expert - owned.start, WHOLE) if member.expert in owned else None
-        region = _role_region(spec, rank, self.tp_size, self.num_kv_heads, vocab_split=True,
-                              vocab_padding=self.vocab_padding)
-        return (member.expert if member else None), region
+        return (member.expert if member else None), VLLM_REGIONS[spec.role](spec, rank, self)
 
-    def _stack(self, key: str, items, member: _Member | None, rank: int) -> tuple[ParamSpec, list[Placement]]:
+    def _stack(self, key: str, items: list[_Entry], member: _Member | None,
+               rank: int) -> tuple[ParamSpec, list[Placement]]:
         """Return the param `key` and its placements: parts back to back, per expert slot if any."""
-        first_spec, first_region = items[0][2], items[0][3]
+        first = items[0]
         if member is None:  # stored on its own; VOCAB keeps its padded rows
-            shape = first_region.shape(first_spec.shape)
-            if first_spec.role is Shard.VOCAB and self.tp_size > 1:
-                shape = (vllm_vocab_rows(first_spec.shape[0], rank, self.tp_size, self.vocab_padding)[2], *shape[1:])
-            return ParamSpec(key, shape, first_spec.dtype), [
-                Placement(first_spec.name, first_region, key, 0, first_region.nbytes(first_spec))]
-        local_shapes = [region.shape(spec.shape) for _, _, spec, region in items]
-        if len({s[1:] for s in local_shapes}) != 1 or len({spec.dtype for _, _, spec, _ in items}) != 1:
-            raise ValueError(f"{key}: stacked parts disagree in trailing shape or dtype: {local_shapes}")
-        part_rows = {part: shape[0] for (_, part, _, _), shape in zip(items, local_shapes)}
-        row_bytes = math.prod(local_shapes[0][1:]) * first_spec.dtype.itemsize
+            shape = first.region.shape(first.spec.shape)
+            if first.spec.role is Shard.VOCAB:  # padded even at TP=1
+                shape = (vllm_vocab_rows(first.spec.shape[0], rank, self.tp_size, self.vocab_padding)[2], *shape[1:])
+            return ParamSpec(key, shape, first.spec.dtype), [
+                Placement(first.spec.name, first.region, key, 0, first.region.nbytes(first.spec))]
+        local = [e.region.shape(e.spec.shape) for e in items]
+        if len({shape[1:] for shape in local}) != 1 or len({e.spec.dtype for e in items}) != 1:
+            raise ValueError(f"{key}: stacked parts disagree in trailing shape or dtype: {local}")
+        part_rows = {e.part: shape[0] for e, shape in zip(items, local)}
+        row_bytes = math.prod(local[0][1:]) * first.spec.dtype.itemsize
         part_offset = {part: sum(part_rows[p] for p in range(part)) * row_bytes for part in part_rows}
-        slot_rows = sum(part_rows.values())
-        slots = sorted({slot for slot, _, _, _ in items}, key=lambda s: -1 if s is None else s)
-        placements = [
-            Placement(spec.name, region, key, (slot or 0) * slot_rows * row_bytes + part_offset[part],
-                      region.nbytes(spec))
-            for slot, part, spec, region in items
-        ]
-        lead = () if member.expert is None else (len(slots),)
-        return ParamSpec(key, (*lead, slot_rows, *local_shapes[0][1:]), first_spec.dtype), placements
+        slot_bytes = sum(part_rows.values()) * row_bytes
+        placements = [Placement(e.spec.name, e.region, key, (e.slot or 0) * slot_bytes + part_offset[e.part],
+                                e.region.nbytes(e.spec)) for e in items]
+        lead = () if member.expert is None else (len({e.slot for e in items}),)
+        return ParamSpec(key, (*lead, sum(part_rows.values()), *local[0][1:]), first.spec.dtype), placements
 
 
 def _experts_per_param(members) -> dict[str, int]:
