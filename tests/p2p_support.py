@@ -1,35 +1,10 @@
-"""Test support for the P2P path: shard roles of HF tensors until the family tables carry them.
-
-`ROLES` stands in for the `shard` field the family rows (converters/) are gaining; once
-`converter.shard_role(name)` exists, `tensor_specs` asks it instead and this table goes.
-"""
+"""Test support for the P2P path: tiny plans, seeded tensors, staging checks, two jobs side by side."""
 
 from __future__ import annotations
 
-import re
-
 import torch
 
-from megatron_sync.p2p.layout import Shard, TensorSpec
-
-_PROJ = r"model\.layers\.\d+\.(?:self_attn|mlp(?:\.experts\.\d+|\.shared_experts)?)\."
-ROLES: tuple[tuple[str, Shard], ...] = (
-    (r"model\.embed_tokens\.weight|lm_head\.weight", Shard.VOCAB),
-    (_PROJ + r"(?:q_proj|q_b_proj|kv_b_proj|gate_proj|up_proj)\.(?:weight|bias)", Shard.COLUMN),
-    (_PROJ + r"[kv]_proj\.(?:weight|bias)", Shard.KV_HEADS),
-    (_PROJ + r"(?:o_proj|down_proj)\.weight", Shard.ROW),
-    (r".+", Shard.REPLICATED),  # norms, routers, MLA's low-rank down projections, o_proj bias
-)
-
-
-def role_of(name: str) -> Shard:
-    """Return the shard role of HF tensor `name` (first fully matching row of `ROLES`)."""
-    return next(role for pattern, role in ROLES if re.fullmatch(pattern, name))
-
-
-def tensor_specs(expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> list[TensorSpec]:
-    """Return `TensorSpec`s for a converter's `expected_hf_tensors()`, in its order."""
-    return [TensorSpec(name, tuple(shape), dtype, role_of(name)) for name, (shape, dtype) in expected.items()]
+from megatron_sync.p2p.layout import Shard, TensorSpec, tensor_specs
 
 
 def synthetic_plan(family: str, engines, senders: int, bucket: int, *, kv: int = 2):
@@ -40,10 +15,10 @@ def synthetic_plan(family: str, engines, senders: int, bucket: int, *, kv: int =
     from converters import get_converter
     from megatron_sync.p2p.assign import ReplicaUnit, TrainerRank, assign_replica
     from megatron_sync.p2p.plan import build_transfer_plan, fleet_receivers, send_bytes_per_tensor
-    from megatron_sync.testing import models
+    from tests.support import models
 
     cfg = models.hf_config(models.ModelSpec(family=family, num_kv_heads=kv))
-    specs = tensor_specs(get_converter(family, cfg).expected_hf_tensors())
+    specs = tensor_specs(get_converter(family, cfg))
     receivers = fleet_receivers(specs, [make(kv) for make in engines])
     units = [ReplicaUnit(s.name, 0, ((s.name, s.nbytes),)) for s in specs]
     cost = send_bytes_per_tensor(specs, receivers)
@@ -80,7 +55,7 @@ def run_side_by_side(jobs, timeout: float) -> list[list]:
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from megatron_sync.testing.dist import run_distributed
+    from tests.support.dist import run_distributed
 
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(run_distributed, fn, world, *args, timeout=timeout) for fn, world, args in jobs]

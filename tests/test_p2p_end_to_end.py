@@ -17,9 +17,9 @@ import json
 import pytest
 import torch
 
-from megatron_sync.testing.dist import free_port
+from tests.support.dist import free_port
 from tests.p2p_support import (
-    SENTINEL, run_side_by_side, spec_wire, specs_from_wire, tensor_specs, untouched_outside_placements,
+    SENTINEL, run_side_by_side, spec_wire, specs_from_wire, untouched_outside_placements,
 )
 
 BACKENDS = ("torch", "mooncake")
@@ -45,7 +45,7 @@ def _mover(backend, group, trainers, receivers):
 
 
 def _open(rank, world, port):
-    from megatron_sync.transport.base import init_transport_group
+    from megatron_sync.transport.group import init_transport_group
 
     return init_transport_group("127.0.0.1", port, world, rank, timeout=120, group_name="p2p_e2e")
 
@@ -59,18 +59,19 @@ def _trainer(rank, world, case, port, receivers):
     from converters import get_converter
     from megatron_sync.gather import GatherMemoryTracker
     from megatron_sync.p2p.execute import send_share
+    from megatron_sync.p2p.layout import tensor_specs
     from megatron_sync.p2p.plan import build_transfer_plan, fleet_receivers, send_bytes_per_tensor
     from megatron_sync.p2p.replica import DistributedReplica
     from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.testing import models
-    from megatron_sync.testing.dist import init_megatron
+    from tests.support import models
+    from tests.support.dist import init_megatron
 
     init_megatron(**case["layout"])
     spec = models.ModelSpec(family=case["family"], num_kv_heads=case["kv"])
     chunks = models.build_model_chunks(spec)
     models.load_reference_weights(chunks, models.reference_weights(spec, seed=SEED), spec)
     converter = get_converter(case["family"], models.hf_config(spec), dtype=torch.bfloat16)
-    specs = tensor_specs(converter.expected_hf_tensors())
+    specs = tensor_specs(converter)
     fleet = fleet_receivers(specs, _engines(case["engines"], case["kv"]))
     tracker = GatherMemoryTracker()
     replica = DistributedReplica(chunks, ParallelLayout.from_megatron(), converter, rank=rank,
@@ -128,7 +129,7 @@ def _reference_shards(case, engine_tp, rank):
     """Return `ReferenceEngine.shard_of` of the single-rank conversion of the same seeded weights."""
     from converters import get_converter
     from megatron_sync.engines.reference import ReferenceEngine
-    from megatron_sync.testing import models
+    from tests.support import models
 
     spec = models.ModelSpec(family=case["family"], num_kv_heads=case["kv"])
     cfg = models.hf_config(spec)

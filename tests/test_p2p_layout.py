@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 
+from converters import BUILTIN_FAMILIES
 from megatron_sync.p2p.layout import (
     ReferenceLayout, Region, Shard, TensorSpec, VllmLayout, even_region, kv_head_region,
-    linear_expert_range, vllm_vocab_rows,
+    linear_expert_range, tensor_specs, vllm_vocab_rows,
 )
-from megatron_sync.testing import models
-from tests.p2p_support import tensor_specs
+from tests.support import models
 
 
 def _specs(family: str, **spec_kw) -> tuple[list[TensorSpec], object]:
@@ -23,7 +23,7 @@ def _specs(family: str, **spec_kw) -> tuple[list[TensorSpec], object]:
 
     spec = models.ModelSpec(family=family, **spec_kw)
     cfg = models.hf_config(spec)
-    return tensor_specs(get_converter(family, cfg).expected_hf_tensors()), cfg
+    return tensor_specs(get_converter(family, cfg)), cfg
 
 
 def _full(spec: TensorSpec) -> torch.Tensor:
@@ -104,7 +104,7 @@ def test_linear_expert_range_matches_vllms_expert_map(experts, ep):
 
 # ---- the reference engine, bit for bit ---------------------------------------------------------
 
-@pytest.mark.parametrize("family", models.FAMILIES)
+@pytest.mark.parametrize("family", BUILTIN_FAMILIES)
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_reference_layout_reproduces_reference_engine_shard_of(family, tp):
     from megatron_sync.engines.reference import ReferenceEngine

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from megatron_sync.testing.dist import free_port, run_distributed
+from tests.support.dist import free_port, run_distributed
 from tests.p2p_support import SENTINEL, seeded_full, synthetic_plan, untouched_outside_placements
 
 SENDERS = 2
@@ -50,7 +50,7 @@ def _mover(backend, group, plan):
 
 
 def _open_group(rank, world, port, timeout):
-    from megatron_sync.transport.base import init_transport_group
+    from megatron_sync.transport.group import init_transport_group
 
     return init_transport_group("127.0.0.1", port, world, rank, timeout=timeout, group_name="p2p_test")
 
@@ -119,7 +119,7 @@ FAULTS = {  # fault -> (error every waiting receiver raises, words in it); silen
 
 def _faulty_sender(rank, world, port, planned, backend):
     """One version per fault, in FAULTS order, on one group; trainer rank 0 misbehaves."""
-    from megatron_sync.transport.base import CorruptBucketError, PeerFailureError
+    from megatron_sync.errors import CorruptBucketError, PeerFailureError
 
     specs, _, holders, plan = planned
     group = _open_group(rank, world, port, timeout=60)
@@ -222,7 +222,7 @@ def test_count_hcas(topology, count):
 def _nccl_worker(rank, world, port, planned):
     from megatron_sync.p2p.execute import receive_shards, send_share
     from megatron_sync.p2p.movers import TorchP2PMover
-    from megatron_sync.transport.base import init_transport_group
+    from megatron_sync.transport.group import init_transport_group
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     specs, _, holders, plan = planned

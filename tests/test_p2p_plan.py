@@ -8,17 +8,16 @@ import pytest
 import torch
 
 from megatron_sync.p2p.assign import ReplicaUnit, TrainerRank, assign_replica
-from megatron_sync.p2p.layout import ReferenceLayout, VllmLayout
+from megatron_sync.p2p.layout import ReferenceLayout, VllmLayout, tensor_specs
 from megatron_sync.p2p.plan import build_transfer_plan, fleet_receivers, send_bytes_per_tensor
-from megatron_sync.testing import models
-from tests.p2p_support import tensor_specs
+from tests.support import models
 
 
 def _setup(family, engines, senders, bucket, *, kv=2, balance_sends=True):
     from converters import get_converter
 
     cfg = models.hf_config(models.ModelSpec(family=family, num_kv_heads=kv))
-    specs = tensor_specs(get_converter(family, cfg).expected_hf_tensors())
+    specs = tensor_specs(get_converter(family, cfg))
     receivers = fleet_receivers(specs, [make(kv) for make in engines])
     units = [ReplicaUnit(s.name, 0, ((s.name, s.nbytes),)) for s in specs]
     cost = send_bytes_per_tensor(specs, receivers) if balance_sends else None

@@ -20,7 +20,7 @@ import xxhash
 
 from megatron_sync.p2p.movers import ByteMover, Control
 from megatron_sync.p2p.plan import Range, TransferPlan
-from megatron_sync.transport.base import CorruptBucketError, PeerFailureError
+from megatron_sync.errors import CorruptBucketError, PeerFailureError
 
 
 def checksum(data: torch.Tensor) -> int:

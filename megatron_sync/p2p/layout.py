@@ -17,40 +17,28 @@ in one flat staging buffer, which is what a one-sided transport registers.
 
 from __future__ import annotations
 
-import enum
 import math
 import re
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import torch
 
-
-class Shard(enum.Enum):
-    """How inference engines split one HF tensor over their TP ranks (the engine maps it to slices).
-
-    Defined here until the family tables carry it (`converters/base.py`); move, do not copy.
-    """
-
-    REPLICATED = "replicated"  # every rank holds the whole tensor
-    COLUMN = "column"  # dim 0, contiguous equal chunks
-    ROW = "row"  # dim 1, contiguous equal chunks
-    KV_HEADS = "kv_heads"  # dim 0 by key/value heads; a head is replicated when tp > heads
-    VOCAB = "vocab"  # dim 0 rows of embeddings / lm_head (reference: replicated; vLLM: split, padded)
+from converters.base import Shard
+from megatron_sync.engines.reference import ENGINE_SPLIT
+from megatron_sync.meta import TensorMeta
 
 
 @dataclass(frozen=True)
-class TensorSpec:
-    """One full HF tensor as the trainer produces it, and its shard role."""
+class TensorSpec(TensorMeta):
+    """One full HF tensor as the trainer produces it, and its shard role (from the family's row)."""
 
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    role: Shard
+    role: Shard = Shard.REPLICATED
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+
+def tensor_specs(converter: Any) -> list[TensorSpec]:
+    """Return every HF tensor of a converter's checkpoint with its family's shard role, in its order."""
+    return [TensorSpec(m.name, m.shape, m.dtype, converter.shard_role(m.name)) for m in converter.expected_metas()]
 
 
 @dataclass(frozen=True)
@@ -266,9 +254,9 @@ def _vocab_block(spec: TensorSpec, rank: int, engine) -> Region:
 
 
 # How each engine slices each role: role -> (spec, rank, engine) -> Region.
-REFERENCE_REGIONS = {Shard.REPLICATED: _whole, Shard.VOCAB: _whole, Shard.COLUMN: _columns, Shard.ROW: _rows,
-                     Shard.KV_HEADS: _kv_heads}
-VLLM_REGIONS = {**REFERENCE_REGIONS, Shard.VOCAB: _vocab_block}
+_REGION_OF_SPLIT = {Shard.REPLICATED: _whole, Shard.COLUMN: _columns, Shard.ROW: _rows, Shard.KV_HEADS: _kv_heads}
+REFERENCE_REGIONS = {role: _REGION_OF_SPLIT[split] for role, split in ENGINE_SPLIT.items()}  # the engine's table
+VLLM_REGIONS = {**_REGION_OF_SPLIT, Shard.VOCAB: _vocab_block}
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Mapping, Protocol, Sequence
 import torch
 
 from megatron_sync.p2p.plan import Message, Range
-from megatron_sync.transport.base import PeerFailureError
+from megatron_sync.errors import PeerFailureError
 
 
 class Control(Protocol):
