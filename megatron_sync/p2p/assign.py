@@ -45,10 +45,12 @@ class TrainerRank:
         return cls(rank, **{axis: getattr(layout, f"{axis}_rank") for axis in _AXES})
 
     def to_wire(self) -> list[int]:
+        """Return a JSON-able form: [rank, pp, tp, cp, dp, ep, etp, edp]."""
         return [self.rank, *(getattr(self, axis) for axis in _AXES)]
 
     @classmethod
     def from_wire(cls, wire: Sequence[int]) -> "TrainerRank":
+        """Return the rank `to_wire` encoded."""
         return cls(*wire)
 
 
@@ -63,13 +65,16 @@ class ReplicaUnit:
 
     @property
     def nbytes(self) -> int:
+        """Return the HF bytes this unit converts to."""
         return sum(n for _, n in self.hf)
 
     def to_wire(self) -> list:
+        """Return a JSON-able form: [name, stage, [[hf name, bytes], ...], owner_ep]."""
         return [self.name, self.stage, [list(h) for h in self.hf], self.owner_ep]
 
     @classmethod
     def from_wire(cls, wire: Sequence) -> "ReplicaUnit":
+        """Return the unit `to_wire` encoded."""
         name, stage, hf, owner = wire
         return cls(name, stage, tuple((n, b) for n, b in hf), owner)
 

@@ -43,6 +43,7 @@ class TransferStats:
 
     @property
     def nbytes(self) -> int:
+        """Return the bytes moved with every peer together."""
         return sum(self.bytes_per_peer.values())
 
 

@@ -125,18 +125,7 @@ class Placement:
     nbytes: int
 
 
-@dataclass(frozen=True)
-class ParamSpec:
-    """One tensor a rank stores (an HF shard, or a stacked engine tensor)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
+ParamSpec = TensorMeta  # one tensor a rank stores: an HF shard, or a stacked engine tensor
 
 STAGING_ALIGNMENT = 64  # bytes; every param starts at a multiple (any dtype view is aligned)
 
