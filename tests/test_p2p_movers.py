@@ -134,15 +134,19 @@ def _faulty_sender(rank, world, port, planned, backend):
                                         timeout_s=RECEIVE_TIMEOUT_S)
         except (PeerFailureError, CorruptBucketError, KeyError) as e:
             results[fault] = {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
-        _store_barrier(group, rank, world, version)  # a gloo op that timed out closes its pair: no collective
+        _store_barrier(group, rank, world, f"end/{version}")  # a gloo op that timed out closes its pair
+    if rank:
+        group.post(f"left/{rank}", b"1")
+    else:  # rank 0 hosts the store: it leaves last
+        _store_barrier(group, rank, world, "left", ranks=range(1, world))
     return results
 
 
-def _store_barrier(group, rank, world, version):
-    """Keep rank 0 (which hosts the store) up until every rank has posted that it is done."""
-    group.post(f"end/{version}/{rank}", b"1")
-    for other in range(world):
-        group.fetch(f"end/{version}/{other}", 60)
+def _store_barrier(group, rank, world, key, ranks=None):
+    """Post `key/rank` and wait until every rank of `ranks` (default: all) posted theirs, over the store."""
+    group.post(f"{key}/{rank}", b"1")
+    for other in ranks if ranks is not None else range(world):
+        group.fetch(f"{key}/{other}", 60)
 
 
 class _Corrupting:
