@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from converters import get_converter, get_family
+from converters import get_converter, get_family, keep_together_of
 from megatron_sync.agreement import failing_together, torch_gather
 from megatron_sync.config import WeightSyncConfig
 from megatron_sync.engines.base import EngineAdapter, EngineClient
@@ -181,7 +181,9 @@ class InferenceWeightSync:
         self.engine = engine
         self.server = GenerationServer(engine, engine_group=engine_group, inflight_policy=config.inflight_policy,
                                        commit_timeout_s=config.timeout_s)
-        keep_together = get_family(config.require_family()).keep_together
+        # the same groups as the trainer's converter: the family's, plus each quantized weight with its scales
+        keep_together = keep_together_of(get_family(config.require_family()),
+                                         [m.name for m in engine.expected_tensors()])
         transport_cls = get_transport(config.transport)
         self.transport = transport_cls.connect_inference(
             config, num_trainer_stages=num_trainer_stages, inference_rank=inference_rank)

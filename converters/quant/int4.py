@@ -155,7 +155,7 @@ class Int4Group:
         if output == logical:
             local = list(shape)
             local[dim] = stop - start
-            return torch.tensor(local, dtype=torch.int64)
+            return torch.tensor(local, dtype=torch.int64, device=tensor.device)
         assert output in (packed, scale), f"{output!r} is not an output of {name!r}"
         if dim == 0:
             return tensor.narrow(0, start, stop - start)

@@ -79,6 +79,15 @@ _SUFFIXES = tuple(dict.fromkeys(
 ))
 
 
+def output_weight(name: str) -> str | None:
+    """Return the weight name ("x.weight") whose quantized part `name` is by its name alone ("x.weight_scale"
+    -> "x.weight"), or None when `name` is no format's scale, packed values or shape."""
+    for suffix in _SUFFIXES:
+        if suffix != "weight" and name.endswith("." + suffix):
+            return name[: -len(suffix)] + "weight"
+    return None
+
+
 def output_groups(names: Iterable[str]) -> tuple[tuple[str, ...], ...]:
     """Return, in name order, one group per quantized weight among `names`: its outputs (values, scales,
     shape) that must share a bucket. A weight that appears alone (unquantized) forms no group."""
