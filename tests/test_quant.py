@@ -23,21 +23,12 @@ from converters.quant import (
     parse_quantization_config, quantize, quantized_names, select_targets, shard_quantized, slice_quantized,
     unpack_int4,
 )
+from tests.support.quant_refs import (
+    assert_bits_equal, bits, ct_compress, ct_decompress, vllm_quantizers,
+)
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of `t`, so that equality means bit-for-bit equality (NaN payloads, -0.0 included)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_bits_equal(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    assert ours.dtype == ref.dtype, f"{what}: dtype {ours.dtype} != {ref.dtype}"
-    assert tuple(ours.shape) == tuple(ref.shape), f"{what}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
-    differ = (bits(ours) != bits(ref)).sum().item()
-    assert differ == 0, f"{what}: {differ} bytes differ"
-
 
 def weight(shape, dtype, seed=0, *, special=False) -> torch.Tensor:
     """Random N(0,1) weights; `special` adds an all-zero block, a tiny block (< 1e-4) and huge spikes."""
@@ -54,13 +45,7 @@ def weight(shape, dtype, seed=0, *, special=False) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def vllm_refs():
     """vLLM's block cast (eager) and per-tensor QuantFP8; importing vLLM takes a few seconds."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
-    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
-    from vllm.utils.deep_gemm import per_block_cast_to_fp8
-    with set_current_vllm_config(VllmConfig()):
-        per_tensor = QuantFP8(static=False, group_shape=GroupShape.PER_TENSOR)
-    return per_block_cast_to_fp8._torchdynamo_orig_callable, per_tensor
+    return vllm_quantizers()
 
 
 FP8_SHAPES = [(256, 384), (300, 260), (1, 1), (129, 511)]
@@ -187,26 +172,6 @@ def test_bitwise_check_catches_one_ulp_scale_change(vllm_refs):
 
 
 # -- INT4 pack-quantized ------------------------------------------------------------------------
-
-def ct_int4(group_size: int):
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
-    return args, QuantizationScheme(targets=["Linear"], weights=args)
-
-
-def ct_compress(x: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
-    """compressed-tensors end to end: min-max group scales, then its pack-quantized compressor."""
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
-    args, scheme = ct_int4(group_size)
-    scale, _ = compute_dynamic_scales_and_zp(value=x, args=args, module=torch.nn.Module())
-    return PackedQuantizationCompressor.compress({"weight": x, "weight_scale": scale}, scheme)
-
-
-def ct_decompress(tensors: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-    return PackedQuantizationCompressor.decompress(tensors, ct_int4(group_size)[1])["weight"]
-
 
 INT4_CASES = [((64, 256), 32), ((64, 256), 128), ((100, 384), 128), ((7, 96), 32), ((3, 32), 32)]
 

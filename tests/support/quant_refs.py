@@ -1,0 +1,58 @@
+"""The quantizers engines ship, called as references: bit-level comparison helpers and thin wrappers.
+
+- FP8 block: vLLM's `vllm.utils.deep_gemm.per_block_cast_to_fp8` (DeepGEMM's
+  routine, eager, without its torch.compile wrapper).
+- FP8 per-tensor: vLLM's `QuantFP8(static=False, PER_TENSOR).forward_native`.
+- INT4: compressed-tensors' min-max group scales (`compute_dynamic_scales_and_zp`)
+  and `PackedQuantizationCompressor.compress` / `.decompress`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of `t`, so that equality means bit-for-bit equality (NaN payloads, -0.0 included)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bits_equal(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """Assert equal dtype, shape and bytes; the message names `what` and how many bytes differ."""
+    assert ours.dtype == ref.dtype, f"{what}: dtype {ours.dtype} != {ref.dtype}"
+    assert tuple(ours.shape) == tuple(ref.shape), f"{what}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+    differ = (bits(ours) != bits(ref)).sum().item()
+    assert differ == 0, f"{what}: {differ} bytes differ"
+
+
+def vllm_quantizers():
+    """Return (vLLM's eager DeepGEMM block cast, vLLM's per-tensor QuantFP8); importing vLLM takes seconds."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+    with set_current_vllm_config(VllmConfig()):
+        per_tensor = QuantFP8(static=False, group_shape=GroupShape.PER_TENSOR)
+    return per_block_cast_to_fp8._torchdynamo_orig_callable, per_tensor
+
+
+def ct_int4(group_size: int):
+    """Return compressed-tensors' (QuantizationArgs, QuantizationScheme) of symmetric INT4 groups."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
+    return args, QuantizationScheme(targets=["Linear"], weights=args)
+
+
+def ct_compress(x: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """compressed-tensors end to end: min-max group scales, then its pack-quantized compressor."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+    args, scheme = ct_int4(group_size)
+    scale, _ = compute_dynamic_scales_and_zp(value=x, args=args, module=torch.nn.Module())
+    return PackedQuantizationCompressor.compress({"weight": x, "weight_scale": scale}, scheme)
+
+
+def ct_decompress(tensors: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
+    """compressed-tensors' decompression of {weight_packed, weight_scale, weight_shape} to the weight."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    return PackedQuantizationCompressor.decompress(tensors, ct_int4(group_size)[1])["weight"]
