@@ -193,8 +193,7 @@ class Converter:
         self.buffer_patterns: tuple[str, ...] = family.buffers
         self._hf_dtypes = {h: r.dtype or dtype for r in family.rules for h in r.hf}
         self._expected = self._expected_layout()
-        self.quant = self._quant_plan()
-        self._stored = self.quant.expected_layout(self.expected_hf_tensors(quantized=False))
+        self.quant, self._stored = self._quantized_layout()
 
     # -- the HF side, from the config alone -------------------------------------------------
 
@@ -227,14 +226,15 @@ class Converter:
                 expected[name] = (shape, self._hf_dtypes[row.name], row)
         return expected
 
-    def _quant_plan(self) -> QuantPlan:
-        """Return the plan of the HF config's `quantization_config` over this layout (empty without one)."""
+    def _quantized_layout(self) -> tuple[QuantPlan, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+        """Return the plan of the HF config's `quantization_config` over this layout (empty without one)
+        and the checkpoint layout it gives; a weight the config cannot quantize fails here, by name."""
         quantization_config = self.config.get("quantization_config")
-        if quantization_config is None:
-            return QuantPlan({})
         linear = {name for name, (_, _, row) in self._expected.items() if row.linear}
         try:
-            return QuantPlan.from_hf_config(quantization_config, self._expected, linear.__contains__)
+            plan = (QuantPlan({}) if quantization_config is None else
+                    QuantPlan.from_hf_config(quantization_config, self._expected, linear.__contains__))
+            return plan, plan.expected_layout(self.expected_hf_tensors(quantized=False))
         except ValueError as e:
             raise ConfigError(f"family {self.family.name!r}: {e}") from None
 

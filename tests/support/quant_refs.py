@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -25,6 +27,7 @@ def assert_bits_equal(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert differ == 0, f"{what}: {differ} bytes differ"
 
 
+@functools.lru_cache(maxsize=None)
 def vllm_quantizers():
     """Return (vLLM's eager DeepGEMM block cast, vLLM's per-tensor QuantFP8); importing vLLM takes seconds."""
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -56,3 +59,43 @@ def ct_decompress(tensors: dict[str, torch.Tensor], group_size: int) -> torch.Te
     """compressed-tensors' decompression of {weight_packed, weight_scale, weight_shape} to the weight."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     return PackedQuantizationCompressor.decompress(tensors, ct_int4(group_size)[1])["weight"]
+
+
+def reference_quantize(name: str, x: torch.Tensor, scheme) -> dict[str, torch.Tensor]:
+    """Return the checkpoint tensors the engines' own library makes of weight `name` = `x` under `scheme`
+    (a `converters.quant` scheme, read only for its settings), keyed by their checkpoint names."""
+    from converters.quant import Fp8Block, Fp8Tensor, Int4Group
+
+    prefix = name.removesuffix("weight")
+    if isinstance(scheme, Fp8Block):
+        q, s = vllm_quantizers()[0](x, block_size=list(scheme.block), use_ue8m0=scheme.scale_fmt == "ue8m0")
+        return {name: q, prefix + "weight_scale_inv": s}
+    if isinstance(scheme, Fp8Tensor):
+        q, s = vllm_quantizers()[1].forward_native(x)
+        return {name: q, prefix + "weight_scale": s.reshape(())}
+    assert isinstance(scheme, Int4Group), scheme
+    return {prefix + key: t for key, t in ct_compress(x, scheme.group_size).items()}
+
+
+# -- tiny quantized models (the tests' HF configs) -------------------------------------------------
+
+FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 32]}
+"""DeepSeek-V3's FP8 config with blocks small enough for the tiny models' TP=2 shards (non-square on purpose)."""
+
+FP8_TENSOR = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+"""Per-tensor FP8 (no weight_block_size): one scale per weight."""
+
+INT4_EXPERTS = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None, "output_activations": None,
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
+                    "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {}}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
+    "kv_cache_scheme": None, "sparsity_config": {},
+}
+"""Kimi-K2-style INT4 (W4A16, group 32): routed experts only; attention, dense and shared MLPs stay float."""
+
+TINY_QUANTIZED_SPECS = {"deepseek_v3": {"family": "deepseek_v3", "moe_ffn_hidden_size": 64},
+                        "qwen3_moe": {"family": "qwen3_moe", "moe_ffn_hidden_size": 64}}
+"""ModelSpec arguments: expert FFN 64 so a TP=2 shard of down_proj's columns is one whole INT4 group of 32."""
