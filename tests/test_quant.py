@@ -24,7 +24,7 @@ from converters.quant import (
     unpack_int4,
 )
 from tests.support.quant_refs import (
-    assert_bits_equal, bits, ct_compress, ct_decompress, vllm_quantizers,
+    assert_bits_equal, bits, block_scale_full, ct_compress, ct_decompress, fp8_bound, int4_bound, vllm_quantizers,
 )
 
 
@@ -121,15 +121,6 @@ def test_fp8_tensor_equals_vllm_quantfp8(vllm_refs, shape, dtype, content):
 
 # -- FP8 error bound ----------------------------------------------------------------------------
 
-def fp8_bound(x: torch.Tensor, scale_full: torch.Tensor) -> torch.Tensor:
-    """|x - dequant| <= 2**-4 |x| + 2**-10 s (half an e4m3 step, normal or subnormal), + fp32 slack."""
-    return (2.0 ** -4 * x.abs() + 2.0 ** -10 * scale_full) * (1 + 2.0 ** -16)
-
-
-def block_scale_full(scale: torch.Tensor, shape, block) -> torch.Tensor:
-    return scale.repeat_interleave(block[0], 0)[: shape[0]].repeat_interleave(block[1], 1)[:, : shape[1]]
-
-
 @pytest.mark.parametrize("scheme", [Fp8Block(), Fp8Block((128, 128), "ue8m0"), Fp8Block((32, 64)), Fp8Tensor()])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("special", [False, True])
@@ -201,12 +192,6 @@ def test_pack_int4_equals_compressed_tensors_pack_to_int32(cols):
     q[0, : min(cols, 8)] = 7  # the top nibble of a word set: the int32 sign bit
     assert_bits_equal(pack_int4(q), pack_to_int32(q, 4), "packed words")
     assert_bits_equal(unpack_int4(pack_int4(q), cols), q, "round trip")
-
-
-def int4_bound(x: torch.Tensor, scale_full: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """s/2 (1 + u) + 2.01 u |x| with u the unit roundoff of `dtype` (x / s and q * s are computed in it)."""
-    u = torch.finfo(dtype).eps / 2
-    return scale_full * 0.5 * (1 + u) + 2.01 * u * x.abs()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

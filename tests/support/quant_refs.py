@@ -77,6 +77,41 @@ def reference_quantize(name: str, x: torch.Tensor, scheme) -> dict[str, torch.Te
     return {prefix + key: t for key, t in ct_compress(x, scheme.group_size).items()}
 
 
+
+# -- the formats' error bounds (derived in converters/quant/fp8.py and int4.py) ---------------------
+
+def fp8_bound(x: torch.Tensor, scale_full: torch.Tensor) -> torch.Tensor:
+    """|x - dequant| <= 2**-4 |x| + 2**-10 s (half an e4m3 step, normal or subnormal), + fp32 slack."""
+    return (2.0 ** -4 * x.abs() + 2.0 ** -10 * scale_full) * (1 + 2.0 ** -16)
+
+
+def block_scale_full(scale: torch.Tensor, shape, block) -> torch.Tensor:
+    """The block scales repeated to the weight's shape (each element's own scale)."""
+    return scale.repeat_interleave(block[0], 0)[: shape[0]].repeat_interleave(block[1], 1)[:, : shape[1]]
+
+
+def int4_bound(x: torch.Tensor, scale_full: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """s/2 (1 + u) + 2.01 u |x| with u the unit roundoff of `dtype` (x / s and q * s are computed in it)."""
+    u = torch.finfo(dtype).eps / 2
+    return scale_full * 0.5 * (1 + u) + 2.01 * u * x.abs()
+
+
+def within_format_bound(name: str, x: torch.Tensor, tensors: dict[str, torch.Tensor], scheme) -> bool:
+    """Return True if weight `name` = `x`, stored as `tensors` under `scheme`, dequantizes within its format's
+    elementwise error bound."""
+    from converters.quant import Fp8Block, Fp8Tensor, dequantize
+
+    prefix = name.removesuffix("weight")
+    if isinstance(scheme, Fp8Block):
+        bound = fp8_bound(x.float(), block_scale_full(tensors[prefix + "weight_scale_inv"], x.shape, scheme.block))
+    elif isinstance(scheme, Fp8Tensor):
+        bound = fp8_bound(x.float(), tensors[prefix + "weight_scale"].expand(x.shape))
+    else:
+        scale = tensors[prefix + "weight_scale"].double().repeat_interleave(scheme.group_size, 1)
+        bound = int4_bound(x.double(), scale, x.dtype)
+    error = (dequantize(name, tensors, scheme, torch.float64) - x.double()).abs()
+    return bool((error <= bound).all())
+
 # -- tiny quantized models (the tests' HF configs) -------------------------------------------------
 
 FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 32]}
