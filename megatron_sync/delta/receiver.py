@@ -19,6 +19,10 @@ rounds over every inference rank:
    commit their local copies. A rank that loaded while another failed rolls
    back to its snapshot, so no engine serves a mix of versions.
 
+An engine that keeps references to the shards instead of copying them stays
+correct: they point into the committed slot, which is never written (the
+next version is staged into the other one).
+
 Any failure (a damaged file, a gap the store cannot bridge, a version not
 published in time) is agreed on and raised as SyncAbortedError on every
 inference rank; the engines keep the version they hold, and the reader has
@@ -119,13 +123,13 @@ class DeltaReceiver(Receiver):
     def _choose_target(self, version: int, metrics: SyncMetrics) -> Optional[int]:
         """Return the store version every rank will apply, or None when every rank already holds it."""
         newest, error = None, None
-        if self.readers:
-            try:
-                with PhaseTimer(metrics, "transfer"):
+        with PhaseTimer(metrics, "transfer"):  # waiting for the trainer to publish (every rank waits here)
+            if self.readers:
+                try:
                     newest = self._wait_published(self.version_offset + version)
-            except Exception as e:  # noqa: BLE001 — agreed on below
-                error = describe(e, limit=2)
-        replies = self._gather_agreed(version, error, newest=newest, held=self.engine.version)
+                except Exception as e:  # noqa: BLE001 — agreed on below
+                    error = describe(e, limit=2)
+            replies = self._gather_agreed(version, error, newest=newest, held=self.engine.version)
         target = min(r["newest"] for r in replies if r["newest"] is not None)
         return None if min(r["held"] for r in replies) >= target else target
 
