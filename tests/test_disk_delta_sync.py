@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -35,6 +37,7 @@ import torch
 
 from tests.support.jobs import EVAL_TOKENS, run_pair, sync_config
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATOL = 5e-5
 VERSIONS = 12  # version 1 = the initial weights, then 11 optimizer steps
 LR = 1e-5
@@ -215,3 +218,22 @@ def test_a_damaged_file_is_refused_by_every_engine_rank_and_the_next_version_hea
     _assert_version_arrived(engines, rows[1]["sent"], rows[1]["logits"], None, 2, 2)
     _assert_version_arrived(engines, rows[3]["sent"], rows[3]["logits"], rows[2]["logits"], 4, 3)
     assert [s[0] for s in trainer[0]["stats"] if s[3]] == [1, 4]  # the reader's request made 4 a snapshot
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
+def test_the_demo_jobs_sync_over_shared_storage_while_the_engine_generates(tmp_path):
+    """The demo's two torchrun jobs (Qwen3-MoE, trainer EP=2, engine TP=2), unchanged, on transport disk_delta:
+    every version's engine logits match the trainer's, and rollouts in flight switch versions at a step boundary
+    (policy recompute) while the version is patched in behind them."""
+    done = subprocess.run(
+        [sys.executable, "-m", "examples.demo", "--config", "configs/demo_qwen3_moe_ep2.yaml", "--time-limit", "300",
+         "--weight-sync-transport", "disk_delta", "--weight-sync-delta-dir", str(tmp_path / "shared"),
+         "--weight-sync-delta-local-dir", str(tmp_path / "host0")],
+        cwd=ROOT, capture_output=True, text=True, timeout=360)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "4 versions synced; all checks passed" in done.stdout
+    rollouts = [line for line in done.stdout.splitlines() if "rollout started on version" in line]
+    assert len(rollouts) == 6 and all(line.endswith("(ok)") for line in rollouts), rollouts
+    assert sorted(os.listdir(tmp_path / "shared")) == ["control", "stage-0"]

@@ -20,8 +20,8 @@ rounds over every inference rank:
    back to its snapshot, so no engine serves a mix of versions.
 
 An engine that keeps references to the shards instead of copying them stays
-correct: they point into the committed slot, which is never written (the
-next version is staged into the other one).
+correct while the local copy commits: they point into the committed slot,
+and the next version is staged into the other one.
 
 Any failure (a damaged file, a gap the store cannot bridge, a version not
 published in time) is agreed on and raised as SyncAbortedError on every
@@ -165,7 +165,18 @@ class DeltaReceiver(Receiver):
         with PhaseTimer(metrics, "commit"):
             for reader, one in zip(self.readers, staged):
                 if one is not None:
-                    reader.commit(one)
+                    self._commit_local(reader, one)
+
+    def _commit_local(self, reader: DeltaReader, staged: StagedVersion) -> None:
+        """Commit the host's local copy; a failure here is logged, not raised: every engine rank already
+        serves the version, and a local copy left on the previous one is only a longer chain next time."""
+        try:
+            reader.commit(staged)
+        except Exception:  # noqa: BLE001
+            log.error("[inference rank %d] the engines hold version %d, but committing the local copy in %s "
+                      "failed; it stays on version %s (the next sync applies from there)", self.rank,
+                      staged.version, reader.local_dir, reader.version, exc_info=True)
+            reader.discard(staged)
 
     def _stage(self, target: int, staged: list, metrics: SyncMetrics) -> tuple[Optional[list[str]], Optional[str]]:
         """Stage `target` from every stage's store (appliers); return the slot files, or the error."""
