@@ -44,7 +44,7 @@ LR = 1e-5
 
 
 def _case(tmp_path, versions: int, **extra) -> dict:
-    return {"spec": {"family": "qwen3"}, "versions": versions, "timeout_s": 60.0, **extra,
+    return {"spec": {"family": "qwen3"}, "versions": versions, "timeout_s": 120.0, **extra,
             "weight_sync": {"transport": "disk_delta", "dtype": "bfloat16", "delta_dir": str(tmp_path / "shared"),
                             "delta_local_dir": str(tmp_path / "host0"), "delta_snapshot_every": 5,
                             "delta_retention": 2, "delta_when_behind": "block", "delta_encode_threads": 1}}
@@ -200,6 +200,20 @@ def test_a_chain_of_real_adam_steps_arrives_bit_for_bit_through_the_drivers(tmp_
     assert all(delta < 0.5 * raw for _, raw, delta, _ in stats[1:])
     assert [v for v, _, _, snap in stats if snap] == [1, 6, 11]  # delta_snapshot_every=5
     assert len(trainer[0]["published"]) == VERSIONS
+    _print_table(trainer[0], stats)
+
+
+def _print_table(trainer: dict, stats: list) -> None:
+    """Print (pytest -s) every version's submission, publication and receive rows, and the payload sizes."""
+    from megatron_sync.metrics import SyncMetrics, format_table
+
+    rows = []
+    for row, published in zip(trainer["rows"], trainer["published"]):
+        rows += [SyncMetrics.from_json(row["submitted"]), SyncMetrics.from_json(published)]
+        rows += [SyncMetrics.from_json(r) for r in row["received"]]
+    print("\n" + format_table(rows))
+    print("version raw_KB delta_KB snapshot_KB: " + "; ".join(
+        f"{v} {raw / 1024:.0f} {delta / 1024:.0f} {snap / 1024:.0f}" for v, raw, delta, snap in stats))
 
 
 @pytest.mark.multiproc

@@ -59,22 +59,27 @@ class DeltaSender(Sender):
     def _submit(self, version: int, metrics: SyncMetrics) -> None:
         layout, entries = self.layout, {e.name: e for e in self.layout.entries}
         buffer = self.writer.reserve(layout)
-        missing = set(entries)
-        items = iter(self.stream)
+        missing, error = set(entries), None
         try:
-            for name, tensor in items:
-                with PhaseTimer(metrics, "pack"):
-                    if name not in missing:
-                        raise ValueError(f"tensor {name!r} is not in stage {self.stream.stage}'s metadata, or was "
-                                         f"yielded twice for version {version}")
-                    layout.fill_one(buffer, entries[name], tensor)
-                    missing.discard(name)
+            for name, tensor in self.stream:  # walked to the end even after an error: the stage's other
+                if error is not None:        # ranks are in its gathers
+                    continue
+                try:
+                    with PhaseTimer(metrics, "pack"):
+                        if name not in missing:
+                            raise ValueError(f"tensor {name!r} is not in stage {self.stream.stage}'s metadata, "
+                                             f"or was yielded twice for version {version}")
+                        layout.fill_one(buffer, entries[name], tensor)
+                        missing.discard(name)
+                except Exception as e:  # noqa: BLE001 — raised once the walk is complete
+                    error = e
+            if error is not None:
+                raise error
             if missing:
                 raise ValueError(f"stage {self.stream.stage}'s stream ended without yielding {sorted(missing)[:20]} "
                                  "that its metadata() listed")
         except BaseException:
             self.writer.release(buffer)
-            _drain(items)
             raise
         metrics.bytes += layout.nbytes
         with PhaseTimer(metrics, "commit"):  # waits only with when_behind="block" and a full queue
@@ -90,11 +95,3 @@ class DeltaSender(Sender):
             self.publish_stats.append(stats)
             row.append_to(self.metrics_path)
 
-
-def _drain(items) -> None:
-    """Finish walking the stream after a failure: the stage's other ranks are in its gathers too."""
-    try:
-        for _ in items:
-            pass
-    except Exception:  # noqa: BLE001 — the first error is the one being raised
-        pass

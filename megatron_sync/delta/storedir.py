@@ -136,14 +136,9 @@ def remove_lease(root: str, reader: str) -> None:
 def read_leases(root: str, ttl_s: float, now: Optional[float] = None) -> list[Lease]:
     """Return the leases refreshed within `ttl_s` seconds (older ones belong to readers presumed gone)."""
     now = time.time() if now is None else now
-    folder, leases = os.path.join(root, LEASES), []
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
-        if not name.endswith(".json"):
-            continue
-        try:
-            with open(os.path.join(folder, name)) as f:
-                obj = json.load(f)
-        except (OSError, ValueError):
+    leases = []
+    for _, obj in _json_files(os.path.join(root, LEASES)):
+        if obj is None:
             continue  # being replaced right now, or damaged: it protects nothing
         if now - float(obj.get("updated", 0)) <= ttl_s:
             held = Held(*obj["held"]) if obj.get("held") else None
@@ -194,18 +189,11 @@ def request_snapshot(root: str, reader: str, version: int, reason: str) -> None:
 
 def snapshot_requests(root: str) -> list[SnapshotRequest]:
     """Return the pending snapshot requests of `root` (an unreadable one still counts as a request)."""
-    folder = os.path.join(root, REQUESTS)
     requests = []
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
-        if not name.endswith(".json"):
-            continue
+    for name, obj in _json_files(os.path.join(root, REQUESTS)):
         try:
-            with open(os.path.join(folder, name)) as f:
-                obj = json.load(f)
             requests.append(SnapshotRequest(str(obj["reader"]), int(obj["version"]), str(obj["reason"]), name))
-        except FileNotFoundError:
-            continue
-        except (OSError, ValueError, KeyError, TypeError):
+        except (KeyError, TypeError, ValueError):
             requests.append(SnapshotRequest(name[:-5], -1, "unreadable request", name))
     return requests
 
@@ -217,3 +205,18 @@ def clear_snapshot_requests(root: str, requests: list[SnapshotRequest]) -> None:
             os.unlink(os.path.join(root, REQUESTS, request.name))
         except FileNotFoundError:
             pass
+
+
+def _json_files(folder: str):
+    """Yield (name, object) for every *.json file in `folder`, object None when it is unreadable
+    (being replaced right now, or damaged); a file removed meanwhile is skipped."""
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(folder, name)) as f:
+                yield name, json.load(f)
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError):
+            yield name, None
