@@ -27,7 +27,6 @@ from megatron_sync.transport.disk_delta import DiskDeltaTransport, control_dir, 
 from tests.support.fakes import STAGES, FakeEngine, FakeStream, make_tensor, shard_rule
 
 pytestmark = pytest.mark.timeout(120)
-METAS = STAGES[0]
 
 
 def _config(tmp_path, **extra) -> WeightSyncConfig:
@@ -37,36 +36,35 @@ def _config(tmp_path, **extra) -> WeightSyncConfig:
         "delta_snapshot_every": 3, "delta_retention": 2, "delta_encode_threads": 1, **extra})
 
 
-LAYOUT = SimpleNamespace(pp_rank=0, pp=1, is_stage_source=True)
-
-
 class _Run:
-    """One trainer run (the leader, one stage) and two inference ranks, each rank on its own thread."""
+    """One trainer run (a stage source per stage) and two inference ranks, each inference rank on its own thread."""
 
-    def __init__(self, config: WeightSyncConfig) -> None:
-        self.config = config
+    def __init__(self, config: WeightSyncConfig, stages: int = 1) -> None:
+        self.config, self.metas = config, [m for stage in STAGES[:stages] for m in stage]
         pool = ThreadPoolExecutor(3)
-        inference = [pool.submit(self._connect_inference, r) for r in range(2)]
-        self.trainer = DiskDeltaTransport.connect_trainer(config, LAYOUT)
-        self.stream = FakeStream(0, METAS)
-        self.sender = DiskDeltaTransport.make_sender(self.trainer, self.stream, config, ())
+        inference = [pool.submit(self._connect_inference, r, stages) for r in range(2)]
+        layouts = [SimpleNamespace(pp_rank=s, pp=stages, is_stage_source=True) for s in range(stages)]
+        self.sources = [DiskDeltaTransport.connect_trainer(config, layout) for layout in reversed(layouts)][::-1]
+        self.trainer = self.sources[0]  # the leader
+        self.streams = [FakeStream(s, STAGES[s]) for s in range(stages)]
+        self.senders = [DiskDeltaTransport.make_sender(t, st, config, ()) for t, st in zip(self.sources, self.streams)]
         self.ranks = [f.result(timeout=30) for f in inference]
         self.pool = pool
 
-    def _connect_inference(self, rank: int):
-        transport = DiskDeltaTransport.connect_inference(self.config, num_trainer_stages=1, inference_rank=rank)
-        engine = FakeEngine(METAS, rank, 2)
-        return transport, engine
+    def _connect_inference(self, rank: int, stages: int):
+        transport = DiskDeltaTransport.connect_inference(self.config, num_trainer_stages=stages, inference_rank=rank)
+        return transport, FakeEngine(self.metas, rank, 2)
 
     def make_receivers(self) -> None:
         futures = [self.pool.submit(t.make_receiver, e, self.config, ()) for t, e in self.ranks]
         self.receivers = [f.result(timeout=30) for f in futures]
 
     def sync(self, version: int, stream_version: int) -> None:
-        """The driver's trainer side: announce, then submit (the writer publishes in the background)."""
+        """The driver's trainer side: announce, then submit on every stage (writers publish in the background)."""
         self.trainer.control.send(ControlMessage(ControlOp.SYNC, version))
-        self.stream.version = stream_version
-        self.sender.sync(version)
+        for stream, sender in zip(self.streams, self.senders):
+            stream.version = stream_version
+            sender.sync(version)
 
     def serve_one(self) -> list:
         """The driver's inference side for one message, on both ranks; return their metrics."""
@@ -82,20 +80,21 @@ class _Run:
     def close(self) -> None:
         for transport, _ in self.ranks:
             transport.close()
-        self.trainer.close()
+        for source in self.sources:
+            source.close()
         self.pool.shutdown()
 
 
 def _assert_holds(run: _Run, version: int, stream_version: int) -> None:
-    expected = {m.name: make_tensor(m, stream_version) for m in METAS}
-    held, tensors = open_committed(os.path.join(run.config.delta_local_dir, "stage-0"))
-    assert held == version
-    for name, tensor in expected.items():
-        assert torch.equal(tensors[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    for stage, metas in enumerate(STAGES[:len(run.sources)]):
+        held, tensors = open_committed(os.path.join(run.config.delta_local_dir, f"stage-{stage}"))
+        assert held == version
+        for meta in metas:
+            assert torch.equal(tensors[meta.name].view(torch.uint8), make_tensor(meta, stream_version).view(torch.uint8))
     for tp_rank, (_, engine) in enumerate(run.ranks):
         assert engine.version == version
-        for name, tensor in expected.items():
-            assert torch.equal(engine.weights[name], shard_rule(tensor, tp_rank, 2)), (tp_rank, name)
+        for meta in run.metas:
+            assert torch.equal(engine.weights[meta.name], shard_rule(make_tensor(meta, stream_version), tp_rank, 2))
 
 
 def test_the_registry_builds_it_and_the_config_requires_its_directories(tmp_path):
@@ -210,3 +209,26 @@ def test_the_file_gather_returns_every_rank_in_order_and_cleans_up(tmp_path):
     left = sorted(os.listdir(os.path.join(board_dir, "board", "gather", "g")))
     assert left[:3] == ["1", "2", "3"] and all(not os.listdir(os.path.join(board_dir, "board", "gather", "g", n))
                                                for n in left[:3])
+
+
+def test_two_pipeline_stages_publish_apart_and_engines_apply_only_versions_both_hold(tmp_path):
+    run = _Run(_config(tmp_path), stages=2)
+    run.make_receivers()
+    for version in (1, 2):
+        run.sync(version, stream_version=version)
+        run.serve_one()
+        _assert_holds(run, version, version)
+    with pytest.raises(RuntimeError, match="only the leader"):
+        run.sources[1].control.send(ControlMessage(ControlOp.SYNC, 3))
+    # Stage 1 runs behind: "sync 3" waits until both stages hold version 3.
+    run.trainer.control.send(ControlMessage(ControlOp.SYNC, 3))
+    run.streams[0].version = 3
+    run.senders[0].sync(3)
+    serving = run.pool.submit(run.serve_one)
+    time.sleep(0.5)
+    assert not serving.done() and run.ranks[0][1].version == 2
+    run.streams[1].version = 3
+    run.senders[1].sync(3)
+    serving.result(timeout=60)
+    _assert_holds(run, 3, 3)
+    run.close()
