@@ -223,11 +223,13 @@ class DirectoryBoard:
         return value
 
     def remove(self, key: str) -> None:
-        """Delete what was posted under `key` (once every reader has read it)."""
+        """Delete what was posted under `key` (once every reader has read it), and its folder once empty."""
+        path = self._path(key)
         try:
-            os.unlink(self._path(key))
-        except FileNotFoundError:
-            pass
+            os.unlink(path)
+            os.rmdir(os.path.dirname(path))
+        except OSError:
+            pass  # already gone, or the folder still holds other ranks' posts
 
     def close(self) -> None:
         self._alive = None
