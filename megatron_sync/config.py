@@ -34,7 +34,8 @@ class WeightSyncConfig:
     per rollout batch, a rollout iteration advances this counter several times."""
 
     transport: str = "broadcast"
-    """How bytes move: a name registered in `megatron_sync.transport` ("broadcast")."""
+    """How bytes move: a name registered in `megatron_sync.transport` ("broadcast", or "disk_delta":
+    through shared storage, with the delta_* settings below)."""
 
     backend: str = "auto"
     """Collective backend of the transport group: "gloo", "nccl", or "auto"

@@ -103,29 +103,26 @@ class DiskDeltaTransport(Transport):
         from megatron_sync.delta.writer import DeltaWriter
 
         # Every stage source reads the same number: no writer of this run has published yet.
-        offset = latest_version(config.delta_dir)
-        transport: Optional[DiskDeltaTransport] = None
-
-        def on_published(stats: PublishStats) -> None:
-            if transport is not None and transport._sender is not None:
-                transport._sender.on_published(stats)
-
-        writer = DeltaWriter(stage_store(config.delta_dir, layout.pp_rank), config.delta_writer_options(),
-                             on_published=on_published)
+        transport = cls(config, rank=layout.pp_rank, num_stages=layout.pp, control=_LeaderOnly(),
+                        version_offset=latest_version(config.delta_dir))
+        transport.writer = DeltaWriter(stage_store(config.delta_dir, layout.pp_rank), config.delta_writer_options(),
+                                       on_published=transport._published)
         try:
-            control: ControlChannel = _LeaderOnly()
             if layout.pp_rank == 0:
                 session = sessions.open_session(
-                    control_dir(config.delta_dir), version_offset=offset, num_stages=layout.pp,
+                    control_dir(config.delta_dir), version_offset=transport.version_offset, num_stages=layout.pp,
                     num_inference_ranks=config.num_inference_ranks, timeout_s=config.timeout_s)
-                control = StoreControlChannel(
+                transport.control = StoreControlChannel(
                     sessions.DirectoryBoard(session.folder, rank=0, timeout_s=config.timeout_s))
         except BaseException:
-            writer.close()
+            transport.close()
             raise
-        transport = cls(config, rank=layout.pp_rank, num_stages=layout.pp, control=control, version_offset=offset,
-                        writer=writer)
         return transport
+
+    def _published(self, stats: PublishStats) -> None:
+        """The writer's hook (its own thread): the sender records the publication."""
+        if self._sender is not None:
+            self._sender.on_published(stats)
 
     @classmethod
     def connect_inference(cls, config: "WeightSyncConfig", *, num_trainer_stages: int,
