@@ -126,7 +126,9 @@ INT4_EXPERTS = {
         "targets": ["Linear"], "input_activations": None, "output_activations": None,
         "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
                     "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {}}}},
-    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
+    # the router gates too: vLLM would quantize mlp.gate (a Linear) unless listed; the family keeps it float
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*",
+               "re:.*mlp\\.gate$"],
     "kv_cache_scheme": None, "sparsity_config": {},
 }
 """Kimi-K2-style INT4 (W4A16, group 32): routed experts only; attention, dense and shared MLPs stay float."""
