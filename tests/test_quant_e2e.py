@@ -42,20 +42,12 @@ import torch
 from converters import Shard, get_converter
 from tests.support import models
 from tests.support.quant_refs import (
-    FP8_BLOCK, INT4_EXPERTS, TINY_QUANTIZED_SPECS, assert_bits_equal, reference_quantize, within_format_bound,
+    FP8_BLOCK, INT4_EXPERTS, TINY_QUANTIZED_SPECS, assert_bits_equal, reference_checkpoint, reference_quantize,
+    within_format_bound,
 )
 
 LOGITS_ATOL = 1e-4  # float32, different kernels and reduction order
 TP = 2
-
-
-def reference_checkpoint(converter, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The quantized checkpoint the engines' libraries make of the unquantized HF tensors `hf`."""
-    out = {}
-    for name, x in hf.items():
-        scheme = converter.quant.scheme_of(name)
-        out.update({name: x} if scheme is None else reference_quantize(name, x, scheme))
-    return out
 
 
 def weight_slice(converter, weight: str, x: torch.Tensor, rank: int) -> torch.Tensor:

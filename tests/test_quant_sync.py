@@ -22,7 +22,8 @@ from converters.quant import Fp8Block, Fp8Tensor, Int4Group
 from megatron_sync.meta import TensorMeta
 from tests.support import models
 from tests.support.quant_refs import (
-    FP8_BLOCK, FP8_TENSOR, INT4_EXPERTS, TINY_QUANTIZED_SPECS, assert_bits_equal, ct_decompress, reference_quantize,
+    FP8_BLOCK, FP8_TENSOR, INT4_EXPERTS, TINY_QUANTIZED_SPECS, assert_bits_equal, ct_decompress, reference_checkpoint,
+    reference_quantize,
 )
 
 CASES = [("deepseek_v3", FP8_BLOCK), ("qwen3_moe", FP8_TENSOR), ("qwen3_moe", INT4_EXPERTS),
@@ -43,15 +44,6 @@ def unquantized_hf(family: str, spec, seed: int = 3) -> dict[str, torch.Tensor]:
     """The single-rank HF conversion of the tiny model's weights, float32, not quantized."""
     converter = get_converter(family, models.hf_config(spec), dtype=torch.float32)
     return {n: t for m, x in models.reference_weights(spec, seed=seed).items() for n, t in converter.convert(m, x)}
-
-
-def reference_checkpoint(converter, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The quantized checkpoint the reference libraries make of `hf` under the converter's selection."""
-    out = {}
-    for name, x in hf.items():
-        scheme = converter.quant.scheme_of(name)
-        out.update({name: x} if scheme is None else reference_quantize(name, x, scheme))
-    return out
 
 
 def independent_dequantize(name: str, tensors: dict[str, torch.Tensor], scheme) -> torch.Tensor:

@@ -75,7 +75,8 @@ def shard_quantized(name: str, tensors: Mapping[str, torch.Tensor], scheme: Quan
 # The output names of every format, for a weight "w.weight": how a received name is recognized as a
 # quantized weight's part without the plan (an engine knows the names it expects, not the trainer's config).
 _SUFFIXES = tuple(dict.fromkeys(
-    out.removeprefix("w.") for scheme in (Fp8Block(), Fp8Tensor(), Int4Group()) for out in scheme.output_names("w.weight")
+    out.removeprefix("w.")
+    for scheme in (Fp8Block(), Fp8Tensor(), Int4Group()) for out in scheme.output_names("w.weight")
 ))
 
 

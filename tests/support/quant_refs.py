@@ -78,6 +78,16 @@ def reference_quantize(name: str, x: torch.Tensor, scheme) -> dict[str, torch.Te
 
 
 
+
+def reference_checkpoint(converter, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Return the checkpoint the engines' libraries make of the unquantized HF tensors `hf`: each weight
+    the converter's quantization plan selects quantized by `reference_quantize`, the rest as they are."""
+    out = {}
+    for name, x in hf.items():
+        scheme = converter.quant.scheme_of(name)
+        out.update({name: x} if scheme is None else reference_quantize(name, x, scheme))
+    return out
+
 # -- the formats' error bounds (derived in converters/quant/fp8.py and int4.py) ---------------------
 
 def fp8_bound(x: torch.Tensor, scale_full: torch.Tensor) -> torch.Tensor:
