@@ -119,7 +119,7 @@ def probe(name: str) -> str:
     if done.returncode == 0 and results:
         return "\n".join(results)
     causes = [m.group(1) for line in lines if "ERROR" in line or "Error" in line
-              for m in [ROOT_CAUSE.search(line.split("] ", 1)[-1])] if m]
+              for m in [ROOT_CAUSE.search(line.split("] ", 1)[-1])] if m and not m.group(1).endswith("(")]
     return f"FAILED {name}:\n  " + "\n  ".join(dict.fromkeys(causes[:12]))
 
 
