@@ -2,7 +2,9 @@
 # Start an unmodified vLLM server whose workers receive megatron-sync's weight updates.
 #   launch/serve_vllm.sh MODEL_DIR --port 8000 --dtype bfloat16 [--tensor-parallel-size 2] [vLLM args...]
 # MODEL_DIR is the HF model directory (config.json + safetensors + tokenizer) of the policy being trained.
-# The trainer then drives it with megatron_sync.engines.vllm.client.VLLMEngineClient("http://HOST:8000").
+# The trainer then drives it: weight_sync.engines: ["vllm=http://HOST:8000"] (or
+# TrainerWeightSync(..., engine_clients=[VLLMEngineClient("http://HOST:8000")])), with
+# weight_sync.num_inference_ranks = the server's worker count and weight_sync.dtype = its --dtype.
 set -euo pipefail
 MODEL_DIR=${1:?usage: launch/serve_vllm.sh MODEL_DIR [vLLM server args...]}
 shift
