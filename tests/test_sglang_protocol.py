@@ -161,6 +161,113 @@ def test_update_group_and_buckets_interoperate_with_sglang_receiving_code():
     assert got == {name: t.float().tolist() for name, t in tensors.items()}
 
 
+def _sglang_like_receiver(port: int, group_name: str, bodies: list[dict], syncs: int, out) -> None:
+    """Rank 1 joined the way SGLang 0.5.23's init_custom_process_group joins (the test above checks
+    init_update_group against the real function); receives `syncs` rounds of flattened buckets."""
+    import datetime
+
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=60)
+    store, _, _ = next(c10d.rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = c10d._new_process_group_helper(2, 1, [], c10d.Backend("gloo"), c10d.PrefixStore(group_name, store),
+                                           group_name=group_name, timeout=timeout)
+    c10d._world.pg_group_ranks[pg] = {0: 0, 1: 1}
+    rounds = []
+    for _ in range(syncs):
+        received = {}
+        for body in bodies:
+            sizes = [torch.Size(s).numel() * getattr(torch, d).itemsize for d, s in zip(body["dtypes"], body["shapes"])]
+            flat = torch.empty(sum(sizes), dtype=torch.uint8)
+            torch.distributed.broadcast(flat, src=0, group=pg)
+            received.update({name: piece.numpy().tobytes() for name, piece in zip(body["names"], flat.split(sizes))})
+        rounds.append(received)
+    out.put(rounds)  # raw bytes per tensor: exact for every dtype
+
+
+class _FakeSGLang:
+    """SGLang's /update_weights_from_distributed over HTTP: records each body, refuses names in `refuse`."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.bodies: list[dict] = []
+        self.refuse: set[str] = set()
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 — the http.server hook's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.bodies.append(body)
+                refused = sorted(fake.refuse & set(body["names"]))
+                answer = {"success": not refused, "message": f"parameter {refused} not found" if refused else "ok"}
+                data = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.timeout(120)
+def test_transport_sglang_sends_plan_buckets_and_fails_the_sync_when_an_engine_refuses_one():
+    """Transport "sglang" through the unchanged bucket sender: SGLang's update group receives exactly the
+    sent bytes; an engine answering success=false fails the sync on the trainer, naming the engine."""
+    from megatron_sync.config import WeightSyncConfig
+    from megatron_sync.errors import SyncAbortedError
+    from megatron_sync.parallel import ParallelLayout
+    from megatron_sync.sender import WeightSender
+    from megatron_sync.transport import get_transport
+    from tests.support.fakes import STAGES, FakeStream, make_tensor
+
+    metas, bucket_bytes = STAGES[0], 1024
+    bodies = [requests.update_weights_from_distributed(b, group_name=requests.GROUP_NAME)
+              for b in build_plan([metas], bucket_size_bytes=bucket_bytes).buckets]
+    fake, port = _FakeSGLang(), free_port()
+    config = WeightSyncConfig(transport="sglang", backend="gloo", master_port=port, num_inference_ranks=1,
+                              timeout_s=60, engines=[f"sglang={fake.url}"])
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    receiver = ctx.Process(target=_sglang_like_receiver, args=(port, requests.GROUP_NAME, bodies, 2, out), daemon=True)
+    receiver.start()
+    transport = None
+    try:
+        transport = get_transport("sglang").connect_trainer(config, ParallelLayout.single())
+        stream = FakeStream(0, metas)
+        sender = WeightSender.connect(stream, transport, bucket_size_bytes=bucket_bytes)
+        stream.version = 1
+        sender.sync(1)
+        fake.refuse = {metas[-1].name}
+        stream.version = 2
+        with pytest.raises(SyncAbortedError, match=f"SGLang at {fake.url}, bucket .*parameter"):
+            sender.sync(2)
+        rounds = out.get(timeout=60)
+    finally:
+        if transport is not None:
+            transport.close()
+        receiver.kill()
+        fake.close()
+    assert fake.bodies == bodies * 2  # every bucket announced once per sync, in plan order
+    for version, received in zip((1, 2), rounds):
+        assert set(received) == {m.name for m in metas}
+        for m in metas:
+            sent = make_tensor(m, version).contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            assert received[m.name] == sent, (version, m.name)
+
+
 @pytest.mark.gpu
 @needs_sglang
 @pytest.mark.timeout(900)
