@@ -51,12 +51,13 @@ PAUSE_PLANS = {
 class VLLMEngineClient:
     """One vLLM server (all its TP/PP/DP workers) driven over HTTP; an `EngineClient`.
 
-    `timeout_s` bounds each control request; `drain_timeout_s` bounds /pause
-    under policy "wait" (requests in flight finish first).
+    `timeout_s` bounds each control request and, unless `drain_timeout_s` is
+    given, /pause under policy "wait" (requests in flight finish first).
     """
 
-    def __init__(self, url: str, *, timeout_s: float = 300.0, drain_timeout_s: float = 600.0) -> None:
-        self.url, self.timeout_s, self.drain_timeout_s = url.rstrip("/"), timeout_s, drain_timeout_s
+    def __init__(self, url: str, *, timeout_s: float = 300.0, drain_timeout_s: Optional[float] = None) -> None:
+        self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self.drain_timeout_s = timeout_s if drain_timeout_s is None else drain_timeout_s
         self.plan: Optional[PausePlan] = None
         self.inflight_policy: Optional[str] = None
         self._rendezvous: Optional[Rendezvous] = None
