@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -17,6 +18,7 @@ from megatron_sync.meta import dtype_from_name
 from megatron_sync.transport import transport_names
 
 BACKENDS = ("gloo", "nccl", "auto")
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 INFLIGHT_POLICIES = ("abort", "recompute", "keep")
 DEFAULT_GATHER_BUDGET_MB = 1024.0
 
@@ -80,6 +82,15 @@ class WeightSyncConfig:
     """What happens to generations in flight at sync time: "abort" them,
     "recompute" their KV cache under the new weights, or "keep" them on old weights."""
 
+    run_id: Optional[str] = None
+    """Identity of the sync session (letters, digits, '.', '_', '-'). The trainer hosts the session under
+    this id, or under a generated one it prints when null; an inference job with a run_id joins only the
+    session of that id, with null it joins whichever session the trainer at master_address:master_port runs."""
+
+    sync_on_start: bool = False
+    """Sync the trainer's weights once as `WeightSyncCallback.from_config` returns (version 1), before the
+    first optimizer update: for engines that start without the trainer's current weights."""
+
     def __post_init__(self) -> None:
         _check_bool("enabled", self.enabled)
         _check_int("every_n_steps", self.every_n_steps, minimum=1)
@@ -111,6 +122,10 @@ class WeightSyncConfig:
         if self.metrics_path is not None and not isinstance(self.metrics_path, str):
             raise ValueError("metrics_path must be a file path string or null")
         _check_choice("inflight_policy", self.inflight_policy, INFLIGHT_POLICIES)
+        if self.run_id is not None and (not isinstance(self.run_id, str) or not _RUN_ID.fullmatch(self.run_id)):
+            raise ValueError(f"run_id={self.run_id!r} is not valid: use 1-64 letters, digits, '.', '_' or '-' "
+                             "(or null to let the trainer name the session)")
+        _check_bool("sync_on_start", self.sync_on_start)
 
     def replace(self, **changes: Any) -> "WeightSyncConfig":
         """Return a copy with `changes` applied (validated like a new config)."""

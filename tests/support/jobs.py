@@ -82,7 +82,8 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     config = sync_config(case)
     me = join(config, models.hf_config(models.ModelSpec(**case["spec"])))
     isync = InferenceWeightSync(config, me.engine, num_trainer_stages=case["layout"].get("pp", 1),
-                                inference_rank=me.rank, engine_group=me.group)
+                                inference_rank=me.rank, engine_group=me.group, hf_config=me.hf_config,
+                                job_id=me.job_id)
     held = []
     try:
         while isync.handle(isync.next_control(timeout_s=case.get("timeout_s", 60.0) * 2), {}):
