@@ -178,9 +178,9 @@ def serve(me: EngineRank, config: WeightSyncConfig, *, num_trainer_stages: int,
             raise
         finally:
             isync.close()
-    reason = f" ({isync.stop_reason})" if isync.stop_reason else ""
-    print(f"[inference rank {me.rank}] the trainer stopped the session{reason}; stopped on version "
-          f"{me.engine.version}", flush=True)
+    reason = f": {isync.stop_reason}" if isync.stop_reason else ""
+    print(f"[inference rank {me.rank}] stopped on version {me.engine.version} (the trainer ended the "
+          f"session{reason})", flush=True)
     return 0
 
 
