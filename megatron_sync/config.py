@@ -166,8 +166,14 @@ class WeightSyncConfig:
         return cls(**values)
 
     @classmethod
-    def from_yaml(cls, path: str) -> "WeightSyncConfig":
-        """Return the config in the `weight_sync:` section of the training YAML at `path`."""
+    def from_yaml(cls, path: str, defaults: Optional[dict[str, Any]] = None) -> "WeightSyncConfig":
+        """Return the config in the `weight_sync:` section of the training YAML at `path`.
+
+        `defaults` (an application's own, stated in its code) apply where the
+        section does not set a key. Nothing else is filled in: a section without
+        `family` leaves it None, and the trainer refuses to start saying where
+        to set it.
+        """
         import yaml
 
         with open(path) as f:
@@ -177,7 +183,7 @@ class WeightSyncConfig:
         section = document["weight_sync"] or {}
         if not isinstance(section, dict):
             raise ValueError(f"{path}: 'weight_sync' must be a mapping of settings")
-        return cls.from_dict(section)
+        return cls.from_dict({**(defaults or {}), **section})
 
     @classmethod
     def from_args(cls, namespace: argparse.Namespace) -> "WeightSyncConfig":

@@ -36,9 +36,20 @@ class Terminated(BaseException):
         return 128 + self.signum
 
 
+class StopSignal:
+    """What `stop_on_signals` yields: the signal that arrived, if any (an error that unwound the main
+    thread after it, e.g. a collective failing because the peers stopped, is still a stop by signal)."""
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+
+    def as_exception(self) -> Optional[Terminated]:
+        return Terminated(self.signum) if self.signum is not None else None
+
+
 @contextmanager
 def stop_on_signals(*, grace_s: Optional[float] = None,
-                    report: Optional[Callable[[str], None]] = None) -> Iterator[None]:
+                    report: Optional[Callable[[str], None]] = None) -> Iterator[StopSignal]:
     """While the block runs, SIGTERM / SIGINT raise `Terminated` in the main thread (once).
 
     A handler the application installed itself is left alone, and so is
@@ -47,14 +58,14 @@ def stop_on_signals(*, grace_s: Optional[float] = None,
     blocked in native code), `report(what)` is called from the watchdog and
     the process exits with 128 + signum.
     """
+    state = StopSignal()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield state
         return
-    fired: list[int] = []
 
     def raise_terminated(signum, frame):
-        if not fired:  # a second signal while unwinding is the watchdog's business
-            fired.append(signum)
+        if state.signum is None:  # a second signal while unwinding is the watchdog's business
+            state.signum = signum
             raise Terminated(signum)
 
     previous = {}
@@ -63,7 +74,7 @@ def stop_on_signals(*, grace_s: Optional[float] = None,
             previous[signum] = signal.signal(signum, raise_terminated)
     watchdog = _Watchdog(grace_s, report) if grace_s is not None and previous else None
     try:
-        yield
+        yield state
     finally:
         if watchdog is not None:
             watchdog.stop()

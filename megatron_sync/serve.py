@@ -143,17 +143,21 @@ def join(config: WeightSyncConfig, hf_config: Any, *, engine: str = "reference",
 
 
 def serve(me: EngineRank, config: WeightSyncConfig, *, num_trainer_stages: int,
-          handlers: Optional[dict[str, Callable[[InferenceWeightSync, Any], AppHandler]]] = None) -> int:
+          handlers: Optional[dict[str, Callable[[InferenceWeightSync, Any], AppHandler]]] = None,
+          on_stop: Optional[Callable[[], None]] = None) -> int:
     """Follow the trainer until "stop"; return the exit code. `handlers[name](isync, message)` serve app messages.
 
     0: the trainer said stop (the engine holds its last version); 1: the trainer
     went away, or the rendezvous refused this rank (the message says which);
-    128 + signum: SIGTERM / SIGINT. Every way out prints the version held.
+    128 + signum: SIGTERM / SIGINT, also when the rank was blocked (after
+    `STOP_GRACE_S`). Every way out prints the version held, after `on_stop()`.
     """
     def say(how: str) -> None:
+        if on_stop is not None:
+            on_stop()
         print(f"[inference rank {me.rank}] {how}; the engine stays on version {me.engine.version}", flush=True)
 
-    with stop_on_signals(grace_s=STOP_GRACE_S, report=lambda what: say(f"stopped by {what}")):
+    with stop_on_signals(grace_s=STOP_GRACE_S, report=lambda what: say(f"stopped by {what}")) as stop:
         try:
             isync = InferenceWeightSync(config, me.engine, num_trainer_stages=num_trainer_stages,
                                         inference_rank=me.rank, engine_group=me.group, hf_config=me.hf_config,
@@ -170,14 +174,22 @@ def serve(me: EngineRank, config: WeightSyncConfig, *, num_trainer_stages: int,
         except Terminated as e:
             say(f"stopped by {e}")
             return e.exit_code
-        except TrainerGoneError as e:
-            print(e, flush=True)
-            return 1
         except Exception as e:
+            signalled = stop.as_exception()
+            if signalled is not None:  # the signal came first; this error is its consequence
+                say(f"stopped by {signalled} ({type(e).__name__} while unwinding)")
+                return signalled.exit_code
+            if isinstance(e, TrainerGoneError):
+                if on_stop is not None:
+                    on_stop()
+                print(f"[inference rank {me.rank}] {e}", flush=True)
+                return 1
             say(f"stopped by {type(e).__name__}: {e}")
             raise
         finally:
             isync.close()
+    if on_stop is not None:
+        on_stop()
     reason = f": {isync.stop_reason}" if isync.stop_reason else ""
     print(f"[inference rank {me.rank}] stopped on version {me.engine.version} (the trainer ended the "
           f"session{reason})", flush=True)

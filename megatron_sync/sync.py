@@ -134,7 +134,7 @@ class TrainerWeightSync:
                 self.session = SyncSession.host(*where, identity, timeout_s=self.config.timeout_s,
                                                 members={"trainer": len(members),
                                                          "inference": self.config.num_inference_ranks})
-                log.info("[trainer] hosting weight-sync session %s at %s:%d (model digest %s)", self.session.id,
+                log.info("hosting weight-sync session %s at %s:%d (model digest %s)", self.session.id,
                             *where, model_digest(identity.model or {})[:12])
         with failing_together("joining the sync session", self._gather):
             if me is not None and me > 0:
@@ -269,12 +269,12 @@ class InferenceWeightSync:
             return self.transport.control.next(timeout_s)
         except PeerFailureError as e:
             gone = e.__cause__ is not None
+            where = f"{self.config.master_address}:{self.config.master_port}"
             raise TrainerGoneError(
-                f"[inference rank {self.transport.rank}] "
-                + (f"the trainer went away while this engine was idle (its rendezvous at "
-                   f"{self.config.master_address}:{self.config.master_port} stopped answering; it exited without "
-                   f"'stop')" if gone else f"no message from the trainer within {timeout_s:g}s while idle")
-                + f"; no sync was running; the engine stays on version {self.engine.version}") from e
+                (f"the trainer went away while this engine was idle: its rendezvous at {where} stopped answering "
+                 "(it exited without 'stop')" if gone else
+                 f"no message from the trainer within {timeout_s:g}s while this engine was idle")
+                + f"; no sync was running, the engine holds version {self.engine.version}") from e
 
     def apply(self, version: int) -> Optional[SyncMetrics]:
         """Receive `version`; return metrics, or None if the sync was aborted on every rank.

@@ -121,7 +121,7 @@ class SyncSession:
         if decision.fatal and failure == decision.reason:
             store.set("rdzv/failed", failure.encode())
         if decision.accepted:
-            log.info("session %s: %s", self.id, decision.reason)
+            log.info("session %s: accepted %s", self.id, identity.describe())
         else:
             log.warning("session %s refused %s: %s", self.id, identity.describe(), decision.reason)
 
@@ -136,7 +136,7 @@ class SyncSession:
             raise RendezvousError(f"[{identity.describe()}] the rendezvous at {address}:{port} refused this rank: "
                                   f"{decision.reason}")
         host = Identity.from_json(store.get("rdzv/session"))
-        log.info("%s: %s", identity.describe(), decision.reason)
+        log.info("%s joined session %s", identity.describe(), host.session)
         return cls(store, session_id=host.session, identity=identity, address=address, port=port,
                    timeout_s=timeout_s)
 
