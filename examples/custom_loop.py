@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import sys
 
 import torch
@@ -44,6 +45,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     add_weight_sync_args(parser, defaults=False)  # weight sync: --weight-sync-* flags override the YAML
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="[trainer] %(message)s")
+    logging.getLogger("megatron_sync").setLevel(logging.INFO)  # weight sync: session, admissions, refusals
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     from tests.support.train import train_step
 

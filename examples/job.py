@@ -20,6 +20,7 @@ from typing import Any, Callable
 import yaml
 
 from megatron_sync.config import WeightSyncConfig, add_weight_sync_args, explicit_flags, field_names
+from megatron_sync.lifecycle import Terminated
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,6 +261,9 @@ def run_under_torchrun(role: str, args: argparse.Namespace, run: Callable[[JobCo
     dist.init_process_group("gloo", timeout=timeout)
     try:
         return run(job)
+    except Terminated as e:  # the library already told the other job; no traceback for a requested stop
+        print(f"[{role} rank {dist.get_rank()}] stopped by {e}", flush=True)
+        return e.exit_code
     finally:
         dist.destroy_process_group()
 

@@ -14,7 +14,7 @@ raises it at once.
 Keys (under `rdzv/` in the store): `session` (the host's identity, posted
 first: it marks the store as a rendezvous), `tickets` (a counter) and
 `ticket/<n>` (join requests and failure reports), `answer/<n>`, `ready`,
-`failed`, `failed_seen`.
+`failed`, `acks` (answers and failures read: a failed host leaves once all are).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class SyncSession:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._answering: Optional[threading.Thread] = None
+        self._answered = 0  # tickets answered (host)
         self._ready = False
 
     @property
@@ -99,13 +100,12 @@ class SyncSession:
         except _STORE_ERRORS:
             log.exception("the rendezvous at %s cannot answer joiners", self.where)
             return
-        answered = 0
         while not self._stop.is_set():
             try:
                 count = store.add("rdzv/tickets", 0)
-                while answered < count:
-                    answered += 1
-                    self._answer(store, answered)
+                while self._answered < count:
+                    self._answer(store, self._answered + 1)
+                    self._answered += 1
             except _STORE_ERRORS:
                 if not self._stop.is_set():
                     log.exception("the rendezvous at %s stopped answering joiners", self.where)
@@ -133,8 +133,7 @@ class SyncSession:
         store = connect(address, port, timeout_s=timeout_s)
         decision = _present(store, identity, f"{address}:{port}", timeout_s)
         if not decision.accepted:
-            raise RendezvousError(f"[{identity.describe()}] the rendezvous at {address}:{port} refused this rank: "
-                                  f"{decision.reason}")
+            raise RendezvousError(f"the rendezvous at {address}:{port} refused this rank: {decision.reason}")
         host = Identity.from_json(store.get("rdzv/session"))
         log.info("%s joined session %s", identity.describe(), host.session)
         return cls(store, session_id=host.session, identity=identity, address=address, port=port,
@@ -181,7 +180,7 @@ class SyncSession:
         while True:
             failure = _read(self.store, "rdzv/failed", self.where)
             if failure is not None:
-                _safely(lambda: self.store.add("rdzv/failed_seen", 1))
+                _safely(lambda: self.store.add("rdzv/acks", 1))
                 raise RendezvousError(f"[{self.identity.describe()}] session {self.id} failed: {failure.decode()}")
             if _read(self.store, "rdzv/ready", self.where) is not None:
                 return
@@ -220,14 +219,17 @@ class SyncSession:
         self.store = None
 
     def _linger_if_failed(self, linger_s: float) -> None:
+        # Every answer and every admitted rank's sight of the failure is acknowledged ("acks"): wait for them.
         with self._lock:
             failed = self._admission.failure is not None
-            others = sum(len(m) for m in self._admission.admitted.values()) - 1
+            expected = self._answered + sum(len(m) for m in self._admission.admitted.values()) - 1
         if not failed or self._ready:
             return
         deadline = time.monotonic() + linger_s
-        while time.monotonic() < deadline and _safely(lambda: self.store.add("rdzv/failed_seen", 0)) < others:
+        while time.monotonic() < deadline and _safely(lambda: self.store.add("rdzv/acks", 0)) < expected:
             time.sleep(POLL_S)
+            with self._lock:
+                expected = self._answered + sum(len(m) for m in self._admission.admitted.values()) - 1
 
 
 def report_failure(address: str, port: int, identity: Identity, reason: str, *, timeout_s: float) -> bool:
@@ -321,6 +323,7 @@ def _present(store: Any, identity: Identity, where: str, timeout_s: float) -> De
     while True:
         raw = _read(store, f"rdzv/answer/{ticket}", where)
         if raw is not None:
+            _safely(lambda: store.add("rdzv/acks", 1))  # the host may leave once every answer was read
             return Decision.from_json(raw)
         if time.monotonic() > deadline:
             raise RendezvousError(f"the rendezvous at {where} did not answer {identity.describe()} within "

@@ -13,6 +13,8 @@ first (a test that registers its own family or transport).
 from __future__ import annotations
 
 import importlib
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -64,12 +66,26 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
                 tokens = torch.randint(0, spec.vocab_size, (2, 12), generator=torch.Generator().manual_seed(version))
                 train_step(ddp, optimizer, tokens, layout)
             callback.syncer.sync()
+            _hold_after(case, version)
             logits.append(models.megatron_logits(chunks, EVAL_TOKENS))
             sender = callback.syncer.sender
             if callback.syncer.is_leader:
                 sent.append({e.name: sender.replica.view(e.name).clone()
                              for b in sender.replica.buckets for e in b.entries})
     return {"sent": sent, "logits": logits}
+
+
+def _hold_after(case: dict, version: int) -> None:
+    """`case["hold"] = {"after_version": v, "until_file": path}`: after syncing v, wait until the test
+    creates `path` (a test that does something between two syncs)."""
+    hold = case.get("hold")
+    if not hold or version != hold["after_version"]:
+        return
+    deadline = time.monotonic() + case.get("timeout_s", 60.0) * 2
+    while not os.path.exists(hold["until_file"]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{hold['until_file']} did not appear")
+        time.sleep(0.1)
 
 
 def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
