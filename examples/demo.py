@@ -37,8 +37,11 @@ def torchrun(nprocs: int, module: str, argv: list[str]) -> list[str]:
 
 STOP_GRACE_S = {"trainer": 15.0, "inference": 10.0}
 """How long a job may take to stop after SIGTERM before everything left of it is killed."""
-OTHER_JOB_GRACE_S = 5.0
-"""How long the surviving job may take to stop once the other failed."""
+SELF_STOP_S = 3.0
+"""How long the surviving job gets, once the other failed, to notice and stop by itself (saying why in its
+own words, e.g. an idle engine whose trainer is gone) before the demo sends SIGTERM."""
+OTHER_JOB_GRACE_S = 10.0
+"""How long the surviving job may then take to stop after SIGTERM."""
 
 
 def run_jobs(argv: list[str], trainer_procs: int, inference_procs: int, time_limit_s: float,
@@ -80,6 +83,10 @@ def _supervise(jobs: dict[str, subprocess.Popen], time_limit_s: float) -> int:
                 print(f"[demo] the {name} job failed (exit {proc.returncode})"
                       + (f"; stopping the {others[0]} job" if others else ""), flush=True)
                 for other in others:
+                    try:
+                        jobs[other].wait(SELF_STOP_S)
+                    except subprocess.TimeoutExpired:
+                        pass
                     stop_job(other, jobs[other], OTHER_JOB_GRACE_S)
                     codes[other] = jobs[other].returncode
                 return proc.returncode

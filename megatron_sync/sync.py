@@ -65,11 +65,15 @@ def build_converter(config: WeightSyncConfig, hf_config: Any = None) -> Any:
 class TrainerWeightSync:
     """The trainer half. Construct and call `sync()` on every trainer rank (both are collective).
 
-    Start-up checks, before any weight moves: every Megatron parameter has a
-    conversion rule, the stages together produce exactly the HF checkpoint the
-    converter expects, and every rank of the transport computed the same plan.
-    Any failure is raised on every trainer rank. `engine_client` (vLLM, SGLang)
-    is driven around every sync by the leader.
+    Start-up, before any weight moves: the first joining trainer rank hosts the
+    sync session (the rendezvous, `transport/session.py`) and the other joining
+    ranks join it; every Megatron parameter has a conversion rule, the stages
+    together produce exactly the HF checkpoint the converter expects; the
+    inference job's ranks are admitted only if they expect the same layout and
+    model (`transport/rendezvous.py`); every rank of the transport computed the
+    same plan. Any failure is raised on every trainer rank and posted to the
+    session, so the engines fail at once quoting it. `engine_client` (vLLM,
+    SGLang) is driven around every sync by the leader.
     """
 
     def __init__(
@@ -95,26 +99,31 @@ class TrainerWeightSync:
         transport_cls = get_transport(config.transport)
         if converter is None or hf_config is not None:
             hf_config = load_hf_config(config, hf_config)
-        self._open_session(transport_cls, hf_config)
         try:
-            with failing_together("starting the trainer's weight sync", self._gather):
-                converter = converter if converter is not None else build_converter(config, hf_config)
-                self.stream = MegatronWeightStream(
-                    chunks, self.layout, converter,
-                    gather_budget_bytes=int(config.gather_budget_mb * MiB), group=trainer_group,
-                )
-                if self.stream.is_source:
-                    check_model_complete(all_stage_metadata(self.stream), converter)
-            with failing_together("connecting to the inference ranks", self._gather):
-                if self.session is not None:
-                    self.session.wait_ready()
-                    self.transport = transport_cls.connect_trainer(config, self.layout, session=self.session)
-                self.sender = transport_cls.make_sender(self.transport, self.stream, config, converter.keep_together)
+            self._open_session(transport_cls, hf_config)
+            self._start(transport_cls, chunks, converter, hf_config, trainer_group)
         except BaseException as e:
             if self.session is not None:
                 self.session.fail(f"the trainer failed while starting: {e}")
             self.close()
             raise
+
+    def _start(self, transport_cls: Any, chunks: list, converter: Any, hf_config: Any, trainer_group: Any) -> None:
+        """The start-up checks, then (once every rank of both jobs was admitted) the transport and sender."""
+        config = self.config
+        with failing_together("starting the trainer's weight sync", self._gather):
+            converter = converter if converter is not None else build_converter(config, hf_config)
+            self.stream = MegatronWeightStream(
+                chunks, self.layout, converter,
+                gather_budget_bytes=int(config.gather_budget_mb * MiB), group=trainer_group,
+            )
+            if self.stream.is_source:
+                check_model_complete(all_stage_metadata(self.stream), converter)
+        with failing_together("connecting to the inference ranks", self._gather):
+            if self.session is not None:
+                self.session.wait_ready()
+                self.transport = transport_cls.connect_trainer(config, self.layout, session=self.session)
+            self.sender = transport_cls.make_sender(self.transport, self.stream, config, converter.keep_together)
 
     def _open_session(self, transport_cls: Any, hf_config: Any) -> None:
         """Host (the first joining trainer rank) or join the sync session; collective on every trainer rank."""
@@ -124,7 +133,8 @@ class TrainerWeightSync:
         members = [entry["token"] for entry in roster if entry["joins"]]
         me = members.index(token) if joins else None
         backend = self.config.resolved_backend(torch.cuda.is_available())
-        identity = Identity(job=f"trainer-{roster[0]['token'][:8]}", role="trainer", member=me if me is not None else -1,
+        identity = Identity(job=f"trainer-{roster[0]['token'][:8]}", role="trainer",
+                            member=me if me is not None else -1,
                             expects=expectations(self.config, trainer_stages=self.layout.pp, backend=backend),
                             model=model_fields(hf_config) if hf_config is not None else None,
                             session=roster[0]["session"])
@@ -134,8 +144,8 @@ class TrainerWeightSync:
                 self.session = SyncSession.host(*where, identity, timeout_s=self.config.timeout_s,
                                                 members={"trainer": len(members),
                                                          "inference": self.config.num_inference_ranks})
-                log.info("hosting weight-sync session %s at %s:%d (model digest %s)", self.session.id,
-                            *where, model_digest(identity.model or {})[:12])
+                log.info("hosting weight-sync session %s at %s:%d (model digest %s)", self.session.id, *where,
+                         model_digest(identity.model or {})[:12])
         with failing_together("joining the sync session", self._gather):
             if me is not None and me > 0:
                 self.session = SyncSession.join(*where, identity, timeout_s=self.config.timeout_s)

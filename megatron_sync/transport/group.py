@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_sync.errors import PeerFailureError, SyncError
+from megatron_sync.transport.rendezvous import Identity
+from megatron_sync.transport.session import SyncSession
 
 
 class StoreBoard:
@@ -183,9 +185,6 @@ def init_transport_group(master_address: str, master_port: int, world_size: int,
     absorbed into the group. The drivers host and join the session themselves,
     with the jobs' full identities, and call `transport_group_over`.
     """
-    from megatron_sync.transport.rendezvous import Identity
-    from megatron_sync.transport.session import SyncSession
-
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
     me = Identity(job="", role="member", member=rank, expects={"world_size": world_size})
@@ -204,7 +203,7 @@ def init_transport_group(master_address: str, master_port: int, world_size: int,
     return group
 
 
-def transport_group_over(session: Any, world_size: int, rank: int, *, backend: str = "gloo",
+def transport_group_over(session: SyncSession, world_size: int, rank: int, *, backend: str = "gloo",
                          timeout: float = 300.0, group_name: str = "megatron_sync") -> TransportGroup:
     """Return the transport group over a ready sync session's store (keys under the session's own prefix).
 

@@ -134,7 +134,7 @@ class SyncSession:
         decision = _present(store, identity, f"{address}:{port}", timeout_s)
         if not decision.accepted:
             raise RendezvousError(f"the rendezvous at {address}:{port} refused this rank: {decision.reason}")
-        host = Identity.from_json(store.get("rdzv/session"))
+        host = Identity.from_json(_read(store, "rdzv/session", f"{address}:{port}"))
         log.info("%s joined session %s", identity.describe(), host.session)
         return cls(store, session_id=host.session, identity=identity, address=address, port=port,
                    timeout_s=timeout_s)
@@ -180,7 +180,7 @@ class SyncSession:
         while True:
             failure = _read(self.store, "rdzv/failed", self.where)
             if failure is not None:
-                _safely(lambda: self.store.add("rdzv/acks", 1))
+                _add(self.store, "rdzv/acks", 1)
                 raise RendezvousError(f"[{self.identity.describe()}] session {self.id} failed: {failure.decode()}")
             if _read(self.store, "rdzv/ready", self.where) is not None:
                 return
@@ -226,7 +226,7 @@ class SyncSession:
         if not failed or self._ready:
             return
         deadline = time.monotonic() + linger_s
-        while time.monotonic() < deadline and _safely(lambda: self.store.add("rdzv/acks", 0)) < expected:
+        while time.monotonic() < deadline and _add(self.store, "rdzv/acks", 0) < expected:
             time.sleep(POLL_S)
             with self._lock:
                 expected = self._answered + sum(len(m) for m in self._admission.admitted.values()) - 1
@@ -323,7 +323,7 @@ def _present(store: Any, identity: Identity, where: str, timeout_s: float) -> De
     while True:
         raw = _read(store, f"rdzv/answer/{ticket}", where)
         if raw is not None:
-            _safely(lambda: store.add("rdzv/acks", 1))  # the host may leave once every answer was read
+            _add(store, "rdzv/acks", 1)  # the host may leave once every answer was read
             return Decision.from_json(raw)
         if time.monotonic() > deadline:
             raise RendezvousError(f"the rendezvous at {where} did not answer {identity.describe()} within "
@@ -344,11 +344,13 @@ def _failed(identity: Identity, reason: str) -> Identity:
     return dataclasses.replace(identity, failure=reason)
 
 
-def _safely(op) -> int:
+def _add(store: Any, key: str, amount: int) -> float:
+    """Return the counter under `key` after adding `amount`; infinity once the store is gone (nobody is
+    left to wait for)."""
     try:
-        return op()
+        return store.add(key, amount)
     except _STORE_ERRORS:
-        return 1 << 30
+        return float("inf")
 
 
 def _hosting_problem(address: str, port: int, error: BaseException) -> str:
