@@ -70,11 +70,10 @@ class Launched:
         return code, ended
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
+        """SIGKILL the command and everything it started (torchrun puts workers in sessions of their own)."""
+        from examples.demo import stop_job
+
+        stop_job("test", self.proc, 0.0)
 
 
 def processes_with(marker: str) -> list[tuple[int, str]]:
@@ -230,6 +229,19 @@ def _launch_pair(tmp_path, *, trainer_config: dict, engine_model_dir: str, weigh
     return train, serve, str(config)
 
 
+def _failed_pair(train: Launched, serve: Launched) -> tuple[int, int, float]:
+    """Wait for both jobs; return their exit codes and the seconds from the trainer hosting its session
+    until it exited."""
+    try:
+        hosted = train.when(r"hosting weight-sync session")
+        train_code, train_ended = train.wait(120)
+        serve_code, _ = serve.wait(60)
+    finally:
+        train.kill()
+        serve.kill()
+    return train_code, serve_code, train_ended - hosted
+
+
 def _engine_model(tmp_path) -> tuple[str, dict]:
     from tests.test_launch import _model_dir
 
@@ -244,20 +256,14 @@ def test_a_model_differing_only_in_rope_theta_is_refused_before_any_byte_moves(t
     trainer_config["rope_parameters"]["rope_theta"] = 1e6  # the trainer's HF config; the engine has 1e4
     train, serve, config = _launch_pair(tmp_path, trainer_config=trainer_config, engine_model_dir=model_dir,
                                         weight_sync={})
-    try:
-        hosted = train.when(r"hosting weight-sync session")
-        train_code, train_ended = train.wait(120)
-        serve_code, _ = serve.wait(60)
-    finally:
-        train.kill()
-        serve.kill()
+    train_code, serve_code, seconds = _failed_pair(train, serve)
     words = "the models differ in rope_parameters.rope_theta: trainer 1000000.0, this inference job 10000.0"
     assert train_code != 0 and words in train.output, train.output[-4000:]
     assert serve_code == 1 and words in serve.output, serve.output[-4000:]
     assert "refused this rank" in serve.output
     assert "the engine stays on version 0" in serve.output  # its initial weights: nothing was received
     assert "synced version" not in train.output
-    assert train_ended - hosted < 15, train_ended - hosted
+    assert seconds < 15, seconds
     assert_nothing_left(config)
 
 
@@ -265,19 +271,13 @@ def test_an_engine_that_fails_at_start_up_fails_the_trainer_within_seconds_quoti
     model_dir, engine_config = _engine_model(tmp_path)
     train, serve, config = _launch_pair(tmp_path, trainer_config=engine_config, engine_model_dir=model_dir,
                                         weight_sync={"dtype": "int8"})  # the engine cannot compute in int8
-    try:
-        hosted = train.when(r"hosting weight-sync session")
-        train_code, train_ended = train.wait(120)
-        serve_code, _ = serve.wait(60)
-    finally:
-        train.kill()
-        serve.kill()
+    train_code, serve_code, seconds = _failed_pair(train, serve)
     why = "Qwen3ForCausalLM cannot be instantiated under `dtype=torch.int8`"
     assert serve_code != 0 and "[inference rank 0] failed while starting: ValueError: " in serve.output
     assert "(reported to the trainer)" in serve.output, serve.output[-4000:]
     assert train_code != 0 and re.search(r"inference rank 0 of job 'inference-\w+' failed while starting: "
                                          r"ValueError: .*" + re.escape(why), train.output), train.output[-4000:]
-    assert train_ended - hosted < 15, train_ended - hosted
+    assert seconds < 15, seconds
     assert_nothing_left(config)
 
 
