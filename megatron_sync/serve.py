@@ -35,6 +35,7 @@ from megatron_sync.errors import RendezvousError, TrainerGoneError
 from megatron_sync.lifecycle import Terminated, stop_on_signals
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.sync import AppHandler, InferenceWeightSync
+from megatron_sync.transport import get_transport
 from megatron_sync.transport.rendezvous import Identity
 from megatron_sync.transport.session import report_failure
 
@@ -134,8 +135,8 @@ def join(config: WeightSyncConfig, hf_config: Any, *, engine: str = "reference",
             load_initial_weights(built, model_dir)
     except Exception as e:
         me = Identity(job=job_id, role="inference", member=rank, session=config.run_id)
-        reported = report_failure(config.master_address, config.master_port, me, f"{type(e).__name__}: {e}",
-                                  timeout_s=config.timeout_s)
+        reported = get_transport(config.transport).meets_at_store and report_failure(
+            config.master_address, config.master_port, me, f"{type(e).__name__}: {e}", timeout_s=config.timeout_s)
         print(f"[inference rank {rank}] failed while starting: {type(e).__name__}: {e}"
               + (" (reported to the trainer)" if reported else ""), flush=True)
         raise

@@ -100,7 +100,8 @@ class TrainerWeightSync:
         if converter is None or hf_config is not None:
             hf_config = load_hf_config(config, hf_config)
         try:
-            self._open_session(transport_cls, hf_config)
+            if transport_cls.meets_at_store:
+                self._open_session(transport_cls, hf_config)
             self._start(transport_cls, chunks, converter, hf_config, trainer_group)
         except BaseException as e:
             if self.session is not None:
@@ -120,8 +121,9 @@ class TrainerWeightSync:
             if self.stream.is_source:
                 check_model_complete(all_stage_metadata(self.stream), converter)
         with failing_together("connecting to the inference ranks", self._gather):
-            if self.session is not None:
-                self.session.wait_ready()
+            if transport_cls.trainer_joins(self.layout):
+                if self.session is not None:
+                    self.session.wait_ready()
                 self.transport = transport_cls.connect_trainer(config, self.layout, session=self.session)
             self.sender = transport_cls.make_sender(self.transport, self.stream, config, converter.keep_together)
 
@@ -252,18 +254,19 @@ class InferenceWeightSync:
         identity = Identity(job=job_id or "", role="inference", member=inference_rank,
                             expects=expectations(config, trainer_stages=num_trainer_stages, backend=backend),
                             model=model_fields(hf_config) if hf_config is not None else None, session=config.run_id)
-        if hf_config is None:
+        if hf_config is None and transport_cls.meets_at_store:
             log.warning("[inference rank %d] no HF config given: the trainer cannot check that this engine's "
                         "model-defining config fields equal its own", inference_rank)
-        self.session = SyncSession.join(config.master_address, config.master_port, identity,
-                                        timeout_s=config.timeout_s)
+        self.session = (SyncSession.join(config.master_address, config.master_port, identity,
+                                         timeout_s=config.timeout_s) if transport_cls.meets_at_store else None)
         try:
-            self.session.wait_ready()
+            if self.session is not None:
+                self.session.wait_ready()
             self.transport = transport_cls.connect_inference(
                 config, num_trainer_stages=num_trainer_stages, inference_rank=inference_rank, session=self.session)
             self.receiver = self.transport.make_receiver(engine, config, keep_together, commit=self.server.commit)
         except BaseException as e:
-            if not isinstance(e, RendezvousError):
+            if self.session is not None and not isinstance(e, RendezvousError):
                 self.session.fail(f"{identity.describe()} failed while connecting: {type(e).__name__}: {e}")
             self.close()
             raise

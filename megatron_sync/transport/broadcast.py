@@ -27,8 +27,12 @@ if TYPE_CHECKING:
 GROUP_NAME = "megatron_sync"
 
 
-def connect_group(config: "WeightSyncConfig", session: "SyncSession", world_size: int, rank: int) -> TransportGroup:
+def connect_group(config: "WeightSyncConfig", session: Optional["SyncSession"], world_size: int,
+                  rank: int) -> TransportGroup:
     """Return the transport group of `world_size` ranks over the session's store, as `rank`."""
+    if session is None:
+        raise ValueError("the broadcast transport meets at the drivers' sync session: pass session= "
+                         "(TrainerWeightSync / InferenceWeightSync do)")
     backend = config.resolved_backend(torch.cuda.is_available())
     return transport_group_over(session, world_size, rank, backend=backend, timeout=config.timeout_s,
                                 group_name=GROUP_NAME)
@@ -41,13 +45,13 @@ class BroadcastTransport(BucketTransport):
 
     @classmethod
     def connect_trainer(cls, config: "WeightSyncConfig", layout: "ParallelLayout", *,
-                        session: "SyncSession") -> "BroadcastTransport":
+                        session: Optional["SyncSession"] = None) -> "BroadcastTransport":
         world = layout.pp + config.num_inference_ranks
         return cls(connect_group(config, session, world, rank=layout.pp_rank), layout.pp)
 
     @classmethod
     def connect_inference(cls, config: "WeightSyncConfig", *, num_trainer_stages: int,
-                          inference_rank: int, session: "SyncSession") -> "BroadcastTransport":
+                          inference_rank: int, session: Optional["SyncSession"] = None) -> "BroadcastTransport":
         world = num_trainer_stages + config.num_inference_ranks
         return cls(connect_group(config, session, world, rank=num_trainer_stages + inference_rank),
                    num_trainer_stages)

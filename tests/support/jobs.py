@@ -16,7 +16,7 @@ import importlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -110,14 +110,18 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     return {"held": held}
 
 
-def run_pair(case: dict, timeout: float = 240.0) -> tuple[list, list]:
-    """Run the trainer job and the inference job of `case` concurrently; return both jobs' per-rank results."""
+def run_pair(case: dict, timeout: float = 240.0, *, trainer: Callable = trainer_job,
+             engine: Callable = engine_job) -> tuple[list, list]:
+    """Run the trainer job and the inference job of `case` concurrently; return both jobs' per-rank results.
+
+    `trainer` / `engine` replace the job functions (module-level, with the same signatures).
+    """
     case = {"port": free_port(), "engines": 1, "engine_tp": 2, "layout": {}, "versions": 2, **case}
     trainer_world = _world(case["layout"])
     with ThreadPoolExecutor(max_workers=2) as pool:
-        trainer = pool.submit(run_distributed, trainer_job, trainer_world, case, timeout=timeout)
-        engines = pool.submit(run_distributed, engine_job, case["engines"] * case["engine_tp"], case, timeout=timeout)
-        return trainer.result(), engines.result()
+        trainers = pool.submit(run_distributed, trainer, trainer_world, case, timeout=timeout)
+        engines = pool.submit(run_distributed, engine, case["engines"] * case["engine_tp"], case, timeout=timeout)
+        return trainers.result(), engines.result()
 
 
 def _world(layout: dict) -> int:
