@@ -14,7 +14,7 @@ import json
 import logging
 import uuid
 from concurrent.futures import Future
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -22,6 +22,7 @@ from converters import get_converter, get_family
 from megatron_sync.agreement import failing_together, torch_gather
 from megatron_sync.config import WeightSyncConfig
 from megatron_sync.engines.base import EngineAdapter, EngineClient
+from megatron_sync.engines.fleet import EngineFleet, clients_from_config
 from megatron_sync.engines.serving import GenerationServer
 from megatron_sync.errors import PeerFailureError, RendezvousError, SyncAbortedError, TrainerGoneError
 from megatron_sync.meta import dtype_from_name
@@ -72,8 +73,13 @@ class TrainerWeightSync:
     inference job's ranks are admitted only if they expect the same layout and
     model (`transport/rendezvous.py`); every rank of the transport computed the
     same plan. Any failure is raised on every trainer rank and posted to the
-    session, so the engines fail at once quoting it. `engine_client` (vLLM,
-    SGLang) is driven around every sync by the leader.
+    session, so the engines fail at once quoting it.
+
+    Engines driven over their own API (vLLM, SGLang): `engine_clients`
+    (pass the same list on every trainer rank; default: built from
+    `config.engines`). The leader starts their workers joining the transport
+    group before it connects, pauses them before each sync and resumes them
+    after it; a failed sync names the failing worker ("vLLM worker 1 of URL").
     """
 
     def __init__(
@@ -85,16 +91,16 @@ class TrainerWeightSync:
         *,
         hf_config: Any = None,
         trainer_group: Any = None,
-        engine_client: Optional[EngineClient] = None,
+        engine_clients: Optional[Sequence[EngineClient]] = None,
     ):
         if not config.enabled:
             raise ValueError("weight_sync.enabled is false; build no TrainerWeightSync (WeightSyncCallback.from_config skips it)")
         self.config = config
         self.layout = layout or ParallelLayout.from_megatron()
-        self.engine_client = engine_client
         self.version = 0
         self.transport = None
         self.session: Optional[SyncSession] = None
+        self.engines = EngineFleet([], driven=False)
         self._gather = torch_gather(trainer_group)
         transport_cls = get_transport(config.transport)
         if converter is None or hf_config is not None:
@@ -102,14 +108,15 @@ class TrainerWeightSync:
         try:
             if transport_cls.meets_at_store:
                 self._open_session(transport_cls, hf_config)
-            self._start(transport_cls, chunks, converter, hf_config, trainer_group)
+            self._start(transport_cls, chunks, converter, hf_config, trainer_group, engine_clients)
         except BaseException as e:
             if self.session is not None:
                 self.session.fail(f"the trainer failed while starting: {e}")
             self.close()
             raise
 
-    def _start(self, transport_cls: Any, chunks: list, converter: Any, hf_config: Any, trainer_group: Any) -> None:
+    def _start(self, transport_cls: Any, chunks: list, converter: Any, hf_config: Any, trainer_group: Any,
+               engine_clients: Optional[Sequence[EngineClient]]) -> None:
         """The start-up checks, then (once every rank of both jobs was admitted) the transport and sender."""
         config = self.config
         with failing_together("starting the trainer's weight sync", self._gather):
@@ -120,12 +127,26 @@ class TrainerWeightSync:
             )
             if self.stream.is_source:
                 check_model_complete(all_stage_metadata(self.stream), converter)
+        self.engines = self._engine_fleet(config, engine_clients, transport_cls.trainer_joins(self.layout))
+        with failing_together("checking the driven engines and starting their joins", self._gather):
+            # Driven engines join this session only (run_id), like a launched inference job would.
+            joining = config.replace(run_id=self.session.id) if self.session is not None else config
+            self.engines.start_joins(joining, num_trainer_stages=self.layout.pp)
         with failing_together("connecting to the inference ranks", self._gather):
-            if transport_cls.trainer_joins(self.layout):
-                if self.session is not None:
-                    self.session.wait_ready()
-                self.transport = transport_cls.connect_trainer(config, self.layout, session=self.session)
-            self.sender = transport_cls.make_sender(self.transport, self.stream, config, converter.keep_together)
+            with self.engines.joined():  # driven engines' workers join while the trainer connects
+                if transport_cls.trainer_joins(self.layout):
+                    if self.session is not None:
+                        self.session.wait_ready()
+                    self.transport = transport_cls.connect_trainer(config, self.layout, session=self.session)
+                self.sender = transport_cls.make_sender(self.transport, self.stream, config,
+                                                        converter.keep_together)
+
+    def _engine_fleet(self, config: WeightSyncConfig, clients: Optional[Sequence[EngineClient]],
+                      joins: bool) -> EngineFleet:
+        """Return the driven engines: their clients on the leader (stage 0's source), none elsewhere."""
+        clients = list(clients) if clients is not None else clients_from_config(config)
+        leads = joins and self.layout.is_stage_source and self.layout.pp_rank == 0
+        return EngineFleet(clients if leads else [], driven=any(self._gather(bool(clients))))
 
     def _open_session(self, transport_cls: Any, hf_config: Any) -> None:
         """Host (the first joining trainer rank) or join the sync session; collective on every trainer rank."""
@@ -164,18 +185,24 @@ class TrainerWeightSync:
         trainer rank if any rank failed (the engines then keep the previous version).
         """
         version = self.version + 1
+        if self.engines.driven:
+            with failing_together(f"pausing the engines for version {version}", self._gather):
+                self.engines.before_sync(version)
         if self.is_leader:
-            if self.engine_client is not None:
-                self.engine_client.before_sync(version)
+            self.engines.begin_transfer(version)
             self.transport.control.send(ControlMessage(ControlOp.SYNC, version))
-        ok = False
         try:
             with failing_together(f"weight sync of version {version}", self._gather):
-                metrics = self.sender.sync(version)
-            ok = True
-        finally:
-            if self.is_leader and self.engine_client is not None:
-                self.engine_client.after_sync(version, ok)
+                try:
+                    metrics = self.sender.sync(version)
+                except SyncAbortedError as e:
+                    raise self.engines.named(e, self.transport)
+        except BaseException:
+            self.engines.after_sync(version, ok=False)  # resumes them on the previous version; never raises
+            raise
+        if self.engines.driven:
+            with failing_together(f"committing version {version} on the engines", self._gather):
+                self.engines.after_sync(version, ok=True)
         self.version = version
         return metrics
 
@@ -197,6 +224,7 @@ class TrainerWeightSync:
         rendezvous store, so it waits (up to `timeout_s`) until every engine
         rank has read "stop" before the store goes away.
         """
+        self.engines.close()  # driven engines' workers acknowledge "stop" as they leave
         if self.transport is not None:
             if self.is_leader:
                 try:
@@ -210,9 +238,6 @@ class TrainerWeightSync:
         if self.session is not None:
             self.session.close()
             self.session = None
-        if self.engine_client is not None:
-            self.engine_client.close()
-            self.engine_client = None
 
 
 AppHandler = Callable[[ControlMessage], None]

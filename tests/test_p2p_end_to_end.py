@@ -38,7 +38,7 @@ def _mover(backend, group, trainers, receivers):
     from megatron_sync.p2p.movers import MooncakeMover, TorchP2PMover
 
     if backend == "mooncake":
-        return MooncakeMover(group, protocol="tcp", timeout_s=group.timeout_s)
+        return MooncakeMover(group.board, protocol="tcp", timeout_s=group.timeout_s)
     peers = {("sender", s): s for s in range(trainers)}
     peers.update({("receiver", i): trainers + i for i in range(receivers)})
     return TorchP2PMover(group._pg, peers, timeout_s=group.timeout_s)
@@ -81,13 +81,13 @@ def _trainer(rank, world, case, port, receivers):
     holders = replica.assignment.hf_holders()
     group = _open(rank, world + receivers, port)
     if rank == 0:
-        group.post("plan_inputs", json.dumps({"specs": spec_wire(specs), "holders": holders}).encode())
+        group.board.post("plan_inputs", json.dumps({"specs": spec_wire(specs), "holders": holders}).encode())
     plan = build_transfer_plan(specs, holders, fleet, BUCKET)
     _agree_on_plan(group, plan)
     sent = {}
     for version, backend in enumerate(BACKENDS, start=1):
         mover = _mover(backend, group, world, receivers)
-        sent[backend] = send_share(plan, rank, replica.tensors, mover, group, version=version).nbytes
+        sent[backend] = send_share(plan, rank, replica.tensors, mover, group.board, version=version).nbytes
         group.all_gather_json(rank)  # stands in for the all-ranks commit agreement
         mover.close()
     group.close()
@@ -104,7 +104,7 @@ def _receiver(index, count, case, port, trainers):
     from megatron_sync.p2p.plan import build_transfer_plan, fleet_receivers
 
     group = _open(trainers + index, trainers + count, port)
-    inputs = json.loads(group.fetch("plan_inputs", 240))
+    inputs = json.loads(group.board.fetch("plan_inputs", 240))
     specs = specs_from_wire(inputs["specs"])
     plan = build_transfer_plan(specs, inputs["holders"], fleet_receivers(specs, _engines(case["engines"], case["kv"])),
                                BUCKET)
@@ -116,7 +116,7 @@ def _receiver(index, count, case, port, trainers):
         mover = _mover(backend, group, trainers, count)
         staging = torch.full((me.layout.nbytes,), SENTINEL, dtype=torch.uint8)
         mover.expose(index, staging)
-        stats = receive_shards(plan, index, staging, mover, group, version=version, timeout_s=120)
+        stats = receive_shards(plan, index, staging, mover, group.board, version=version, timeout_s=120)
         out[backend] = {"shards": {n: v.clone() for n, v in me.layout.shard_views(staging, by_name).items()},
                         "received": stats.nbytes, "clean": untouched_outside_placements(me.layout, staging)}
         group.all_gather_json(index)
