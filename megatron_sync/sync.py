@@ -161,6 +161,9 @@ class TrainerWeightSync:
                             expects=expectations(self.config, trainer_stages=self.layout.pp, backend=backend),
                             model=model_fields(hf_config) if hf_config is not None else None,
                             session=roster[0]["session"])
+        if hf_config is None:
+            log.warning("no HF config (a converter was passed without hf_config=): the rendezvous cannot compare "
+                        "the engines' model-defining config fields with the trainer's")
         where = (self.config.master_address, self.config.master_port)
         with failing_together("hosting the sync session", self._gather):
             if me == 0:
