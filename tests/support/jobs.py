@@ -16,6 +16,8 @@ same gather and conversion without quantization (the reference quantizers' input
 from __future__ import annotations
 
 import importlib
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -90,6 +92,7 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
                 tokens = torch.randint(0, spec.vocab_size, (2, 12), generator=torch.Generator().manual_seed(version))
                 train_step(ddp, optimizer, tokens, layout)
             callback.syncer.sync()
+            _hold_after(case, version)
             logits.append(models.megatron_logits(chunks, EVAL_TOKENS))
             if case.get("record_unquantized"):
                 unquantized.append(_unquantized_hf_tensors(chunks, layout, case))
@@ -98,6 +101,19 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
                 sent.append({e.name: sender.replica.view(e.name).clone()
                              for b in sender.replica.buckets for e in b.entries})
     return {"sent": sent, "logits": logits, "unquantized": unquantized}
+
+
+def _hold_after(case: dict, version: int) -> None:
+    """`case["hold"] = {"after_version": v, "until_file": path}`: after syncing v, wait until the test
+    creates `path` (a test that does something between two syncs)."""
+    hold = case.get("hold")
+    if not hold or version != hold["after_version"]:
+        return
+    deadline = time.monotonic() + case.get("timeout_s", 60.0) * 2
+    while not os.path.exists(hold["until_file"]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{hold['until_file']} did not appear")
+        time.sleep(0.1)
 
 
 def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
@@ -109,7 +125,8 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     config = sync_config(case)
     me = join(config, case_hf_config(case))
     isync = InferenceWeightSync(config, me.engine, num_trainer_stages=case["layout"].get("pp", 1),
-                                inference_rank=me.rank, engine_group=me.group)
+                                inference_rank=me.rank, engine_group=me.group, hf_config=me.hf_config,
+                                job_id=me.job_id)
     held = []
     try:
         while isync.handle(isync.next_control(timeout_s=case.get("timeout_s", 60.0) * 2), {}):
