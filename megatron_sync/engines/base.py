@@ -14,11 +14,14 @@ every sync (pause, open the engine's update session, resume).
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
 
 import torch
 
 from megatron_sync.meta import TensorMeta
+
+if TYPE_CHECKING:
+    from megatron_sync.p2p.layout import EngineLayout
 
 
 @runtime_checkable
@@ -41,6 +44,19 @@ class EngineAdapter(Protocol):
     @property
     def version(self) -> int:
         """The version of the weights in use now (0 before the first sync)."""
+
+
+@runtime_checkable
+class LayoutEngine(EngineAdapter, Protocol):
+    """An engine rank whose memory layout is known from metadata: what a P2P transport needs.
+
+    Its layout says which region of every HF tensor each rank holds and where it lies
+    in the rank's staging memory, so trainer ranks can write exactly those bytes there
+    and the rank commits them with `load_shards(layout's shard views of the staging)`.
+    """
+
+    def memory_layout(self) -> "EngineLayout":
+        """Return the layout of this engine (all its TP ranks): `megatron_sync.p2p.layout`'s classes."""
 
 
 @runtime_checkable

@@ -2,9 +2,11 @@
 
 Out of band, on the control channel, each sender posts one report per receiver once its last
 message to that receiver is written: the xxh3-64 of every range and the bytes the transport
-accepted, or the error that stopped it. A receiver waits (bounded) for the reports of all its
-senders, then for its own receives, and checks every range's checksum against its staging
-buffer. Committing the staged version is the all-ranks agreement's job, not this module's.
+accepted, or the error that stopped it (a sender that fails also sends filler in place of its
+unsent messages, so two-sided receives finish). A receiver waits (bounded) for its own
+receives, which fail at once when a two-sided sender dies, then for the reports of all its
+senders, and checks every range's checksum against its staging buffer. Committing the staged
+version is the all-ranks agreement's job, not this module's.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import xxhash
 
 from megatron_sync.p2p.movers import ByteMover, Control
 from megatron_sync.p2p.plan import Range, TransferPlan
-from megatron_sync.errors import CorruptBucketError, PeerFailureError
+from megatron_sync.errors import CorruptBucketError, PeerFailureError, SenderFailedError
 
 
 def checksum(data: torch.Tensor) -> int:
@@ -92,21 +94,42 @@ def send_share(plan: TransferPlan, sender: int, replica: Mapping[str, torch.Tens
                 report = {"checksums": sums.pop(m.receiver), "bytes": moved}
                 control.post(report_key(version, sender, m.receiver), json.dumps(report).encode())
     except Exception as exc:
-        _abandon(queue[done:], plan, mover, buffer)
         error = f"trainer rank {sender}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
-        for receiver in sums:
-            control.post(report_key(version, sender, receiver), json.dumps({"error": error}).encode())
+        _give_up(queue[done:], sorted(sums), plan, sender, mover, control, version, error, buffer)
         raise
     stats.seconds = time.perf_counter() - start
     return stats
 
 
-def _abandon(messages, plan: TransferPlan, mover: ByteMover, buffer: torch.Tensor) -> None:
-    """Send filler for every message not written, so two-sided receivers finish their receives."""
+def fail_share(plan: TransferPlan, sender: int, mover: ByteMover, control: Control, *, version: int,
+               error: str) -> None:
+    """Tell every receiver of `sender` that it failed before sending `version` (`error` says why).
+
+    Two-sided movers get filler in place of every message, so the receivers' posted
+    receives finish and the transport stays usable for the next version.
+    """
+    queue = plan.sender_queue(sender)
+    if queue:
+        buffer = mover.send_buffer(max(m.nbytes for m in queue))
+        _give_up(queue, sorted({m.receiver for m in queue}), plan, sender, mover, control, version,
+                 f"trainer rank {sender}: {error}", buffer)
+
+
+def _give_up(messages, receivers, plan: TransferPlan, sender: int, mover: ByteMover, control: Control,
+             version: int, error: str, buffer: torch.Tensor) -> None:
+    """Send filler for `messages` (skipping receivers that are gone), then post `error` to `receivers`."""
+    gone: set[int] = set()
     for m in messages:
+        if m.receiver in gone:
+            continue
         try:
             mover.abandon(m, plan.ranges, buffer[:m.nbytes])
-        except Exception:  # noqa: BLE001 — the receiver is gone too; its report says why
+        except Exception:  # noqa: BLE001 — that receiver is gone; the others still wait for filler
+            gone.add(m.receiver)
+    for receiver in receivers:
+        try:
+            control.post(report_key(version, sender, receiver), json.dumps({"error": error}).encode())
+        except Exception:  # noqa: BLE001 — the store is gone: every receiver fails on it by itself
             return
 
 
@@ -114,22 +137,23 @@ def receive_shards(plan: TransferPlan, receiver: int, staging: torch.Tensor, mov
                    control: Control, *, version: int, timeout_s: float) -> TransferStats:
     """Receive this receiver's ranges into `staging`, verify each checksum; return what arrived.
 
-    Raises PeerFailureError when a sender reports an error or stays silent past `timeout_s`,
-    and CorruptBucketError naming the range when bytes differ from what was sent. Either
-    way every receive is finished or parked first, so nothing writes into `staging` later
-    unnoticed, and the caller keeps the previous version.
+    Waits (bounded by `timeout_s` in all) for the receives, then for every sender's
+    report. Raises PeerFailureError when a sender died or stays silent (a two-sided
+    transport is then unusable: receives may still be pending), SenderFailedError when
+    a sender reported its own failure, and CorruptBucketError naming the range when
+    bytes differ from what was sent. The caller keeps the previous version either way.
     """
     start = time.perf_counter()
     deadline = start + timeout_s
     messages = plan.incoming(receiver)
     pending = mover.expect(receiver, messages, plan.ranges, staging)
-    reports, failure = _collect_reports(control, version, receiver, sorted({m.sender for m in messages}), deadline)
     try:
         arrived = pending.wait(max(deadline - time.perf_counter(), 0.001))
     except PeerFailureError as e:
-        raise (failure or e) from e
-    if failure is not None:
-        raise failure
+        raise PeerFailureError(f"receiver {receiver}: version {version} did not fully arrive within "
+                               f"{timeout_s:g}s (a sender died or stalls): {e}") from e
+    reports = _collect_reports(control, version, receiver, sorted({m.sender for m in messages}), deadline,
+                               timeout_s)
     stats = TransferStats(bytes_per_peer=arrived or {s: r["bytes"] for s, r in reports.items()})
     stats.ranges = _verify(plan, receiver, staging, reports)
     expected = sum(len(m.ranges) for m in messages)
@@ -139,23 +163,22 @@ def receive_shards(plan: TransferPlan, receiver: int, staging: torch.Tensor, mov
     return stats
 
 
-def _collect_reports(control: Control, version: int, receiver: int, senders: list[int],
-                     deadline: float) -> tuple[dict[int, dict], PeerFailureError | None]:
-    """Return every sender's report, and the first failure (an error report, or silence past the deadline)."""
+def _collect_reports(control: Control, version: int, receiver: int, senders: list[int], deadline: float,
+                     timeout_s: float) -> dict[int, dict]:
+    """Return every sender's report (consumed: deleted from the store); raise on an error report or silence."""
     reports: dict[int, dict] = {}
-    failure = None
     for sender in senders:
+        key = report_key(version, sender, receiver)
         try:
-            reports[sender] = json.loads(control.fetch(report_key(version, sender, receiver),
-                                                       max(deadline - time.perf_counter(), 0.001)))
+            reports[sender] = json.loads(control.fetch(key, max(deadline - time.perf_counter(), 0.001)))
         except PeerFailureError as e:
-            failure = failure or PeerFailureError(f"receiver {receiver}: trainer rank {sender} sent no report "
-                                                  f"for version {version}: {e}")
-            continue
-        if "error" in reports[sender]:
-            failure = failure or PeerFailureError(
-                f"receiver {receiver}: a sender failed mid-transfer of version {version}: {reports[sender]['error']}")
-    return reports, failure
+            raise PeerFailureError(f"receiver {receiver}: trainer rank {sender} sent no report for version "
+                                   f"{version} within {timeout_s:g}s: {e}") from e
+        control.delete(key)
+    failed = [r["error"] for r in reports.values() if "error" in r]
+    if failed:
+        raise SenderFailedError(f"receiver {receiver}: a sender failed mid-transfer of version {version}: {failed[0]}")
+    return reports
 
 
 def _verify(plan: TransferPlan, receiver: int, staging: torch.Tensor, reports: dict[int, dict]) -> int:

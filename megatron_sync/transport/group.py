@@ -59,6 +59,13 @@ class StoreBoard:
         except (RuntimeError, dist.DistStoreError) as e:
             raise self._failure(f"waiting for {key!r}", e) from e
 
+    def delete(self, key: str) -> None:
+        """Remove `key` (a consumed value), so per-version keys do not pile up in the store."""
+        try:
+            self._store.delete_key(self._prefix + key)
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise self._failure(f"deleting {key!r}", e) from e
+
     def close(self) -> None:
         self._store = None
 
@@ -93,6 +100,20 @@ class TransportGroup:
         if not async_op:
             pending.wait()
         return pending
+
+    def send(self, tensor: torch.Tensor, dst: int, *, tag: int = 0) -> "Pending":
+        """Start sending `tensor` to group rank `dst`; return the in-flight handle (bounded `wait`)."""
+        try:
+            return Pending(self, f"send to rank {dst}", self._pg.send([tensor], dst, tag))
+        except RuntimeError as e:
+            raise self._fail(f"send to rank {dst}", e) from e
+
+    def recv(self, tensor: torch.Tensor, src: int, *, tag: int = 0) -> "Pending":
+        """Start receiving into `tensor` from group rank `src`; return the in-flight handle (bounded `wait`)."""
+        try:
+            return Pending(self, f"receive from rank {src}", self._pg.recv([tensor], src, tag))
+        except RuntimeError as e:
+            raise self._fail(f"receive from rank {src}", e) from e
 
     def _all_gather(self, mine: torch.Tensor) -> list[torch.Tensor]:
         """Return every rank's `mine` (same shape on every rank), indexed by rank."""
@@ -148,11 +169,12 @@ class Pending:
     def __init__(self, group: TransportGroup, op: str, work: Any) -> None:
         self._group, self._op, self._work = group, op, work
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: Optional[float] = None) -> None:
+        """Block until done, at most `timeout_s` (None: the group's timeout); PeerFailureError after."""
         if self._work is None:
             return
         try:
-            self._work.wait(datetime.timedelta(seconds=self._group.timeout_s))
+            self._work.wait(datetime.timedelta(seconds=self._group.timeout_s if timeout_s is None else timeout_s))
         except RuntimeError as e:
             raise self._group._fail(self._op, e) from e
         finally:
@@ -162,7 +184,7 @@ class Pending:
         return self._work is None or self._work.is_completed()
 
 
-def init_transport_group(master_address: str, master_port: int, world_size: int, rank: int, *,
+def init_transport_group(master_address: str, master_port: int, world_size: Optional[int], rank: int, *,
                          backend: str = "gloo", timeout: float = 300.0,
                          group_name: str = "megatron_sync") -> TransportGroup:
     """Return the transport group after a TCP rendezvous (rank 0 hosts the store).
@@ -171,17 +193,34 @@ def init_transport_group(master_address: str, master_port: int, world_size: int,
     group: the backend is constructed straight from a PrefixStore(group_name),
     the way SGLang's `init_custom_process_group` does, and not registered with
     torch.distributed's world.
+
+    A member that does not know the group's size (the inference side of a
+    transport whose trainer ranks all join) passes `world_size=None` and a
+    negative `rank`, counted from the end like a Python index: the host posts
+    the size once every member has checked in.
     """
-    if not 0 <= rank < world_size:
+    if world_size is None:
+        if rank >= 0:
+            raise ValueError(f"rank={rank}: without world_size, rank counts from the end (-1 is the last rank)")
+    elif not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
     delta = datetime.timedelta(seconds=timeout)
+    size_key = f"{group_name}/rendezvous/world_size"
     try:
-        store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout=delta)
+        # The count is only the host's to wait for; a member that passes one merely checks in.
+        store = dist.TCPStore(master_address, master_port, world_size or 1, rank == 0, timeout=delta)
+        if world_size is None:
+            world_size = int(store.get(size_key))
+            rank += world_size
+        elif rank == 0:
+            store.set(size_key, str(world_size))
     except (RuntimeError, dist.DistStoreError) as e:
         raise PeerFailureError(
             f"[transport rank {rank}] rendezvous at {master_address}:{master_port} for "
-            f"{world_size} ranks did not complete within {timeout:g}s: {e}"
+            f"{world_size or 'an unknown number of'} ranks did not complete within {timeout:g}s: {e}"
         ) from e
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank - world_size} counted from the end is outside the group of {world_size} ranks")
     prefixed = dist.PrefixStore(group_name, store)
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, delta)
