@@ -48,8 +48,8 @@ def _worker(rank, world, port, planned, senders, backends, repeats):
     times: dict[str, list[float]] = {}
     version = 0
     for backend in backends:
-        mover = (MooncakeMover(group, protocol="tcp") if backend == "mooncake"
-                 else TorchP2PMover(group._pg, peers, timeout_s=300))
+        mover = (MooncakeMover(group.board, protocol="tcp") if backend == "mooncake"
+                 else TorchP2PMover(group, peers))
         if staging is not None:
             mover.expose(rank - senders, staging)
         for _ in range(repeats):
@@ -57,9 +57,9 @@ def _worker(rank, world, port, planned, senders, backends, repeats):
             group.all_gather_json(rank)
             start = time.perf_counter()
             if rank < senders:
-                send_share(plan, rank, replica, mover, group, version=version)
+                send_share(plan, rank, replica, mover, group.board, version=version)
             else:
-                receive_shards(plan, rank - senders, staging, mover, group, version=version, timeout_s=300)
+                receive_shards(plan, rank - senders, staging, mover, group.board, version=version, timeout_s=300)
             times.setdefault(backend, []).append(time.perf_counter() - start)
         group.all_gather_json(rank)
         mover.close()

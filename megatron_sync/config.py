@@ -18,6 +18,8 @@ from megatron_sync.transport import transport_names
 
 BACKENDS = ("gloo", "nccl", "auto")
 INFLIGHT_POLICIES = ("abort", "recompute", "keep")
+P2P_BACKENDS = ("torch", "mooncake")  # megatron_sync.transport.p2p.MOVERS
+P2P_PROTOCOLS = ("tcp", "rdma")
 DEFAULT_GATHER_BUDGET_MB = 1024.0
 
 
@@ -34,7 +36,7 @@ class WeightSyncConfig:
     per rollout batch, a rollout iteration advances this counter several times."""
 
     transport: str = "broadcast"
-    """How bytes move: a name registered in `megatron_sync.transport` ("broadcast")."""
+    """How bytes move: a name registered in `megatron_sync.transport` ("broadcast", "p2p")."""
 
     backend: str = "auto"
     """Collective backend of the transport group: "gloo", "nccl", or "auto"
@@ -80,6 +82,24 @@ class WeightSyncConfig:
     """What happens to generations in flight at sync time: "abort" them,
     "recompute" their KV cache under the new weights, or "keep" them on old weights."""
 
+    p2p_backend: str = "torch"
+    """transport "p2p" only: what moves the bytes. "torch": point-to-point on the transport group
+    (gloo on CPU, NCCL on GPU, as `backend` says); "mooncake": Mooncake Transfer Engine writes into
+    each inference rank's registered staging memory (install mooncake-transfer-engine, or the
+    -non-cuda build for TCP on CPU hosts, and the system library libibverbs1)."""
+
+    p2p_protocol: str = "tcp"
+    """p2p_backend "mooncake" only: "tcp", or "rdma" (refused when no RDMA device is visible,
+    instead of Mooncake's silent fallback to TCP)."""
+
+    p2p_device_name: str = ""
+    """p2p_backend "mooncake" with "rdma": the RDMA devices to use, comma-separated (e.g. "mlx5_0,mlx5_1");
+    empty: Mooncake picks."""
+
+    p2p_local_hostname: Optional[str] = None
+    """p2p_backend "mooncake": the address this process's transfer engine advertises to its peers;
+    None: this host's name (socket.gethostname()). Use "127.0.0.1" when every rank runs on one host."""
+
     def __post_init__(self) -> None:
         _check_bool("enabled", self.enabled)
         _check_int("every_n_steps", self.every_n_steps, minimum=1)
@@ -111,6 +131,13 @@ class WeightSyncConfig:
         if self.metrics_path is not None and not isinstance(self.metrics_path, str):
             raise ValueError("metrics_path must be a file path string or null")
         _check_choice("inflight_policy", self.inflight_policy, INFLIGHT_POLICIES)
+        _check_choice("p2p_backend", self.p2p_backend, P2P_BACKENDS)
+        _check_choice("p2p_protocol", self.p2p_protocol, P2P_PROTOCOLS)
+        if not isinstance(self.p2p_device_name, str):
+            raise ValueError("p2p_device_name must be a string of RDMA device names, e.g. 'mlx5_0,mlx5_1' (or '')")
+        if self.p2p_local_hostname is not None and (not isinstance(self.p2p_local_hostname, str)
+                                                    or not self.p2p_local_hostname):
+            raise ValueError("p2p_local_hostname must be a host name or IP this rank is reachable at, or null")
 
     def replace(self, **changes: Any) -> "WeightSyncConfig":
         """Return a copy with `changes` applied (validated like a new config)."""

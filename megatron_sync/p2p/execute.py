@@ -15,7 +15,7 @@ import json
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import xxhash
@@ -30,9 +30,10 @@ def checksum(data: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(data.detach().cpu().contiguous().numpy())
 
 
-def report_key(version: int, sender: int, receiver: int) -> str:
-    """Return the control key of `sender`'s report to `receiver` for `version`."""
-    return f"p2p/v{version}/report/{sender}/{receiver}"
+def report_key(version: int, sender: int, receiver: int, attempt: int = 0) -> str:
+    """Return the control key of `sender`'s report to `receiver` for `version` (its `attempt`-th sync:
+    a version that failed is sent again under the same number, and must not read the old reports)."""
+    return f"p2p/v{version}.{attempt}/report/{sender}/{receiver}"
 
 
 @dataclass
@@ -59,7 +60,7 @@ def pack(ranges: list[Range], replica: Mapping[str, torch.Tensor], buffer: torch
 
 
 def send_share(plan: TransferPlan, sender: int, replica: Mapping[str, torch.Tensor], mover: ByteMover,
-               control: Control, *, version: int) -> TransferStats:
+               control: Control, *, version: int, attempt: int = 0) -> TransferStats:
     """Send every message of `sender` in its queue order; post one report per receiver.
 
     On a failure, every receiver still waiting for this sender gets the error as its
@@ -92,17 +93,18 @@ def send_share(plan: TransferPlan, sender: int, replica: Mapping[str, torch.Tens
                 moved = mover.bytes_written.get(m.receiver, 0) - before.get(m.receiver, 0)
                 stats.bytes_per_peer[m.receiver] = moved
                 report = {"checksums": sums.pop(m.receiver), "bytes": moved}
-                control.post(report_key(version, sender, m.receiver), json.dumps(report).encode())
+                control.post(report_key(version, sender, m.receiver, attempt), json.dumps(report).encode())
     except Exception as exc:
         error = f"trainer rank {sender}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
-        _give_up(queue[done:], sorted(sums), plan, sender, mover, control, version, error, buffer)
+        _give_up(queue[done:], sorted(sums), plan, mover, control,
+                 lambda receiver: report_key(version, sender, receiver, attempt), error, buffer)
         raise
     stats.seconds = time.perf_counter() - start
     return stats
 
 
 def fail_share(plan: TransferPlan, sender: int, mover: ByteMover, control: Control, *, version: int,
-               error: str) -> None:
+               error: str, attempt: int = 0) -> None:
     """Tell every receiver of `sender` that it failed before sending `version` (`error` says why).
 
     Two-sided movers get filler in place of every message, so the receivers' posted
@@ -111,12 +113,12 @@ def fail_share(plan: TransferPlan, sender: int, mover: ByteMover, control: Contr
     queue = plan.sender_queue(sender)
     if queue:
         buffer = mover.send_buffer(max(m.nbytes for m in queue))
-        _give_up(queue, sorted({m.receiver for m in queue}), plan, sender, mover, control, version,
-                 f"trainer rank {sender}: {error}", buffer)
+        _give_up(queue, sorted({m.receiver for m in queue}), plan, mover, control,
+                 lambda receiver: report_key(version, sender, receiver, attempt), error, buffer)
 
 
-def _give_up(messages, receivers, plan: TransferPlan, sender: int, mover: ByteMover, control: Control,
-             version: int, error: str, buffer: torch.Tensor) -> None:
+def _give_up(messages, receivers, plan: TransferPlan, mover: ByteMover, control: Control,
+             key_of: Callable[[int], str], error: str, buffer: torch.Tensor) -> None:
     """Send filler for `messages` (skipping receivers that are gone), then post `error` to `receivers`."""
     gone: set[int] = set()
     for m in messages:
@@ -128,13 +130,13 @@ def _give_up(messages, receivers, plan: TransferPlan, sender: int, mover: ByteMo
             gone.add(m.receiver)
     for receiver in receivers:
         try:
-            control.post(report_key(version, sender, receiver), json.dumps({"error": error}).encode())
+            control.post(key_of(receiver), json.dumps({"error": error}).encode())
         except Exception:  # noqa: BLE001 — the store is gone: every receiver fails on it by itself
             return
 
 
 def receive_shards(plan: TransferPlan, receiver: int, staging: torch.Tensor, mover: ByteMover,
-                   control: Control, *, version: int, timeout_s: float) -> TransferStats:
+                   control: Control, *, version: int, timeout_s: float, attempt: int = 0) -> TransferStats:
     """Receive this receiver's ranges into `staging`, verify each checksum; return what arrived.
 
     Waits (bounded by `timeout_s` in all) for the receives, then for every sender's
@@ -152,8 +154,8 @@ def receive_shards(plan: TransferPlan, receiver: int, staging: torch.Tensor, mov
     except PeerFailureError as e:
         raise PeerFailureError(f"receiver {receiver}: version {version} did not fully arrive within "
                                f"{timeout_s:g}s (a sender died or stalls): {e}") from e
-    reports = _collect_reports(control, version, receiver, sorted({m.sender for m in messages}), deadline,
-                               timeout_s)
+    reports = _collect_reports(control, version, attempt, receiver, sorted({m.sender for m in messages}),
+                               deadline, timeout_s)
     stats = TransferStats(bytes_per_peer=arrived or {s: r["bytes"] for s, r in reports.items()})
     stats.ranges = _verify(plan, receiver, staging, reports)
     expected = sum(len(m.ranges) for m in messages)
@@ -163,12 +165,12 @@ def receive_shards(plan: TransferPlan, receiver: int, staging: torch.Tensor, mov
     return stats
 
 
-def _collect_reports(control: Control, version: int, receiver: int, senders: list[int], deadline: float,
-                     timeout_s: float) -> dict[int, dict]:
+def _collect_reports(control: Control, version: int, attempt: int, receiver: int, senders: list[int],
+                     deadline: float, timeout_s: float) -> dict[int, dict]:
     """Return every sender's report (consumed: deleted from the store); raise on an error report or silence."""
     reports: dict[int, dict] = {}
     for sender in senders:
-        key = report_key(version, sender, receiver)
+        key = report_key(version, sender, receiver, attempt)
         try:
             reports[sender] = json.loads(control.fetch(key, max(deadline - time.perf_counter(), 0.001)))
         except PeerFailureError as e:

@@ -26,7 +26,7 @@ import torch
 
 from converters.base import Shard
 from megatron_sync.engines.reference import ENGINE_SPLIT
-from megatron_sync.meta import TensorMeta
+from megatron_sync.meta import TensorMeta, dtype_from_name, dtype_name
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,16 @@ class TensorSpec(TensorMeta):
 def tensor_specs(converter: Any) -> list[TensorSpec]:
     """Return every HF tensor of a converter's checkpoint with its family's shard role, in its order."""
     return [TensorSpec(m.name, m.shape, m.dtype, converter.shard_role(m.name)) for m in converter.expected_metas()]
+
+
+def specs_to_wire(specs: Sequence[TensorSpec]) -> list[list]:
+    """Return `specs` as JSON-able rows: [name, shape, dtype name, shard role]."""
+    return [[s.name, list(s.shape), dtype_name(s.dtype), s.role.value] for s in specs]
+
+
+def specs_from_wire(rows: Sequence[Sequence]) -> list[TensorSpec]:
+    """Return the specs of `specs_to_wire` rows."""
+    return [TensorSpec(name, tuple(shape), dtype_from_name(dtype), Shard(role)) for name, shape, dtype, role in rows]
 
 
 @dataclass(frozen=True)
