@@ -13,6 +13,7 @@ trainer goes on after a sync every rank agreed to abort (the next step syncs
 the same version number again) and stops at any other error; an engine rank stops at its first
 error and returns the shards it holds then. `run_pair(..., outcomes=True)`
 returns every rank's outcome, so a test can kill ranks on purpose.
+`case["keep_tensors"] = False` returns versions and metrics only (benchmarks).
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
                 if _aborted(e):
                     continue
                 break
-            logits.append(models.megatron_logits(chunks, EVAL_TOKENS))
-            sent.append(_sent_here(syncer))
+            if case.get("keep_tensors", True):
+                logits.append(models.megatron_logits(chunks, EVAL_TOKENS))
+                sent.append(_sent_here(syncer))
             if case.get("receiver_metrics") and syncer.is_leader:
                 received.append([m.to_json() for m in syncer.receiver_metrics(syncer.version)])
         replica = getattr(syncer.sender, "replica", None)
@@ -132,7 +134,8 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
             if not isync.handle(message, {}):
                 break
             held.append({"version": me.engine.version, "shards": me.engine.snapshot(),
-                         "logits": me.engine.logits(EVAL_TOKENS)})
+                         "logits": me.engine.logits(EVAL_TOKENS)} if case.get("keep_tensors", True)
+                        else {"version": me.engine.version})
     except Exception as e:  # noqa: BLE001 — recorded for the test, or raised
         if not case.get("record_failures"):
             raise
