@@ -36,7 +36,9 @@ class WeightSyncConfig:
     per rollout batch, a rollout iteration advances this counter several times."""
 
     transport: str = "broadcast"
-    """How bytes move: a name registered in `megatron_sync.transport` ("broadcast", "p2p")."""
+    """How bytes move: a name registered in `megatron_sync.transport` ("broadcast"; "p2p": every trainer
+    rank sends its own share, with the p2p_* settings below; or "disk_delta": through shared storage,
+    with the delta_* settings below)."""
 
     backend: str = "auto"
     """Collective backend of the transport group: "gloo", "nccl", or "auto"
@@ -81,6 +83,39 @@ class WeightSyncConfig:
     inflight_policy: str = "abort"
     """What happens to generations in flight at sync time: "abort" them,
     "recompute" their KV cache under the new weights, or "keep" them on old weights."""
+
+    # ---- transport "disk_delta" (weights through shared storage; see the README's "Disk-delta transport") ----
+
+    delta_dir: Optional[str] = None
+    """The shared directory every trainer stage source and every inference host mounts (at this path):
+    each stage's versions in stage-<s>/, control files in control/. Required with transport "disk_delta"."""
+
+    delta_local_dir: Optional[str] = None
+    """An inference host's own directory (a local disk) for its memory-mapped copy of the weights, which
+    each version patches. Required with transport "disk_delta"."""
+
+    delta_snapshot_every: int = 10
+    """Every N-th version also carries a full snapshot (the first one always does), so a reader that
+    missed versions, or holds nothing yet, needs at most N - 1 deltas after the newest snapshot."""
+
+    delta_retention: int = 4
+    """Keep the newest N versions (each with its chain back to a snapshot) plus what live readers need."""
+
+    delta_encoding: str = "auto"
+    """Per-chunk encoding: "auto" (a cheap heuristic), "best" (try all, keep the smallest) or one name of
+    megatron_sync.delta.codec.CODECS ("xor_zstd" is the plain XOR + zstd baseline)."""
+
+    delta_when_behind: str = "coalesce"
+    """When the trainer syncs faster than versions are encoded: "coalesce" replaces the waiting version
+    with the newer one (training never waits; engines skip to the newest), "block" makes sync() wait."""
+
+    delta_queue_depth: int = 1
+    """Versions that may wait for the encoder (host memory: queue_depth + 2 copies of a stage's weights)."""
+
+    delta_encode_threads: int = 2
+    """Threads encoding one version (zstd and numpy release the GIL)."""
+
+    # ---- transport "p2p" (every trainer rank sends its share; see the README's "P2P transport") ----
 
     p2p_backend: str = "torch"
     """transport "p2p" only: what moves the bytes. "torch": point-to-point on the transport group
@@ -131,6 +166,15 @@ class WeightSyncConfig:
         if self.metrics_path is not None and not isinstance(self.metrics_path, str):
             raise ValueError("metrics_path must be a file path string or null")
         _check_choice("inflight_policy", self.inflight_policy, INFLIGHT_POLICIES)
+        for name in ("delta_snapshot_every", "delta_retention", "delta_queue_depth", "delta_encode_threads"):
+            _check_int(name, getattr(self, name), minimum=1)
+        if self.transport == "disk_delta":
+            for name in ("delta_dir", "delta_local_dir"):
+                if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                    raise ValueError(f"transport='disk_delta' needs {name}: " + (
+                        "the shared directory both jobs mount, e.g. /shared/run42/weights" if name == "delta_dir"
+                        else "a directory on each inference host's local disk, e.g. /local/megatron_sync"))
+            self.delta_writer_options()
         _check_choice("p2p_backend", self.p2p_backend, P2P_BACKENDS)
         _check_choice("p2p_protocol", self.p2p_protocol, P2P_PROTOCOLS)
         if not isinstance(self.p2p_device_name, str):
@@ -151,6 +195,18 @@ class WeightSyncConfig:
                 "in the weight_sync: section, or --weight-sync-family qwen3)"
             )
         return self.family
+
+    def delta_writer_options(self) -> Any:
+        """Return the disk-delta writer's `WriterOptions` for these settings (ValueError names the field)."""
+        from megatron_sync.delta.options import WriterOptions
+
+        try:
+            return WriterOptions(snapshot_every=self.delta_snapshot_every, retention=self.delta_retention,
+                                 encoding=self.delta_encoding, when_behind=self.delta_when_behind,
+                                 queue_depth=self.delta_queue_depth, encode_threads=self.delta_encode_threads,
+                                 block_timeout_s=self.timeout_s)
+        except ValueError as e:
+            raise ValueError(f"delta_{e}") from None
 
     @property
     def bucket_size_bytes(self) -> int:

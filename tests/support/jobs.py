@@ -22,7 +22,7 @@ import importlib
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -146,9 +146,11 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     return {"held": held, "failure": failure}
 
 
-def run_pair(case: dict, timeout: float = 240.0, *, outcomes: bool = False) -> tuple[Any, Any]:
+def run_pair(case: dict, timeout: float = 240.0, *, trainer: Callable = trainer_job,
+             engine: Callable = engine_job, outcomes: bool = False) -> tuple[Any, Any]:
     """Run the trainer job and the inference job of `case` concurrently; return both jobs' per-rank results.
 
+    `trainer` / `engine` replace the job functions (module-level, with the same signatures).
     With `outcomes` every rank runs to its end whatever the others do, and each job's
     `{rank: (status, value)}` of `run_ranks` is returned (a killed rank reads "exited").
     """
@@ -157,9 +159,9 @@ def run_pair(case: dict, timeout: float = 240.0, *, outcomes: bool = False) -> t
     run = (lambda fn, world: run_ranks(fn, world, case, timeout=timeout)) if outcomes else \
         (lambda fn, world: run_distributed(fn, world, case, timeout=timeout))
     with ThreadPoolExecutor(max_workers=2) as pool:
-        trainer = pool.submit(run, trainer_job, trainer_world)
-        engines = pool.submit(run, engine_job, case["engines"] * case["engine_tp"])
-        return trainer.result(), engines.result()
+        trainers = pool.submit(run, trainer, trainer_world)
+        engines = pool.submit(run, engine, case["engines"] * case["engine_tp"])
+        return trainers.result(), engines.result()
 
 
 def _world(layout: dict) -> int:
