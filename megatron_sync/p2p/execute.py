@@ -152,8 +152,8 @@ def receive_shards(plan: TransferPlan, receiver: int, staging: torch.Tensor, mov
     try:
         arrived = pending.wait(max(deadline - time.perf_counter(), 0.001))
     except PeerFailureError as e:
-        raise PeerFailureError(f"receiver {receiver}: version {version} did not fully arrive within "
-                               f"{timeout_s:g}s (a sender died or stalls): {e}") from e
+        raise PeerFailureError(f"receiver {receiver}: version {version} did not arrive in full (a sender died, "
+                               f"or sent nothing within timeout_s={timeout_s:g}s): {e}") from e
     reports = _collect_reports(control, version, attempt, receiver, sorted({m.sender for m in messages}),
                                deadline, timeout_s)
     stats = TransferStats(bytes_per_peer=arrived or {s: r["bytes"] for s, r in reports.items()})
