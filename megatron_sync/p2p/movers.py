@@ -25,17 +25,12 @@ import torch
 
 from megatron_sync.errors import PeerFailureError
 from megatron_sync.p2p.plan import Message, Range
+from megatron_sync.transport.control import Board
 from megatron_sync.transport.group import Pending, TransportGroup
 
 
-class Control(Protocol):
-    """The out-of-band channel: small keyed values (a transport group's `StoreBoard`)."""
-
-    def post(self, key: str, value: bytes) -> None:
-        """Publish `value` under `key`."""
-
-    def fetch(self, key: str, timeout_s: float | None = None) -> bytes:
-        """Return the value under `key`, waiting up to `timeout_s`; raise PeerFailureError after."""
+class Control(Board, Protocol):
+    """The out-of-band channel: a control board (the transport group's `StoreBoard`) that also deletes."""
 
     def delete(self, key: str) -> None:
         """Remove `key` once consumed."""
