@@ -13,11 +13,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from megatron_sync.engines.fleet import parse_engine
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.transport import transport_names
 
 BACKENDS = ("gloo", "nccl", "auto")
-INFLIGHT_POLICIES = ("abort", "recompute", "keep")
+INFLIGHT_POLICIES = ("abort", "wait", "recompute", "keep")
 P2P_BACKENDS = ("torch", "mooncake")  # megatron_sync.transport.p2p.MOVERS
 P2P_PROTOCOLS = ("tcp", "rdma")
 DEFAULT_GATHER_BUDGET_MB = 1024.0
@@ -81,8 +82,15 @@ class WeightSyncConfig:
     """If set, each sync's metrics are appended to this file as one JSON line."""
 
     inflight_policy: str = "abort"
-    """What happens to generations in flight at sync time: "abort" them,
-    "recompute" their KV cache under the new weights, or "keep" them on old weights."""
+    """What happens to generations in flight at sync time: "abort" them, "wait" until they finish
+    on the old weights (then the version goes live; bounded by timeout_s), "recompute" their KV
+    cache under the new weights, or "keep" them going over their old KV cache (off-policy)."""
+
+    engines: tuple[str, ...] = ()
+    """Engines the trainer drives over their own HTTP API, each "KIND=URL" with KIND "vllm" or
+    "sglang" (e.g. "vllm=http://10.0.0.7:8000"); their workers are the inference ranks, so
+    num_inference_ranks must equal their worker count. Empty: the engines are megatron-sync
+    inference jobs (launch/serve.sh) that follow the trainer's control messages."""
 
     # ---- transport "disk_delta" (weights through shared storage; see the README's "Disk-delta transport") ----
 
@@ -166,6 +174,11 @@ class WeightSyncConfig:
         if self.metrics_path is not None and not isinstance(self.metrics_path, str):
             raise ValueError("metrics_path must be a file path string or null")
         _check_choice("inflight_policy", self.inflight_policy, INFLIGHT_POLICIES)
+        if isinstance(self.engines, str) or not isinstance(self.engines, (list, tuple)):
+            raise ValueError(f"engines must be a list of KIND=URL entries, got {self.engines!r}")
+        object.__setattr__(self, "engines", tuple(self.engines))  # YAML and flags give lists
+        for entry in self.engines:
+            parse_engine(entry)
         for name in ("delta_snapshot_every", "delta_retention", "delta_queue_depth", "delta_encode_threads"):
             _check_int(name, getattr(self, name), minimum=1)
         if self.transport == "disk_delta":
@@ -284,6 +297,8 @@ def add_weight_sync_args(parser: argparse.ArgumentParser, *, defaults: bool = Tr
             kwargs["type"] = int
         elif field.type in ("float", float):
             kwargs["type"] = float
+        elif str(field.type).startswith("tuple"):
+            kwargs.update(type=str, nargs="*")
         else:
             kwargs["type"] = str
         group.add_argument(flag, **kwargs)

@@ -7,13 +7,17 @@ versions through `TrainerWeightSync` with a training step between them, and
 returns what it sent; the engines (`ReferenceEngine` via `megatron_sync.serve.join`)
 serve through `InferenceWeightSync` until "stop" and return their shards and
 logits per version. `case["imports"]` names modules each process imports
-first (a test that registers its own family or transport). With
-`case["record_failures"]` a job returns what failed instead of raising: the
+first (a test that registers its own family or transport). `case["quantization_config"]`
+goes into both jobs' HF config (the trainer quantizes, the engine dequantizes);
+with `case["record_unquantized"]` the trainer also returns, per version, the
+same gather and conversion without quantization (the reference quantizers' input).
+With `case["record_failures"]` a job returns what failed instead of raising: the
 trainer goes on after a sync every rank agreed to abort (the next step syncs
-the same version number again) and stops at any other error; an engine rank stops at its first
-error and returns the shards it holds then. `run_pair(..., outcomes=True)`
-returns every rank's outcome, so a test can kill ranks on purpose.
-`case["keep_tensors"] = False` returns versions and metrics only (benchmarks).
+the same version number again) and stops at any other error; an engine rank
+stops at its first error and returns the shards it holds then.
+`run_pair(..., outcomes=True)` returns every rank's outcome, so a test can kill
+ranks on purpose. `case["keep_tensors"] = False` returns versions and metrics
+only (benchmarks).
 """
 
 from __future__ import annotations
@@ -48,6 +52,29 @@ def _setup(case: dict) -> None:
         importlib.import_module(module)
 
 
+def case_hf_config(case: dict):
+    """Return the HF config both jobs of `case` use: the tiny model's, with the case's quantization_config."""
+    from tests.support import models
+
+    config = models.hf_config(models.ModelSpec(**case["spec"]))
+    if case.get("quantization_config") is not None:
+        config.quantization_config = case["quantization_config"]
+    return config
+
+
+def _unquantized_hf_tensors(chunks: list, layout, case: dict) -> dict[str, torch.Tensor]:
+    """Return the HF tensors of the chunks' current weights, gathered and converted like a sync but not
+    quantized (collective over the trainer job; the stage source gets them)."""
+    from converters import get_converter
+    from megatron_sync.meta import dtype_from_name
+    from megatron_sync.stream import MegatronWeightStream
+
+    config = sync_config(case)
+    converter = get_converter(config.family, {**case_hf_config(case).to_dict(), "quantization_config": None},
+                              dtype=dtype_from_name(config.dtype))
+    return {name: t.clone() for name, t in MegatronWeightStream(chunks, layout, converter)}
+
+
 def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     """Train and sync; return {"sent": [{name: tensor} per version] (leader), "logits": [...]}."""
     _setup(case)
@@ -65,8 +92,8 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     layout = ParallelLayout.from_megatron()
     ddp = wrap_in_ddp(chunks)
     optimizer = make_optimizer(ddp, lr=1e-3)
-    sent, logits, metrics, received, failures = [], [], [], [], []
-    with WeightSyncCallback.from_config(sync_config(case), ddp, hf_config=models.hf_config(spec),
+    sent, logits, unquantized, metrics, received, failures = [], [], [], [], [], []
+    with WeightSyncCallback.from_config(sync_config(case), ddp, hf_config=case_hf_config(case),
                                         layout=layout) as callback:
         syncer = callback.syncer
         for version in range(1, case["versions"] + 1):
@@ -87,10 +114,13 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
             if case.get("keep_tensors", True):
                 logits.append(models.megatron_logits(chunks, EVAL_TOKENS))
                 sent.append(_sent_here(syncer))
+            if case.get("record_unquantized"):
+                unquantized.append(_unquantized_hf_tensors(chunks, layout, case))
             if case.get("receiver_metrics") and syncer.is_leader:
                 received.append([m.to_json() for m in syncer.receiver_metrics(syncer.version)])
         replica = getattr(syncer.sender, "replica", None)
-    out = {"sent": sent, "logits": logits, "metrics": metrics, "received": received, "failures": failures}
+    out = {"sent": sent, "logits": logits, "unquantized": unquantized, "metrics": metrics, "received": received,
+           "failures": failures}
     if isinstance(replica, DistributedReplica):  # P2P: this rank's share of the replica
         out["replica"] = {"held": replica.held_bytes, "assigned": replica.assignment.bytes_per_rank()[replica.me.rank]}
     return out
@@ -120,10 +150,9 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     _setup(case)
     from megatron_sync.serve import join
     from megatron_sync.sync import InferenceWeightSync
-    from tests.support import models
 
     config = sync_config(case)
-    me = join(config, models.hf_config(models.ModelSpec(**case["spec"])))
+    me = join(config, case_hf_config(case))
     isync = InferenceWeightSync(config, me.engine, num_trainer_stages=case["layout"].get("pp", 1),
                                 inference_rank=me.rank, engine_group=me.group)
     held, failure, started = [], None, time.monotonic()
