@@ -188,6 +188,10 @@ class WeightSyncConfig:
                         "the shared directory both jobs mount, e.g. /shared/run42/weights" if name == "delta_dir"
                         else "a directory on each inference host's local disk, e.g. /local/megatron_sync"))
             self.delta_writer_options()
+        if self.transport == "p2p" and self.engines:
+            raise ValueError("transport 'p2p' writes into the staging memory of megatron-sync inference ranks "
+                             "(launch/serve.sh); engines driven over HTTP (weight_sync.engines) need transport "
+                             "'broadcast' (vLLM) or 'sglang'")
         _check_choice("p2p_backend", self.p2p_backend, P2P_BACKENDS)
         _check_choice("p2p_protocol", self.p2p_protocol, P2P_PROTOCOLS)
         if not isinstance(self.p2p_device_name, str):

@@ -226,6 +226,7 @@ def test_p2p_settings_are_validated_and_named():
     assert (config.p2p_backend, config.p2p_protocol) == ("mooncake", "rdma")
     for bad, words in [({"p2p_backend": "nixl"}, "p2p_backend='nixl' is not valid"),
                        ({"p2p_protocol": "udp"}, "p2p_protocol='udp' is not valid"),
-                       ({"p2p_local_hostname": ""}, "p2p_local_hostname must be")]:
+                       ({"p2p_local_hostname": ""}, "p2p_local_hostname must be"),
+                       ({"engines": ["vllm=http://h:8000"]}, "engines driven over HTTP")]:
         with pytest.raises(ValueError, match=words):
             WeightSyncConfig(transport="p2p", **bad)

@@ -59,6 +59,10 @@ class P2PSender(Sender):
         built: list[DistributedReplica] = []
 
         def build_replica(engines) -> Optional[PlanInputs]:
+            if stream.converter.quant.schemes:
+                # An INT4 weight's `weight_shape` is each shard's own shape, not a region of the full tensor.
+                raise ValueError("transport 'p2p' does not move quantized checkpoints yet (the HF config has a "
+                                 "quantization_config); use transport 'broadcast' for quantized engines")
             cost = send_bytes_per_tensor(specs, fleet_receivers(specs, engines))
             replica = DistributedReplica(stream, rank=transport.rank, cost=cost,
                                          gather_budget_bytes=int(config.gather_budget_mb * MiB))
