@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -18,6 +19,7 @@ from megatron_sync.meta import dtype_from_name
 from megatron_sync.transport import transport_names
 
 BACKENDS = ("gloo", "nccl", "auto")
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 INFLIGHT_POLICIES = ("abort", "wait", "recompute", "keep")
 P2P_BACKENDS = ("torch", "mooncake")  # megatron_sync.transport.p2p.MOVERS
 P2P_PROTOCOLS = ("tcp", "rdma")
@@ -91,6 +93,15 @@ class WeightSyncConfig:
     "sglang" (e.g. "vllm=http://10.0.0.7:8000"); their workers are the inference ranks, so
     num_inference_ranks must equal their worker count. Empty: the engines are megatron-sync
     inference jobs (launch/serve.sh) that follow the trainer's control messages."""
+
+    run_id: Optional[str] = None
+    """Identity of the sync session (letters, digits, '.', '_', '-'). The trainer hosts the session under
+    this id, or under a generated one it prints when null; an inference job with a run_id joins only the
+    session of that id, with null it joins whichever session the trainer at master_address:master_port runs."""
+
+    sync_on_start: bool = False
+    """Sync the trainer's weights once as `WeightSyncCallback.from_config` returns (version 1), before the
+    first optimizer update: for engines that start without the trainer's current weights."""
 
     # ---- transport "disk_delta" (weights through shared storage; see the README's "Disk-delta transport") ----
 
@@ -174,6 +185,10 @@ class WeightSyncConfig:
         if self.metrics_path is not None and not isinstance(self.metrics_path, str):
             raise ValueError("metrics_path must be a file path string or null")
         _check_choice("inflight_policy", self.inflight_policy, INFLIGHT_POLICIES)
+        if self.run_id is not None and (not isinstance(self.run_id, str) or not _RUN_ID.fullmatch(self.run_id)):
+            raise ValueError(f"run_id={self.run_id!r} is not valid: use 1-64 letters, digits, '.', '_' or '-' "
+                             "(or null to let the trainer name the session)")
+        _check_bool("sync_on_start", self.sync_on_start)
         if isinstance(self.engines, str) or not isinstance(self.engines, (list, tuple)):
             raise ValueError(f"engines must be a list of KIND=URL entries, got {self.engines!r}")
         object.__setattr__(self, "engines", tuple(self.engines))  # YAML and flags give lists
@@ -251,8 +266,14 @@ class WeightSyncConfig:
         return cls(**values)
 
     @classmethod
-    def from_yaml(cls, path: str) -> "WeightSyncConfig":
-        """Return the config in the `weight_sync:` section of the training YAML at `path`."""
+    def from_yaml(cls, path: str, defaults: Optional[dict[str, Any]] = None) -> "WeightSyncConfig":
+        """Return the config in the `weight_sync:` section of the training YAML at `path`.
+
+        `defaults` (an application's own, stated in its code) apply where the
+        section does not set a key. Nothing else is filled in: a section without
+        `family` leaves it None, and the trainer refuses to start saying where
+        to set it.
+        """
         import yaml
 
         with open(path) as f:
@@ -262,7 +283,7 @@ class WeightSyncConfig:
         section = document["weight_sync"] or {}
         if not isinstance(section, dict):
             raise ValueError(f"{path}: 'weight_sync' must be a mapping of settings")
-        return cls.from_dict(section)
+        return cls.from_dict({**(defaults or {}), **section})
 
     @classmethod
     def from_args(cls, namespace: argparse.Namespace) -> "WeightSyncConfig":

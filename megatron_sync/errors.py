@@ -13,6 +13,16 @@ class PeerFailureError(SyncError):
     """A collective or the rendezvous failed or timed out: a peer died, hangs, or never came."""
 
 
+class TrainerGoneError(PeerFailureError):
+    """An idle engine lost its trainer: the rendezvous stopped answering with no sync running (the trainer
+    exited without "stop"); the engine holds its last committed version."""
+
+
+class RendezvousError(SyncError):
+    """The two jobs could not meet: the rendezvous refused a rank (naming the disagreement), could not be
+    reached or hosted (naming why), or a rank of the session failed while starting (quoting its error)."""
+
+
 class PlanMismatchError(SyncError):
     """Ranks computed different sync plans, or the plan does not cover what an engine expects."""
 

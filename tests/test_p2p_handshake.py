@@ -1,9 +1,7 @@
 """The P2P start-up pieces without a model: engine layouts from what ranks publish, errors shared by every
-rank, and a rendezvous where the inference side does not know how many trainer ranks there are."""
+rank, and reports that do not pile up in the store."""
 
 from __future__ import annotations
-
-import threading
 
 import pytest
 
@@ -49,32 +47,19 @@ def test_exchange_returns_every_rank_value_or_fails_all_with_the_rank_that_raise
     assert "ZeroDivisionError" in info.value.failures[0][1] and info.value.failures[1] == (1, "remote trouble")
 
 
-def test_members_that_do_not_know_the_group_size_learn_it_and_count_from_the_end():
-    from megatron_sync.transport.group import init_transport_group
+def test_a_consumed_report_is_deleted_from_the_store():
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron_sync.transport.group import StoreBoard
     from tests.support.dist import free_port
 
-    port, world, results = free_port(), 3, {}
-
-    def join(size, rank):
-        group = init_transport_group("127.0.0.1", port, size, rank, timeout=30, group_name="size_test")
-        seen = group.all_gather_json(group.rank)
-        key = f"consumed/{group.rank}"
-        group.board.post(key, b"1")
-        group.board.delete(key)
-        try:
-            group.board.fetch(key, 0.05)
-            deleted = False
-        except PeerFailureError:
-            deleted = True
-        group.all_gather_json(None)  # every rank is done with the store before its host closes it
-        results[rank] = (group.rank, group.world_size, seen, deleted)
-        group.close()
-
-    threads = [threading.Thread(target=join, args=args) for args in [(world, 0), (None, -2), (None, -1)]]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert results == {0: (0, 3, [0, 1, 2], True), -2: (1, 3, [0, 1, 2], True), -1: (2, 3, [0, 1, 2], True)}
-    with pytest.raises(ValueError, match="rank counts from the end"):
-        init_transport_group("127.0.0.1", port, None, 0)
+    store = dist.TCPStore("127.0.0.1", free_port(), None, True, timeout=datetime.timedelta(seconds=10),
+                          wait_for_workers=False)
+    board = StoreBoard(store, prefix="p2p_test/", rank=0, timeout_s=5)
+    board.post("p2p/v1.1/report/0/1", b"{}")
+    assert board.fetch("p2p/v1.1/report/0/1") == b"{}"
+    board.delete("p2p/v1.1/report/0/1")
+    with pytest.raises(PeerFailureError, match="nothing was posted"):
+        board.fetch("p2p/v1.1/report/0/1", 0.05)

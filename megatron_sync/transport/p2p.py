@@ -3,8 +3,8 @@
 Membership: every trainer rank joins (the assignment may give any of them a share: its EP
 rank's experts, or dense tensors spread over the TP/DP ranks of its stage), as transport
 rank = its rank in the trainer job (torch.distributed's default group); the N inference
-ranks come after them. The inference side does not need to know the trainer's size: it
-learns it at the rendezvous.
+ranks come after them. Both jobs meet at the drivers' sync session (its join handshake);
+the inference side, which knows only its own size, reads the trainer's from the session.
 
 Bytes move with a `ByteMover` chosen by `weight_sync.p2p_backend`: "torch" (point-to-point on
 this transport's group, gloo or NCCL as `backend` says) or "mooncake" (Mooncake Transfer
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from megatron_sync.p2p.movers import ByteMover, MooncakeMover, TorchP2PMover
 from megatron_sync.transport.base import Commit, Receiver, Sender, Transport
 from megatron_sync.transport.control import StoreControlChannel
-from megatron_sync.transport.group import TransportGroup, init_transport_group
+from megatron_sync.transport.group import StoreBoard, TransportGroup, transport_group_over
 
 if TYPE_CHECKING:
     from megatron_sync.config import WeightSyncConfig
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from megatron_sync.parallel import ParallelLayout
     from megatron_sync.plan import KeepTogether
     from megatron_sync.stream import HFWeightStream
+    from megatron_sync.transport.session import SyncSession
 
 GROUP_NAME = "megatron_sync_p2p"
 
@@ -62,6 +63,28 @@ MOVERS: dict[str, Callable[["P2PTransport", "WeightSyncConfig"], ByteMover]] = {
     "mooncake": _mooncake_mover,
 }
 """Byte movers by `weight_sync.p2p_backend`."""
+
+
+TRAINER_RANKS_KEY = "trainer_ranks"
+
+
+def _needs(session: Optional["SyncSession"]) -> "SyncSession":
+    if session is None:
+        raise ValueError("the p2p transport meets at the drivers' sync session: pass session= "
+                         "(TrainerWeightSync / InferenceWeightSync do)")
+    return session
+
+
+def _sizes(session: "SyncSession", rank: int, timeout_s: float) -> StoreBoard:
+    """Return the session's board for the group's sizes (keys under the session's own prefix)."""
+    return StoreBoard(session.store, prefix=f"{GROUP_NAME}/{session.id}/sizes/", rank=rank, timeout_s=timeout_s)
+
+
+def _group(config: "WeightSyncConfig", session: "SyncSession", trainers: int, rank: int) -> TransportGroup:
+    """Return the transport group of the trainer ranks and then the inference ranks, as `rank`."""
+    return transport_group_over(session, trainers + config.num_inference_ranks, rank,
+                                backend=config.resolved_backend(torch.cuda.is_available()),
+                                timeout=config.timeout_s, group_name=GROUP_NAME)
 
 
 def _trainer_rank_and_size(layout: "ParallelLayout") -> tuple[int, int]:
@@ -88,22 +111,21 @@ class P2PTransport(Transport):
         return True
 
     @classmethod
-    def connect_trainer(cls, config: "WeightSyncConfig", layout: "ParallelLayout") -> "P2PTransport":
+    def connect_trainer(cls, config: "WeightSyncConfig", layout: "ParallelLayout", *,
+                        session: Optional["SyncSession"] = None) -> "P2PTransport":
         rank, trainers = _trainer_rank_and_size(layout)
-        group = init_transport_group(config.master_address, config.master_port, trainers + config.num_inference_ranks,
-                                     rank, backend=config.resolved_backend(torch.cuda.is_available()),
-                                     timeout=config.timeout_s, group_name=GROUP_NAME)
-        return cls(group, config, num_trainer_ranks=trainers)
+        session = _needs(session)
+        if rank == 0:  # the inference side learns the trainer's size here (it only knows its own)
+            _sizes(session, rank, config.timeout_s).post(TRAINER_RANKS_KEY, str(trainers).encode())
+        return cls(_group(config, session, trainers, rank), config, num_trainer_ranks=trainers)
 
     @classmethod
-    def connect_inference(cls, config: "WeightSyncConfig", *, num_trainer_stages: int,
-                          inference_rank: int) -> "P2PTransport":
-        """Join as inference rank `inference_rank`; `num_trainer_stages` is not needed (all trainer ranks join)."""
-        n = config.num_inference_ranks
-        group = init_transport_group(config.master_address, config.master_port, None, inference_rank - n,
-                                     backend=config.resolved_backend(torch.cuda.is_available()),
-                                     timeout=config.timeout_s, group_name=GROUP_NAME)
-        return cls(group, config, num_trainer_ranks=group.world_size - n)
+    def connect_inference(cls, config: "WeightSyncConfig", *, num_trainer_stages: int, inference_rank: int,
+                          session: Optional["SyncSession"] = None) -> "P2PTransport":
+        """Join as inference rank `inference_rank`; the trainer ranks (all join) come first."""
+        session = _needs(session)
+        trainers = int(_sizes(session, -1, config.timeout_s).fetch(TRAINER_RANKS_KEY))
+        return cls(_group(config, session, trainers, trainers + inference_rank), config, num_trainer_ranks=trainers)
 
     def __init__(self, group: TransportGroup, config: "WeightSyncConfig", *, num_trainer_ranks: int) -> None:
         if not 0 < num_trainer_ranks < group.world_size:

@@ -23,6 +23,7 @@ only (benchmarks).
 from __future__ import annotations
 
 import importlib
+import os
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -111,6 +112,7 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
                 if _aborted(e):
                     continue
                 break
+            _hold_after(case, version)
             if case.get("keep_tensors", True):
                 logits.append(models.megatron_logits(chunks, EVAL_TOKENS))
                 sent.append(_sent_here(syncer))
@@ -145,6 +147,19 @@ def _sent_here(syncer) -> dict[str, torch.Tensor]:
     return {e.name: replica.view(e.name).clone() for b in replica.buckets for e in b.entries}
 
 
+def _hold_after(case: dict, version: int) -> None:
+    """`case["hold"] = {"after_version": v, "until_file": path}`: after syncing v, wait until the test
+    creates `path` (a test that does something between two syncs)."""
+    hold = case.get("hold")
+    if not hold or version != hold["after_version"]:
+        return
+    deadline = time.monotonic() + case.get("timeout_s", 60.0) * 2
+    while not os.path.exists(hold["until_file"]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{hold['until_file']} did not appear")
+        time.sleep(0.1)
+
+
 def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     """Serve syncs until "stop"; return per committed version this rank's shards and the engine's logits."""
     _setup(case)
@@ -154,7 +169,8 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     config = sync_config(case)
     me = join(config, case_hf_config(case))
     isync = InferenceWeightSync(config, me.engine, num_trainer_stages=case["layout"].get("pp", 1),
-                                inference_rank=me.rank, engine_group=me.group)
+                                inference_rank=me.rank, engine_group=me.group, hf_config=me.hf_config,
+                                job_id=me.job_id)
     held, failure, started = [], None, time.monotonic()
     try:
         while True:
