@@ -21,6 +21,8 @@ from megatron_sync.transport import transport_names
 BACKENDS = ("gloo", "nccl", "auto")
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 INFLIGHT_POLICIES = ("abort", "wait", "recompute", "keep")
+P2P_BACKENDS = ("torch", "mooncake")  # megatron_sync.transport.p2p.MOVERS
+P2P_PROTOCOLS = ("tcp", "rdma")
 DEFAULT_GATHER_BUDGET_MB = 1024.0
 
 
@@ -37,8 +39,9 @@ class WeightSyncConfig:
     per rollout batch, a rollout iteration advances this counter several times."""
 
     transport: str = "broadcast"
-    """How bytes move: a name registered in `megatron_sync.transport` ("broadcast", or "disk_delta":
-    through shared storage, with the delta_* settings below)."""
+    """How bytes move: a name registered in `megatron_sync.transport` ("broadcast"; "p2p": every trainer
+    rank sends its own share, with the p2p_* settings below; or "disk_delta": through shared storage,
+    with the delta_* settings below)."""
 
     backend: str = "auto"
     """Collective backend of the transport group: "gloo", "nccl", or "auto"
@@ -131,6 +134,26 @@ class WeightSyncConfig:
     delta_encode_threads: int = 2
     """Threads encoding one version (zstd and numpy release the GIL)."""
 
+    # ---- transport "p2p" (every trainer rank sends its share; see the README's "P2P transport") ----
+
+    p2p_backend: str = "torch"
+    """transport "p2p" only: what moves the bytes. "torch": point-to-point on the transport group
+    (gloo on CPU, NCCL on GPU, as `backend` says); "mooncake": Mooncake Transfer Engine writes into
+    each inference rank's registered staging memory (install mooncake-transfer-engine, or the
+    -non-cuda build for TCP on CPU hosts, and the system library libibverbs1)."""
+
+    p2p_protocol: str = "tcp"
+    """p2p_backend "mooncake" only: "tcp", or "rdma" (refused when no RDMA device is visible,
+    instead of Mooncake's silent fallback to TCP)."""
+
+    p2p_device_name: str = ""
+    """p2p_backend "mooncake" with "rdma": the RDMA devices to use, comma-separated (e.g. "mlx5_0,mlx5_1");
+    empty: Mooncake picks."""
+
+    p2p_local_hostname: Optional[str] = None
+    """p2p_backend "mooncake": the address this process's transfer engine advertises to its peers;
+    None: this host's name (socket.gethostname()). Use "127.0.0.1" when every rank runs on one host."""
+
     def __post_init__(self) -> None:
         _check_bool("enabled", self.enabled)
         _check_int("every_n_steps", self.every_n_steps, minimum=1)
@@ -180,6 +203,17 @@ class WeightSyncConfig:
                         "the shared directory both jobs mount, e.g. /shared/run42/weights" if name == "delta_dir"
                         else "a directory on each inference host's local disk, e.g. /local/megatron_sync"))
             self.delta_writer_options()
+        if self.transport == "p2p" and self.engines:
+            raise ValueError("transport 'p2p' writes into the staging memory of megatron-sync inference ranks "
+                             "(launch/serve.sh); engines driven over HTTP (weight_sync.engines) need transport "
+                             "'broadcast' (vLLM) or 'sglang'")
+        _check_choice("p2p_backend", self.p2p_backend, P2P_BACKENDS)
+        _check_choice("p2p_protocol", self.p2p_protocol, P2P_PROTOCOLS)
+        if not isinstance(self.p2p_device_name, str):
+            raise ValueError("p2p_device_name must be a string of RDMA device names, e.g. 'mlx5_0,mlx5_1' (or '')")
+        if self.p2p_local_hostname is not None and (not isinstance(self.p2p_local_hostname, str)
+                                                    or not self.p2p_local_hostname):
+            raise ValueError("p2p_local_hostname must be a host name or IP this rank is reachable at, or null")
 
     def replace(self, **changes: Any) -> "WeightSyncConfig":
         """Return a copy with `changes` applied (validated like a new config)."""

@@ -31,6 +31,14 @@ class CorruptBucketError(SyncError):
     """A received bucket's checksum or header did not match; nothing of it is applied."""
 
 
+class SenderFailedError(SyncError):
+    """A sender reported that it failed mid-sync (its error is in the message); nothing of it is applied.
+
+    Unlike a PeerFailureError the sender is alive and the transport still works: the
+    ranks agree on the failure and the next sync can go ahead.
+    """
+
+
 class AgreedFailure(SyncError):
     """Raised on every rank of a group when any rank failed a step; names each failing rank."""
 

@@ -35,7 +35,7 @@ from megatron_sync.errors import PlanMismatchError
 from megatron_sync.meta import TensorMeta, dtype_name
 
 if TYPE_CHECKING:
-    from megatron_sync.transport.base import BucketTransport
+    from megatron_sync.transport.base import BucketTransport, Transport
 
 KeepTogether = Sequence[Sequence[str]]
 """Groups of name patterns in the converters' grammar (`{layer}`, `{expert}`, whole-name match); names
@@ -229,7 +229,14 @@ def handshake_plan(transport: "BucketTransport", stage_metas: Optional[list[Tens
     """
     plan = build_plan(transport.exchange_metadata(stage_metas), bucket_size_bytes, keep_together)
     problem = coverage_problem(plan.tensors(), expected) if expected is not None else None
-    reports = transport.all_gather_json([transport.rank, plan.digest(), problem])
+    agree_on_plan(transport, plan.digest(), problem)
+    return plan
+
+
+def agree_on_plan(transport: "Transport", digest: str, problem: Optional[str]) -> None:
+    """All-gather every rank's plan digest and coverage problem; raise PlanMismatchError on every
+    rank if the digests differ or any rank found a problem (None: its engine is covered exactly)."""
+    reports = transport.all_gather_json([transport.rank, digest, problem])
     by_digest: dict[str, list[int]] = {}
     for rank, digest, _ in reports:
         by_digest.setdefault(digest, []).append(rank)
@@ -245,7 +252,6 @@ def handshake_plan(transport: "BucketTransport", stage_metas: Optional[list[Tens
             f"[transport rank {transport.rank}] the plan does not match the engines' expected tensors:\n"
             + "\n".join(f"  transport rank {r}: {p}" for r, p in problems)
         )
-    return plan
 
 
 def coverage_problem(planned: list[TensorMeta], expected: list[TensorMeta]) -> Optional[str]:

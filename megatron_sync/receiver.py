@@ -15,13 +15,13 @@ from typing import Optional
 
 import torch
 
-from megatron_sync.agreement import describe
 from megatron_sync.bucket import checksum, unpack
 from megatron_sync.engines.base import EngineAdapter
-from megatron_sync.errors import CorruptBucketError, PeerFailureError, SyncAbortedError
+from megatron_sync.errors import CorruptBucketError, PeerFailureError
 from megatron_sync.metrics import PhaseTimer, SyncMetrics
 from megatron_sync.plan import BucketPlan, KeepTogether, handshake_plan
 from megatron_sync.transport.base import ABORTED_NBYTES, BucketHeader, BucketTransport, Commit, Receiver
+from megatron_sync.transport.commit import AgreedCommit
 
 
 class WeightReceiver(Receiver):
@@ -43,14 +43,22 @@ class WeightReceiver(Receiver):
                  metrics_path: Optional[str] = None, commit: Optional[Commit] = None,
                  rollback: bool = True) -> None:
         self.engine, self.transport = engine, transport
-        self.rollback = rollback
-        self.commit = commit if commit is not None else engine.load_shards
+        self._agreed = AgreedCommit(transport, engine, commit, rollback=rollback)
         self.metrics_path = metrics_path
         self.history: list[SyncMetrics] = []
         self.plan = handshake_plan(transport, None, bucket_size_bytes, keep_together,
                                    expected=engine.expected_tensors())
         # Two receive buffers: bucket k+1 arrives while bucket k is verified and staged.
         self._buffers = [transport.alloc(self.plan.max_bucket_bytes) for _ in range(2)]
+
+    @property
+    def commit(self) -> Commit:
+        """What makes an agreed version live: `commit(staged shards, version)`."""
+        return self._agreed.commit
+
+    @commit.setter
+    def commit(self, commit: Commit) -> None:
+        self._agreed.commit = commit
 
     def receive(self, version: int) -> SyncMetrics:
         """Receive, verify and (if every rank agrees) load `version`; return its metrics."""
@@ -59,29 +67,12 @@ class WeightReceiver(Receiver):
             staging: dict[str, torch.Tensor] = {}
             try:
                 error = self._receive_all(version, staging, metrics)
-                with PhaseTimer(metrics, "commit"):
-                    self._agree(version, error)
-                with PhaseTimer(metrics, "commit"):  # the rollback snapshot is part of committing
-                    old_version, snapshot = self.engine.version, self._snapshot()
-                load_error = self._load(staging, version, metrics)
-                try:
-                    with PhaseTimer(metrics, "commit"):
-                        self._agree(version, load_error)
-                except SyncAbortedError as e:
-                    if load_error is None:  # this rank loaded it, another did not: go back
-                        problem = self._roll_back(snapshot, old_version)
-                        if problem is not None:
-                            raise SyncAbortedError(version, [*e.failures, (self.transport.rank, problem)]) from e
-                    raise
+                self._agreed(version, error, staging, metrics)
             finally:
                 staging.clear()  # on failure: drop the new version; the engine keeps the old one
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
         return metrics
-
-    def _agree(self, version: int, error: Optional[str]) -> None:
-        self.transport.agree(error, what=f"sync of version {version}",
-                             failure=lambda failures: SyncAbortedError(version, failures))
 
     def _receive_all(self, version: int, staging: dict[str, torch.Tensor],
                      metrics: SyncMetrics) -> Optional[str]:
@@ -128,29 +119,3 @@ class WeightReceiver(Receiver):
         for name, full in unpack(data, bucket).items():
             # clone: the receive buffer is reused by the next bucket
             staging[name] = self.engine.shard_of(name, full).clone(memory_format=torch.contiguous_format)
-
-    def _snapshot(self) -> Optional[dict[str, torch.Tensor]]:
-        """Copy the live shards before a load, so a load that fails elsewhere can be undone here."""
-        if not self.rollback:
-            return None
-        return self.engine.snapshot() or None
-
-    def _roll_back(self, snapshot: Optional[dict[str, torch.Tensor]], old_version: int) -> Optional[str]:
-        """Load the snapshot back; return what went wrong (None when this rank is back on `old_version`)."""
-        if snapshot is None:
-            return ("loaded the new version and has no snapshot to roll back to; this engine rank now "
-                    "differs from ranks that failed to load")
-        try:
-            self.commit(snapshot, old_version)
-        except Exception as e:  # noqa: BLE001 — reported with the sync's failures
-            return f"rolling back to version {old_version} failed: {e}"
-        return None
-
-    def _load(self, staging: dict[str, torch.Tensor], version: int, metrics: SyncMetrics) -> Optional[str]:
-        try:
-            with PhaseTimer(metrics, "apply"):
-                self.commit(staging, version)
-        except Exception as e:  # noqa: BLE001 — agreed on, then raised on every rank
-            return (f"commit failed: {describe(e, limit=3)} (ranks that loaded the new version "
-                    "roll back to the previous one)")
-        return None

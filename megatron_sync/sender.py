@@ -16,12 +16,13 @@ from typing import Callable, Optional
 import torch
 
 from megatron_sync.agreement import describe
-from megatron_sync.errors import SyncAbortedError, SyncError
+from megatron_sync.errors import SyncError
 from megatron_sync.metrics import PhaseTimer, SyncMetrics
 from megatron_sync.plan import BucketPlan, KeepTogether, SyncPlan, handshake_plan
 from megatron_sync.replica import HostReplica
 from megatron_sync.stream import HFWeightStream
 from megatron_sync.transport.base import ABORTED_NBYTES, BucketHeader, BucketTransport, Sender, Waitable
+from megatron_sync.transport.commit import sender_rounds
 
 BucketHook = Callable[[int, torch.Tensor], None]
 
@@ -94,7 +95,7 @@ class WeightSender(Sender):
                 if b.stage > stage:
                     self.transport.recv_bucket(b, scratch).wait()
         with PhaseTimer(metrics, "commit"):
-            self._commit(version, error)
+            sender_rounds(self.transport, version, error)
 
     def _send_own_stage(self, version: int, metrics: SyncMetrics) -> None:
         own = self.replica.buckets
@@ -154,12 +155,6 @@ class WeightSender(Sender):
         for bucket in self.replica.buckets[self._sent:]:
             header = BucketHeader(version, bucket.index, ABORTED_NBYTES, 0)
             self.transport.send_bucket(header, bucket, self.replica.data(bucket.index)).wait()
-
-    def _commit(self, version: int, error: Optional[str]) -> None:
-        """Two phases: all ranks agree everything arrived intact; then all confirm they loaded it."""
-        for status in (error, None):
-            self.transport.agree(status, what=f"sync of version {version}",
-                                 failure=lambda failures: SyncAbortedError(version, failures))
 
 
 def _split_convert_time(stream: HFWeightStream, metrics: SyncMetrics) -> None:

@@ -70,6 +70,7 @@ class MegatronWeightStream:
         if gather_budget_bytes <= 0:
             raise ValueError(f"gather_budget_bytes must be positive, got {gather_budget_bytes}")
         self._chunks = chunks
+        self.group = group  # the trainer job's group the stream's start-up checks run on (None: the default)
         self.layout = layout
         self.converter = converter
         self.tracker = tracker or GatherMemoryTracker()
@@ -77,7 +78,7 @@ class MegatronWeightStream:
         self._meta: list[TensorMeta] = []
         self._phase_seconds = {"gather": 0.0, "convert": 0.0}  # of the last walk
         with failing_together("planning the weight stream (names, shapes, conversion rules)", torch_gather(group)):
-            units = self._units()
+            units = self.units()
             self._unit_names = [u.name for u in units]
             if self.is_source:
                 self._meta = [m for u in units for m in converter.convert_meta(u.name, u.full_shape, u.dtype)]
@@ -97,20 +98,33 @@ class MegatronWeightStream:
     def phase_seconds(self) -> dict[str, float]:
         return self._phase_seconds
 
-    def _units(self) -> list[GatherUnit]:
+    def units(self) -> list[GatherUnit]:
+        """Return this rank's gather units (its local shards with global names), in walk order."""
         tensors = walk_model_chunks(self._chunks, self.layout, is_buffer=self.converter.is_buffer)
         return [u for u in plan_gather_units(tensors, self.layout) if not self.converter.is_skipped(u.name)]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        units = self._units()
+        return self.walk(self._gatherer, self._meta)
+
+    def walk(self, gatherer: Any, expected: list[TensorMeta]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (hf_name, tensor) for each unit `gatherer` hands this rank whole, converted and
+        checked against `expected` (what this rank yields, in order).
+
+        Iterating the stream is `walk(its gatherer, metadata())`: units whole on the stage
+        source. A transport that keeps its replica elsewhere (P2P: each rank converts its
+        assigned units) walks with its own gatherer (`gather(units)` yielding `(unit, full
+        tensor or None)`). Collective over the stage; a conversion error is raised once
+        the walk is complete, so the stage's other ranks are never left in a gather.
+        """
+        units = self.units()
         if [u.name for u in units] != self._unit_names:
             raise RuntimeError(
                 "the model's parameters changed since the weight stream was planned; "
                 "rebuild the weight sync after changing the model"
             )
-        expected = iter(self._meta)
+        expected_iter = iter(expected)
         self._phase_seconds = seconds = {"gather": 0.0, "convert": 0.0}
-        gathered = self._gatherer.gather(units)
+        gathered = gatherer.gather(units)
         failure: Exception | None = None
         while True:
             start = time.perf_counter()
@@ -126,7 +140,7 @@ class MegatronWeightStream:
                 converted = self.converter.convert(unit.name, full)
                 seconds["convert"] += time.perf_counter() - start
                 for hf_name, tensor in converted:
-                    _check_against_plan(next(expected, None), hf_name, tensor, unit.name)
+                    _check_against_plan(next(expected_iter, None), hf_name, tensor, unit.name)
             except Exception as exc:  # noqa: BLE001 — raised once the walk is complete
                 failure = exc
                 continue

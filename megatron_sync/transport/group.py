@@ -62,6 +62,13 @@ class StoreBoard:
         except (RuntimeError, dist.DistStoreError) as e:
             raise self._failure(f"waiting for {key!r}", e) from e
 
+    def delete(self, key: str) -> None:
+        """Remove `key` (a consumed value), so per-version keys do not pile up in the store."""
+        try:
+            self._store.delete_key(self._prefix + key)
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise self._failure(f"deleting {key!r}", e) from e
+
     def close(self) -> None:
         self._store = None
 
@@ -101,6 +108,20 @@ class TransportGroup:
         if not async_op:
             pending.wait()
         return pending
+
+    def send(self, tensor: torch.Tensor, dst: int, *, tag: int = 0) -> "Pending":
+        """Start sending `tensor` to group rank `dst`; return the in-flight handle (bounded `wait`)."""
+        try:
+            return Pending(self, f"send to rank {dst}", self._pg.send([tensor], dst, tag))
+        except RuntimeError as e:
+            raise self._fail(f"send to rank {dst}", e) from e
+
+    def recv(self, tensor: torch.Tensor, src: int, *, tag: int = 0) -> "Pending":
+        """Start receiving into `tensor` from group rank `src`; return the in-flight handle (bounded `wait`)."""
+        try:
+            return Pending(self, f"receive from rank {src}", self._pg.recv([tensor], src, tag))
+        except RuntimeError as e:
+            raise self._fail(f"receive from rank {src}", e) from e
 
     def _all_gather(self, mine: torch.Tensor) -> list[torch.Tensor]:
         """Return every rank's `mine` (same shape on every rank), indexed by rank."""
@@ -159,11 +180,12 @@ class Pending:
     def __init__(self, group: TransportGroup, op: str, work: Any) -> None:
         self._group, self._op, self._work = group, op, work
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: Optional[float] = None) -> None:
+        """Block until done, at most `timeout_s` (None: the group's timeout); PeerFailureError after."""
         if self._work is None:
             return
         try:
-            self._work.wait(datetime.timedelta(seconds=self._group.timeout_s))
+            self._work.wait(datetime.timedelta(seconds=self._group.timeout_s if timeout_s is None else timeout_s))
         except RuntimeError as e:
             raise self._group._fail(self._op, e) from e
         finally:
