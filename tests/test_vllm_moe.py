@@ -75,9 +75,9 @@ def test_keep_policy_continues_the_generation_over_its_old_kv(served, trainer):
         trainer.load(31)
         _connect(trainer, served.url, "keep")
         trainer.sync()
+        trainer.load(32)  # ready before the stream starts, so the sync (and its pause) follows the first tokens at once
         generation = StreamingGeneration(served.url, PROMPTS[1], LONG_GENERATION)
         assert generation.first_tokens.wait(120), "no tokens streamed"
-        trainer.load(32)
         trainer.sync()
         tokens, finish, spans = generation.result()
     finally:

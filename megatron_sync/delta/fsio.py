@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import socket
+import time
 import uuid
 from typing import Any, Optional
 
@@ -114,8 +115,9 @@ class FileLock:
             if exc.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
             raise LockHeldError(f"{self.what}: {self.path} is locked by {holder}; {self.fix}") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"host={socket.gethostname()} pid={os.getpid()}\n".encode(), 0)
+        record = f"host={socket.gethostname()} pid={os.getpid()}\n".encode()
+        os.pwrite(fd, record, 0)  # written before truncating: the file never reads empty while held
+        os.ftruncate(fd, len(record))
         self._fd = fd
         return self
 
@@ -133,9 +135,14 @@ class FileLock:
         self.release()
 
 
-def _read_holder(fd: int) -> str:
-    try:
-        text = os.pread(fd, 256, 0).decode(errors="replace").strip()
-    except OSError:
-        text = ""
-    return text or "another process"
+def _read_holder(fd: int, wait_s: float = 1.0) -> str:
+    """Return the holder's record; a holder that has just taken the lock gets `wait_s` to write it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            text = os.pread(fd, 256, 0).decode(errors="replace").strip()
+        except OSError:
+            text = ""
+        if text or time.monotonic() >= deadline:
+            return text or "another process"
+        time.sleep(0.01)
