@@ -242,10 +242,14 @@ class Converter:
             f"converters/{self.family.name}.py or list it in skip=(...{megatron_name!r}...)"
         )
 
-    def convert(self, megatron_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def convert(self, megatron_name: str, tensor: torch.Tensor,
+                into: Callable[[str], torch.Tensor | None] | None = None) -> list[tuple[str, torch.Tensor]]:
         """Return the HF (name, tensor) pairs for one full Megatron tensor; [] if it is skipped.
 
         Outputs are contiguous and in the rule's dtype; they may share storage with `tensor`.
+        `into(hf_name)` may return a destination (its final shape and dtype, e.g. the tensor's
+        slot in a bucket): the output is then written there in one copy (layout and cast
+        together) and the destination is returned in its place.
         """
         if self.is_skipped(megatron_name):
             return []
@@ -256,7 +260,13 @@ class Converter:
         for pattern, out in zip(rule.hf_patterns, outputs):
             hf_name = pattern.format(**captures)
             self._check_produced(hf_name, tuple(out.shape), megatron_name)
-            converted.append((hf_name, out.to(rule.dtype or self.dtype).contiguous()))
+            dtype = rule.dtype or self.dtype
+            dest = into(hf_name) if into is not None else None
+            if dest is not None and dest.shape == out.shape and dest.dtype == dtype:
+                dest.copy_(out, non_blocking=True)
+                converted.append((hf_name, dest))
+            else:
+                converted.append((hf_name, out.to(dtype).contiguous()))
         return converted
 
     def convert_meta(self, megatron_name: str, shape: Iterable[int], dtype: torch.dtype) -> list[TensorMeta]:

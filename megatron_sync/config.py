@@ -13,11 +13,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from megatron_sync.bucket import CHECKSUMS
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.transport import transport_names
 
 BACKENDS = ("gloo", "nccl", "auto")
 INFLIGHT_POLICIES = ("abort", "recompute", "keep")
+CHECKSUM_CHOICES = ("auto", *CHECKSUMS)
 DEFAULT_GATHER_BUDGET_MB = 1024.0
 
 
@@ -80,6 +82,13 @@ class WeightSyncConfig:
     """What happens to generations in flight at sync time: "abort" them,
     "recompute" their KV cache under the new weights, or "keep" them on old weights."""
 
+    checksum: str = "auto"
+    """Integrity check of every bucket: "xxh3" (host bytes, memory speed), "crc32" (host bytes,
+    ~2 GB/s), "fletcher" (computed by torch where the bytes are, so on the GPU for NCCL buckets),
+    "none" (trust the transport: NCCL over NVLink/InfiniBand has link-level CRC), or "auto":
+    xxh3 for host buckets (gloo), fletcher for device buckets (NCCL). The sender computes it while
+    the bucket is on the wire; a mismatch aborts the sync on every rank. All ranks must agree."""
+
     def __post_init__(self) -> None:
         _check_bool("enabled", self.enabled)
         _check_int("every_n_steps", self.every_n_steps, minimum=1)
@@ -111,6 +120,7 @@ class WeightSyncConfig:
         if self.metrics_path is not None and not isinstance(self.metrics_path, str):
             raise ValueError("metrics_path must be a file path string or null")
         _check_choice("inflight_policy", self.inflight_policy, INFLIGHT_POLICIES)
+        _check_choice("checksum", self.checksum, CHECKSUM_CHOICES)
 
     def replace(self, **changes: Any) -> "WeightSyncConfig":
         """Return a copy with `changes` applied (validated like a new config)."""

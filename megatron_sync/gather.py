@@ -7,6 +7,7 @@ stage's source rank (the first rank of each group) ends up with full tensors.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -37,23 +38,27 @@ def split_strided_shard(full: torch.Tensor, dim: int, stride: int, size: int, ra
 
 
 class GatherMemoryTracker:
-    """Counts bytes of gathered tensors that are alive (gathered but not yet released)."""
+    """Counts bytes of gathered tensors that are alive (gathered but not yet released); thread-safe."""
 
     def __init__(self) -> None:
         self.live = 0
         self.peak = 0
         self.largest_tensor = 0
+        self._lock = threading.Lock()
 
     def add(self, nbytes: int) -> None:
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
+        with self._lock:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
 
     def release(self, nbytes: int) -> None:
-        self.live -= nbytes
-        assert self.live >= 0, "released more gathered bytes than were added"
+        with self._lock:
+            self.live -= nbytes
+            assert self.live >= 0, "released more gathered bytes than were added"
 
     def saw_tensor(self, nbytes: int) -> None:
-        self.largest_tensor = max(self.largest_tensor, nbytes)
+        with self._lock:
+            self.largest_tensor = max(self.largest_tensor, nbytes)
 
 
 @dataclass(frozen=True)
@@ -157,12 +162,24 @@ class ShardGatherer:
     (a batch of at most `budget_bytes`) and are merged one at a time; a tensor
     larger than the budget, and every routed expert, is gathered straight into
     its full tensor in pieces of at most half the budget.
+
+    A yielded full tensor counts as gathered until the consumer asks for the
+    next one; with `handoff` it counts until the consumer calls
+    `tracker.release(gatherer.counted_bytes(unit, full))` (a consumer that
+    converts in another thread than the one gathering).
     """
 
-    def __init__(self, layout: ParallelLayout, *, budget_bytes: int, tracker: GatherMemoryTracker | None = None):
+    def __init__(self, layout: ParallelLayout, *, budget_bytes: int, tracker: GatherMemoryTracker | None = None,
+                 handoff: bool = False):
         self.layout = layout
         self.budget_bytes = budget_bytes
         self.tracker = tracker or GatherMemoryTracker()
+        self.handoff = handoff
+
+    @staticmethod
+    def counted_bytes(unit: GatherUnit, full: torch.Tensor | None) -> int:
+        """Return the bytes the tracker counts for a yielded (unit, full): 0 for a view of a local parameter."""
+        return 0 if full is None or full is unit.local else unit.nbytes
 
     def gather(self, units: list[GatherUnit]) -> Iterator[tuple[GatherUnit, torch.Tensor | None]]:
         """Yield (unit, full tensor) on the source rank and (unit, None) on other participants.
@@ -193,7 +210,7 @@ class ShardGatherer:
             yield unit, None
             return
         self.tracker.saw_tensor(unit.nbytes)
-        if not counted:  # a view of the local parameter: nothing was allocated
+        if not counted or self.handoff:  # a local parameter (nothing allocated), or the consumer releases
             yield unit, full
             return
         try:
