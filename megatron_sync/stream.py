@@ -94,8 +94,10 @@ class MegatronWeightStream:
         self.converter = converter
         self.tracker = tracker or GatherMemoryTracker()
         self.gather_budget_bytes = gather_budget_bytes
+        # Every rank of the stage batches its gathers alike (they are collectives), so the halved
+        # budget applies everywhere; only the source, which converts, runs the gather thread.
+        budget = max(1, gather_budget_bytes // 2) if prefetch else gather_budget_bytes
         self.prefetch = prefetch and layout.is_stage_source
-        budget = max(1, gather_budget_bytes // 2) if self.prefetch else gather_budget_bytes
         self._gatherer = ShardGatherer(layout, budget_bytes=budget, tracker=self.tracker, handoff=self.prefetch)
         self._meta: list[TensorMeta] = []
         self._phase_seconds = {"gather": 0.0, "convert": 0.0}  # of the last walk
