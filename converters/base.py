@@ -22,7 +22,7 @@ from converters.errors import (
     UnmappedParameterError,
 )
 from converters.hf_config import HFConfig
-from converters.layout import rename
+from converters.layout import REARRANGING_TRANSFORMS, rename
 from converters.patterns import Pattern, compile_pattern
 from megatron_sync.meta import TensorMeta
 
@@ -268,6 +268,17 @@ class Converter:
             else:
                 converted.append((hf_name, out.to(dtype).contiguous()))
         return converted
+
+    def gather_dtype(self, megatron_name: str, dtype: torch.dtype) -> torch.dtype:
+        """Return the dtype a Megatron tensor of `dtype` may be gathered in without changing what `convert`
+        produces: its rule's output dtype when the rule only moves elements and that dtype is narrower
+        (fp32 parameters sent as bf16 move half the bytes), else `dtype`."""
+        if self.is_skipped(megatron_name):
+            return dtype
+        rule, _ = self._find_rule(megatron_name)
+        out = rule.dtype or self.dtype
+        narrower = out.is_floating_point and dtype.is_floating_point and out.itemsize < dtype.itemsize
+        return out if narrower and rule.transform in REARRANGING_TRANSFORMS else dtype
 
     def convert_meta(self, megatron_name: str, shape: Iterable[int], dtype: torch.dtype) -> list[TensorMeta]:
         """Return the metadata `convert` would produce for a tensor of this shape and dtype, without data."""

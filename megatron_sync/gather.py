@@ -65,7 +65,9 @@ class GatherMemoryTracker:
 class GatherUnit:
     """One full Megatron tensor to produce: its global name, full shape and where its shards live.
 
-    `local` is this rank's shard, or None for a routed expert another EP rank owns.
+    `local` is this rank's shard, or None for a routed expert another EP rank owns. `dtype` is the
+    dtype it is gathered in: the parameter's, or a narrower one the converter allows (see
+    `Converter.gather_dtype`); a tensor that needs no gather is yielded as the local parameter itself.
     """
 
     name: str
@@ -224,7 +226,13 @@ class ShardGatherer:
     def _gather_tp_batch(self, batch: list[GatherUnit]):
         """One gather over the TP group for the whole batch, as flat bytes, merged one unit at a time."""
         layout = self.layout
-        flat = torch.cat([u.local.contiguous().view(-1).view(torch.uint8) for u in batch])
+        flat = torch.empty(sum(u.local.numel() * u.dtype.itemsize for u in batch), dtype=torch.uint8,
+                           device=batch[0].local.device)
+        offset = 0
+        for u in batch:  # one pass: copy (and cast to the gather dtype) straight into the flat buffer
+            n = u.local.numel() * u.dtype.itemsize
+            flat[offset:offset + n].view(u.dtype).view(u.local.shape).copy_(u.local)
+            offset += n
         receiving = layout.tp_rank == 0
         shards = [torch.empty_like(flat) for _ in range(layout.tp)] if receiving else None
         if receiving:
@@ -269,7 +277,7 @@ class ShardGatherer:
         dst = group_rank0_global(group)
         for start, length in pieces:
             piece = local if len(pieces) == 1 else local.narrow(along, start, length)
-            piece = piece.contiguous()
+            piece = piece.to(unit.dtype).contiguous()
             shards = [torch.empty_like(piece) for _ in range(size)] if receiving else None
             piece_bytes = piece.numel() * unit.dtype.itemsize * size
             if receiving:
@@ -300,7 +308,8 @@ class ShardGatherer:
                 counted = True
                 dist.recv(full, src=dist.get_global_rank(layout.ep_group, unit.owner_ep), group=layout.ep_group)
             elif layout.ep_rank != 0 and unit.owner_ep == layout.ep_rank:
-                dist.send(full.contiguous(), dst=group_rank0_global(layout.ep_group), group=layout.ep_group)
+                dist.send(full.to(unit.dtype).contiguous(), dst=group_rank0_global(layout.ep_group),
+                          group=layout.ep_group)
                 if counted:
                     self.tracker.release(unit.nbytes)
                 full, counted = None, False

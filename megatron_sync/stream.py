@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from typing import Any, Callable, Iterator, Optional, Protocol, runtime_checkable
@@ -123,8 +124,10 @@ class MegatronWeightStream:
         return self._phase_seconds
 
     def _units(self) -> list[GatherUnit]:
+        """Return the stage's gather units, each in the narrowest dtype that converts to the same bits."""
         tensors = walk_model_chunks(self._chunks, self.layout, is_buffer=self.converter.is_buffer)
-        return [u for u in plan_gather_units(tensors, self.layout) if not self.converter.is_skipped(u.name)]
+        return [dataclasses.replace(u, dtype=self.converter.gather_dtype(u.name, u.dtype))
+                for u in plan_gather_units(tensors, self.layout) if not self.converter.is_skipped(u.name)]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.walk()
