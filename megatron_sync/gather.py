@@ -138,20 +138,36 @@ def plan_gather_units(tensors: list[SourceTensor], layout: ParallelLayout) -> li
     return units
 
 
-def _batches(units: list[GatherUnit], budget_bytes: int) -> Iterator[list[GatherUnit]]:
-    """Group consecutive TP-sharded dense units up to `budget_bytes`; everything else alone."""
+def _batch_key(unit: GatherUnit, etp: int) -> tuple | None:
+    """Return what units must share to travel in one collective (None: alone).
+
+    TP-sharded dense tensors share one gather over the TP group; routed experts
+    of one owning EP rank, whole on it (no ETP split), share one point-to-point
+    message to EP rank 0.
+    """
+    if unit.owner_ep is None:
+        return ("tp",) if unit.sharding.axis == "tp" else None
+    if unit.sharding.axis != "etp" or etp == 1:
+        return ("ep", unit.owner_ep)
+    return None
+
+
+def _batches(units: list[GatherUnit], budget_bytes: int, etp: int = 1) -> Iterator[list[GatherUnit]]:
+    """Group consecutive units of one batch key up to `budget_bytes`; everything else alone."""
     batch: list[GatherUnit] = []
     batch_bytes = 0
+    key = None
     for unit in units:
-        batchable = unit.owner_ep is None and unit.sharding.axis == "tp"
-        if batch and (not batchable or batch_bytes + unit.nbytes > budget_bytes):
+        unit_key = _batch_key(unit, etp)
+        if batch and (unit_key != key or batch_bytes + unit.nbytes > budget_bytes):
             yield batch
             batch, batch_bytes = [], 0
-        if not batchable:
+        if unit_key is None:
             yield [unit]
             continue
         batch.append(unit)
         batch_bytes += unit.nbytes
+        key = unit_key
     if batch:
         yield batch
 
@@ -161,14 +177,16 @@ class ShardGatherer:
 
     Memory bound: gathered bytes alive at once never exceed the budget plus
     the largest single tensor. Small TP-sharded tensors share one collective
-    (a batch of at most `budget_bytes`) and are merged one at a time; a tensor
-    larger than the budget, and every routed expert, is gathered straight into
-    its full tensor in pieces of at most half the budget.
+    (a batch of at most `budget_bytes`) and are merged one at a time; routed
+    experts whole on their owner share one message per owner (at most
+    `budget_bytes`), received into one buffer whose views are yielded; a tensor
+    larger than the budget, and every ETP-split expert, is gathered straight
+    into its full tensor in pieces of at most half the budget.
 
     A yielded full tensor counts as gathered until the consumer asks for the
     next one; with `handoff` it counts until the consumer calls
-    `tracker.release(gatherer.counted_bytes(unit, full))` (a consumer that
-    converts in another thread than the one gathering).
+    `release(unit, full)` (a consumer that converts in another thread than
+    the one gathering); a batch's buffer counts until all its views are released.
     """
 
     def __init__(self, layout: ParallelLayout, *, budget_bytes: int, tracker: GatherMemoryTracker | None = None,
@@ -177,24 +195,38 @@ class ShardGatherer:
         self.budget_bytes = budget_bytes
         self.tracker = tracker or GatherMemoryTracker()
         self.handoff = handoff
+        self._owed: dict[int, list[int]] = {}  # handoff: id(yielded tensor) -> [views left, bytes]
 
-    @staticmethod
-    def counted_bytes(unit: GatherUnit, full: torch.Tensor | None) -> int:
-        """Return the bytes the tracker counts for a yielded (unit, full): 0 for a view of a local parameter."""
-        return 0 if full is None or full is unit.local else unit.nbytes
+    def release(self, unit: GatherUnit, full: torch.Tensor | None) -> None:
+        """Handoff mode: the consumer is done with a yielded (unit, full); its bytes stop counting
+        (a batch buffer's once every view of it is released)."""
+        entry = self._owed.pop(id(full), None) if full is not None else None
+        if entry is not None:
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.tracker.release(entry[1])
+
+    def _owe(self, tensors: list[torch.Tensor], nbytes: int) -> None:
+        entry = [len(tensors), nbytes]
+        for t in tensors:
+            self._owed[id(t)] = entry
 
     def gather(self, units: list[GatherUnit]) -> Iterator[tuple[GatherUnit, torch.Tensor | None]]:
         """Yield (unit, full tensor) on the source rank and (unit, None) on other participants.
 
         A yielded full tensor counts as gathered until the consumer asks for the
-        next one; units this rank takes no part in are not yielded here.
+        next one (with `handoff`: until `release`); units this rank takes no part in are not yielded here.
         """
         layout = self.layout
-        for batch in _batches(units, self.budget_bytes):
+        for batch in _batches(units, self.budget_bytes, layout.etp):
             first = batch[0]
             if first.owner_ep is not None:
-                if layout.gathers_experts:
+                if not layout.gathers_experts:
+                    continue
+                if _batch_key(first, layout.etp) is None:
                     yield from self._gather_expert(first)
+                else:
+                    yield from self._gather_expert_batch(batch)
             elif not layout.gathers_dense:
                 continue
             elif first.sharding.axis != "tp" or layout.tp == 1:
@@ -212,7 +244,11 @@ class ShardGatherer:
             yield unit, None
             return
         self.tracker.saw_tensor(unit.nbytes)
-        if not counted or self.handoff:  # a local parameter (nothing allocated), or the consumer releases
+        if not counted:  # a local parameter: nothing was allocated
+            yield unit, full
+            return
+        if self.handoff:  # the consumer releases it
+            self._owe([full], unit.nbytes)
             yield unit, full
             return
         try:
@@ -290,6 +326,56 @@ class ShardGatherer:
                 del shards, merged
                 self.tracker.release(2 * piece_bytes)
         return full
+
+    def _gather_expert_batch(self, batch: list[GatherUnit]):
+        """Routed experts of one owner, whole on it: one message from the owner to EP rank 0.
+
+        The owner copies (and casts to the gather dtype) its experts into one
+        buffer; EP rank 0 receives it and yields a view per expert (no copy).
+        The owner's own experts on EP rank 0 are its parameters, yielded as they are.
+        """
+        layout = self.layout
+        owner = batch[0].owner_ep
+        flat = None
+        nbytes = sum(u.nbytes for u in batch)
+        if layout.etp_rank == 0 and layout.ep > 1 and owner != 0:
+            if layout.ep_rank == owner:
+                flat = torch.empty(nbytes, dtype=torch.uint8, device=batch[0].device)
+                offset = 0
+                for u in batch:
+                    flat[offset:offset + u.nbytes].view(u.dtype).view(u.full_shape).copy_(u.local)
+                    offset += u.nbytes
+                dist.send(flat, dst=group_rank0_global(layout.ep_group), group=layout.ep_group)
+                flat = None
+            elif layout.ep_rank == 0:
+                flat = torch.empty(nbytes, dtype=torch.uint8, device=batch[0].device)
+                self.tracker.add(nbytes)
+                dist.recv(flat, src=dist.get_global_rank(layout.ep_group, owner), group=layout.ep_group)
+        if not layout.is_stage_source or (flat is None and owner != layout.ep_rank):
+            if flat is not None:
+                self.tracker.release(nbytes)
+            for unit in batch:
+                yield unit, None
+            return
+        if flat is None:  # this rank's own experts
+            for unit in batch:
+                yield from self._hold(unit, unit.local, counted=False)
+            return
+        views, offset = [], 0
+        for u in batch:
+            views.append(flat[offset:offset + u.nbytes].view(u.dtype).view(u.full_shape))
+            offset += u.nbytes
+        del flat
+        for u in batch:
+            self.tracker.saw_tensor(u.nbytes)
+        if self.handoff:
+            self._owe(views, nbytes)
+            yield from zip(batch, views)
+            return
+        try:
+            yield from zip(batch, views)
+        finally:
+            self.tracker.release(nbytes)
 
     def _gather_expert(self, unit: GatherUnit):
         """ETP gather inside the owning EP rank, then a point-to-point hop to EP rank 0."""

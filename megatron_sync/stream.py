@@ -195,32 +195,34 @@ def _done(gathered: Any, unit: GatherUnit, full: Optional[torch.Tensor]) -> None
 
 
 class _Prefetcher:
-    """Runs a gather generator in a background thread, at most `ahead_bytes` of unconverted tensors ahead.
+    """Runs a gather generator in a background thread, ahead of the consumer within a memory bound.
 
     The gatherer runs in handoff mode: a yielded tensor counts in its tracker
-    until `release` (the consumer converted it). Before each further gather the
-    thread waits until the held bytes are at most `ahead_bytes` (one tensor is
-    always allowed). Errors in the thread (a dead peer) surface in the consumer.
+    until `release` (the consumer converted it). The thread starts each further
+    gather only while the tracker counts at most `ahead_bytes` (or the consumer
+    holds nothing), and one gather adds at most the gatherer's own budget plus
+    the largest tensor. Errors in the thread (a dead peer) surface in the consumer.
     """
 
     def __init__(self, gathered: Iterator, gatherer: ShardGatherer, ahead_bytes: int) -> None:
         self._gathered, self._gatherer, self._ahead = gathered, gatherer, ahead_bytes
         self._queue: collections.deque = collections.deque()
         self._cond = threading.Condition()
-        self._held = 0
+        self._outstanding = 0  # items handed over and not yet released
         self._finished = False
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="megatron-sync-gather", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        tracker = self._gatherer.tracker
         try:
             for unit, full in self._gathered:
                 with self._cond:
-                    self._held += self._gatherer.counted_bytes(unit, full)
+                    self._outstanding += 1
                     self._queue.append((unit, full))
                     self._cond.notify_all()
-                    while self._held > self._ahead:
+                    while tracker.live > self._ahead and self._outstanding > 0:
                         self._cond.wait()
         except BaseException as e:  # noqa: BLE001 — handed to the consumer
             self._error = e
@@ -244,12 +246,10 @@ class _Prefetcher:
 
     def release(self, unit: GatherUnit, full: Optional[torch.Tensor]) -> None:
         """The consumer is done with (unit, full): its bytes stop counting and the thread may go on."""
-        nbytes = self._gatherer.counted_bytes(unit, full)
-        if nbytes:
-            self._gatherer.tracker.release(nbytes)
-            with self._cond:
-                self._held -= nbytes
-                self._cond.notify_all()
+        self._gatherer.release(unit, full)
+        with self._cond:
+            self._outstanding -= 1
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Finish the walk (the stage's other ranks are in its gathers too), releasing what is left."""
