@@ -95,6 +95,9 @@ def summarize(name: str, mb: float, trainers: list[dict], engines: list[dict]) -
     def cpu(kind: str) -> float:  # CPU seconds of all four processes
         return _median([sum(r["rows"][kind][i]["cpu_s"] for r in (source, other, *recv)) for i in range(reps)])
 
+    def cpu_of(kind: str) -> list[float]:  # per process: trainer 0, trainer 1, engine ranks
+        return [_median([r["cpu_s"] for r in side["rows"][kind]]) for side in (source, other, *recv)]
+
     send = _phases(source["rows"]["sync"])
     engine = {p: statistics.fmean(_phases(e["rows"]["sync"])[p] for e in recv) for p in send}
     engine_work = max(_median([r["phases"]["checksum"] + r["phases"]["apply"] for r in e["rows"]["sync"]])
@@ -104,6 +107,7 @@ def summarize(name: str, mb: float, trainers: list[dict], engines: list[dict]) -
            "other_gather": _median([r["phases"]["gather"] for r in other["rows"]["sync"]]),
            "overlap": _median([r["overlap_s"] for r in source["rows"]["sync"]]),
            **{f"{k}_s": wall(k) for k in KINDS}, **{f"{k}_cpu": cpu(k) for k in KINDS},
+           "cpu_by_rank": {k: cpu_of(k) for k in KINDS},
            "info": {**source["info"], **{f"engine_{k}": v for k, v in recv[0]["info"].items()}}}
     out["stages"] = {
         "gather (trainer 0, thread)": send["gather"],
@@ -167,6 +171,17 @@ def format_totals(rows: list[dict]) -> str:
                       f"{r['sync_s'] / r['raw_s']:.2f}", f"{r['naive_s'] / r['raw_s']:.2f}",
                       f"{r['sync_s'] / r['stages'][slowest]:.2f}", slowest,
                       f"{r['sync_cpu'] / r['raw_cpu']:.2f}", f"{r['naive_cpu'] / r['raw_cpu']:.2f}"])
+    return _table(header, lines)
+
+
+def format_cpu(rows: list[dict]) -> str:
+    """CPU-seconds per process (all its threads) for sync, raw and naive: where the work goes."""
+    header = ["model", "MiB", "kind", "trainer0", "trainer1", "engine0", "engine1", "all"]
+    lines = []
+    for r in rows:
+        for kind in KINDS:
+            per = r["cpu_by_rank"][kind]
+            lines.append([r["model"], f"{r['bucket_mb']:g}", kind, *(f"{c:.3f}" for c in per), f"{sum(per):.3f}"])
     return _table(header, lines)
 
 
@@ -275,6 +290,8 @@ def main(argv=None) -> None:
           "\ntransport rank is done). slowest = the slowest pipeline stage (a phase of one rank, or the raw wire);"
           "\ncpu = CPU-seconds of all four processes (all threads), the load-robust comparison.\n")
     print(format_totals(rows))
+    print("\nCPU-seconds per process (medians; all threads, gloo's included).\n")
+    print(format_cpu(rows))
     print("\nMemory (MB). held = buffers kept between syncs (sender: host replica = the stage's bf16 weights;"
           "\nengine: 2 receive buffers + 2 staging sets of its shards). peak+ = peak RSS during a warm sync minus"
           "\nRSS at its start (transient). gathered peak = the gather tracker's peak. device: GPU peak growth.\n")

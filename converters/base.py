@@ -166,6 +166,7 @@ class Converter:
         self._skip_patterns = tuple(compile_pattern(s) for s in self.skip)
         self.buffer_patterns: tuple[str, ...] = family.buffers
         self._hf_dtypes = {h: r.dtype or dtype for r in family.rules for h in r.hf}
+        self._rule_of: dict[str, tuple[Rule, dict[str, int]]] = {}
         self._expected = self._expected_layout()
 
     # -- the HF side, from the config alone -------------------------------------------------
@@ -233,9 +234,13 @@ class Converter:
         return any(compile_pattern(b).match(megatron_name) is not None for b in self.buffer_patterns)
 
     def _find_rule(self, megatron_name: str) -> tuple[Rule, dict[str, int]]:
+        found = self._rule_of.get(megatron_name)  # every sync converts the same names: match each once
+        if found is not None:
+            return found
         for rule in self.family.rules:
             captures = rule.megatron_pattern.match(megatron_name)
             if captures is not None:
+                self._rule_of[megatron_name] = rule, captures
                 return rule, captures
         raise UnmappedParameterError(
             f"no rule for {megatron_name!r} in family {self.family.name!r}; add a Rule to "
