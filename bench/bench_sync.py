@@ -241,7 +241,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"comma-separated models from {list(MODELS)}")
     parser.add_argument("--bucket-mb", default="4,16,64", help="comma-separated bucket sizes in MiB")
     parser.add_argument("--reps", type=int, default=3, help="interleaved rounds (sync, raw, naive) per bucket size")
-    parser.add_argument("--gather-budget-mb", type=float, default=256.0, help="trainer gather budget (MiB)")
+    parser.add_argument("--gather-budget-mb", type=float, default=64.0,
+                        help="trainer gather budget (MiB; default 64: smaller batches pipeline better)")
     parser.add_argument("--checksum", default="auto", help="weight_sync.checksum for the sync (default auto)")
     parser.add_argument("--timeline", default="moe-large", help="model whose fastest bucket size is drawn")
     parser.add_argument("--timeline-png", default=os.path.join(os.path.dirname(__file__), "timeline.png"))
@@ -265,7 +266,7 @@ def main(argv=None) -> None:
     print("command: python " + " ".join(sys.argv))
     print(machine_description())
     print(f"trainer 2 processes (MoE: EP=2, dense: TP=2; 1 stage) -> broadcast over gloo -> 1 engine TP=2; "
-          f"bf16; per bucket size 1 warm-up sync, then {args.reps} rounds of sync / raw / naive (order "
+          f"bf16; per bucket size 2 warm-up syncs, then {args.reps} rounds of sync / raw / naive (order "
           f"alternating); medians; gather budget {args.gather_budget_mb:g} MiB; checksum {args.checksum}; "
           "1 torch thread per process\n", flush=True)
     cfg = {"bucket_mb": args.bucket_mb, "reps": args.reps, "checksum": args.checksum, "timeout_s": 300.0,

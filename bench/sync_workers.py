@@ -4,8 +4,8 @@ Per model, the trainer (2 gloo processes: EP=2 for MoE, TP=2 for dense; one
 pipeline stage, so trainer rank 0 is the only stage source) and one engine
 with TP=2 (2 processes) are started concurrently and meet on a 3-rank
 broadcast transport group (trainer rank 0 = transport rank 0, engine ranks =
-transport ranks 1..2). Per bucket size the same processes run one warm-up
-sync, then `reps` rounds of three measurements, interleaved (A/B/C, the order
+transport ranks 1..2). Per bucket size the same processes run two warm-up
+syncs, then `reps` rounds of three measurements, interleaved (A/B/C, the order
 alternating every round) so that machine load hits all three alike:
 
 - sync: the library's pipelined sync (`WeightSender` / `WeightReceiver`);
@@ -40,6 +40,7 @@ ENGINE_TP = 2
 TRANSPORT_WORLD = NUM_STAGES + ENGINE_TP
 DTYPE = torch.bfloat16  # what the engine computes in; the converter casts to it
 KINDS = ("sync", "raw", "naive")
+WARMUP_SYNCS = 2  # the receiver's two staging sets are allocated by the first two syncs
 
 
 def round_order(rep: int) -> tuple[str, ...]:
@@ -137,8 +138,9 @@ def trainer_main(rank: int, world_size: int, spec: ModelSpec, layout_kw: dict, c
         for mb in cfg["bucket_mb"]:
             sender = WeightSender.connect(stream, transport, bucket_size_bytes=int(mb * 2**20), timeline=True,
                                           checksum=cfg["checksum"])
-            version += 1
-            sender.sync(version)  # warm-up: first touch of the replica's pages
+            for _ in range(WARMUP_SYNCS):  # first touch of the replica's pages
+                version += 1
+                sender.sync(version)
             rows: dict = {kind: [] for kind in KINDS}
             for rep in range(cfg["reps"]):
                 for kind in round_order(rep):
@@ -229,8 +231,9 @@ def engine_main(rank: int, world_size: int, spec: ModelSpec, layout_kw: dict, cf
         for mb in cfg["bucket_mb"]:
             receiver = WeightReceiver(engine, transport, bucket_size_bytes=int(mb * 2**20), timeline=True,
                                       checksum=cfg["checksum"])
-            version += 1
-            receiver.receive(version)  # warm-up: allocates the staging sets (and takes the one snapshot)
+            for _ in range(WARMUP_SYNCS):  # allocates both staging sets (and takes the one snapshot)
+                version += 1
+                receiver.receive(version)
             scratch = [transport.alloc(receiver.plan.max_bucket_bytes) for _ in range(2)]
             rows: dict = {kind: [] for kind in KINDS}
             for rep in range(cfg["reps"]):
