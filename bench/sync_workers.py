@@ -25,6 +25,7 @@ timeline events.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import time
@@ -59,6 +60,15 @@ def _status_kib(key: str) -> int:
     return 0
 
 
+def _trim_heap() -> None:
+    """Give freed heap memory back to the OS, so RSS at a measurement's start is what is really held
+    (glibc keeps large freed blocks, which would hide the next measurement's transient growth)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
 def _reset_peak_rss() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -71,6 +81,7 @@ def _reset_peak_rss() -> bool:
 def measure(fn: Callable[[], dict | None]) -> dict:
     """Run `fn` and return its dict plus wall_s, cpu_s (this process, all threads) and rss_growth
     (peak RSS during the run minus RSS at its start, bytes; None where the peak cannot be reset)."""
+    _trim_heap()
     resettable = _reset_peak_rss()
     rss0 = _status_kib("VmRSS")
     if torch.cuda.is_available():
