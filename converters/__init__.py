@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 import torch
 
-from converters.base import Converter, Family, HFTensor, Rule, Shard, Skip
+from converters.base import Converter, Family, HFTensor, Rule, Shard, Skip, keep_together_of
 from converters.deepseek_v3 import DEEPSEEK_V3
 from converters.errors import (
     ConfigError, ConversionError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError,
@@ -62,7 +62,7 @@ def get_converter(family: str, hf_config: Any, *, dtype: torch.dtype = torch.bfl
 
 __all__ = [
     "get_converter", "get_family", "register_family", "family_of_model_type", "FAMILIES", "BUILTIN_FAMILIES",
-    "Converter", "Family", "Rule", "HFTensor", "Shard", "Skip",
+    "Converter", "Family", "Rule", "HFTensor", "Shard", "Skip", "keep_together_of",
     "ConversionError", "ConfigError", "UnknownFamilyError", "UnmappedParameterError",
     "MissingTensorError", "UnexpectedTensorError", "ShapeMismatchError",
 ]

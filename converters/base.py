@@ -5,6 +5,15 @@ patterns through a layout transform, and `HFTensor` rows describing the HF
 checkpoint the HF config calls for. `Converter` binds a family to one HF
 config, a target dtype and an explicit skip list, and checks every produced
 name and shape against that description.
+
+When the HF config has a `quantization_config`, the converter also
+quantizes: every weight it selects (`converters.quant`, among the rows marked
+`linear`) leaves `convert` as the engine's quantized tensors (FP8 values and
+`weight_scale_inv` / `weight_scale`, or INT4 `weight_packed`, `weight_scale`,
+`weight_shape`), computed from the whole converted tensor. Every method that
+names checkpoint tensors (`expected_hf_tensors`, `expected_metas`,
+`convert_meta`, `check_complete`, `keep_together`, `shard_role`) then speaks
+those names; `slice_hf_tensor` slices a weight and its scales consistently.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ from converters.errors import (
 from converters.hf_config import HFConfig
 from converters.layout import REARRANGING_TRANSFORMS, rename
 from converters.patterns import Pattern, compile_pattern
+from converters.quant import DEFAULT_UNQUANTIZED, QuantPlan, output_groups
+from converters.quant.plan import output_weight
 from megatron_sync.meta import TensorMeta
 
 Transform = Callable[[torch.Tensor, HFConfig], tuple[torch.Tensor, ...]]
@@ -90,6 +101,9 @@ class HFTensor:
 
     `layers` is "all", "dense" or "moe" (for `{layer}` patterns); `when` is an
     optional predicate on the config (e.g. lm_head only when embeddings are untied).
+    `linear` says whether engines build the tensor as a Linear layer's weight,
+    the only kind a `quantization_config` may quantize (its "Linear" targets);
+    the default is every 2-D `.weight` row, so only an embedding says False.
     """
 
     name: str
@@ -97,12 +111,15 @@ class HFTensor:
     shard: Shard | None = None
     layers: str = "all"
     when: ConfigPredicate | None = None
+    linear: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.shard, Shard):
             raise ValueError(f"HFTensor {self.name!r}: say how engines shard it (shard=Shard.<role>)")
         if self.layers not in ("all", "dense", "moe"):
             raise ValueError(f"HFTensor {self.name!r}: layers must be 'all', 'dense' or 'moe'")
+        if self.linear is None:
+            object.__setattr__(self, "linear", len(self.shape) == 2 and self.name.endswith(".weight"))
 
 
 @dataclass(frozen=True)
@@ -150,8 +167,17 @@ class Family:
                 compile_pattern(pattern)  # a typo fails at import, not mid-sync
 
 
+def keep_together_of(family: Family, hf_names: Iterable[str]) -> tuple[tuple[str, ...], ...]:
+    """Return the groups of HF names (patterns) that must share a bucket in a checkpoint of `family` with
+    these tensor names: the family's groups, and one literal group per quantized weight (its values with
+    their scales). Both sides of a sync compute it, the trainer from its converter and an engine from the
+    names it expects, so both cut the same buckets."""
+    return tuple(family.keep_together) + output_groups(hf_names)
+
+
 class Converter:
-    """Converts full Megatron tensors of one model family to HF checkpoint-format tensors."""
+    """Converts full Megatron tensors of one model family to HF checkpoint-format tensors (quantized
+    where the HF config's `quantization_config` says)."""
 
     def __init__(self, family: Family, hf_config: Any, *, dtype: torch.dtype = torch.bfloat16,
                  skip: Iterable[str] = ()):
@@ -168,6 +194,7 @@ class Converter:
         self._hf_dtypes = {h: r.dtype or dtype for r in family.rules for h in r.hf}
         self._rule_of: dict[str, tuple[Rule, dict[str, int]]] = {}
         self._expected = self._expected_layout()
+        self.quant, self._stored = self._quantized_layout()
 
     # -- the HF side, from the config alone -------------------------------------------------
 
@@ -200,28 +227,68 @@ class Converter:
                 expected[name] = (shape, self._hf_dtypes[row.name], row)
         return expected
 
-    def expected_hf_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Return every HF tensor a complete checkpoint holds: name -> (shape, dtype), from the config alone."""
+    def _quantized_layout(self) -> tuple[QuantPlan, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+        """Return the plan of the HF config's `quantization_config` over this layout (empty without one)
+        and the checkpoint layout it gives; a weight the config cannot quantize fails here, by name."""
+        quantization_config = self.config.get("quantization_config")
+        linear = {name for name, (_, _, row) in self._expected.items() if row.linear}
+        try:
+            plan = (QuantPlan({}) if quantization_config is None else
+                    QuantPlan.from_hf_config(quantization_config, self._expected, linear.__contains__))
+            return plan, plan.expected_layout(self.expected_hf_tensors(quantized=False))
+        except ValueError as e:
+            raise ConfigError(f"family {self.family.name!r}: {e}") from None
+
+    def expected_hf_tensors(self, quantized: bool = True) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Return every HF tensor a complete checkpoint holds: name -> (shape, dtype), from the config alone.
+
+        `quantized=False` gives the tensors an engine computes with instead: each quantized weight
+        under its own name, shape and the converter's dtype (what its values and scales dequantize to).
+        """
+        if quantized:
+            return dict(self._stored)
         return {name: (shape, dtype) for name, (shape, dtype, _) in self._expected.items()}
 
-    def expected_metas(self) -> list[TensorMeta]:
+    def expected_metas(self, quantized: bool = True) -> list[TensorMeta]:
         """Return the HF checkpoint's tensors as metadata, in `expected_hf_tensors` order."""
-        return [TensorMeta(name, shape, dtype) for name, (shape, dtype, _) in self._expected.items()]
+        return [TensorMeta(name, shape, dtype) for name, (shape, dtype) in self.expected_hf_tensors(quantized).items()]
+
+    def weight_of(self, hf_name: str) -> str:
+        """Return the HF weight that checkpoint tensor `hf_name` holds part of: the weight a quantized
+        value, scale or shape tensor belongs to, else `hf_name` itself."""
+        return self.quant.weight_of(hf_name) or hf_name
 
     def shard_role(self, hf_name: str) -> Shard:
-        """Return how engines split HF tensor `hf_name` over their TP ranks (its row's `shard`)."""
+        """Return how engines split HF tensor `hf_name` over their TP ranks (its row's `shard`).
+
+        A quantized weight's values and scales have their weight's role; `slice_hf_tensor` cuts them.
+        """
         try:
-            return self._expected[hf_name][2].shard
+            return self._expected[self.weight_of(hf_name)][2].shard
         except KeyError:
             raise UnexpectedTensorError(
                 f"{hf_name!r} is not a tensor of family {self.family.name!r} under this HF config: "
                 f"{self._why_unexpected(hf_name)}"
             ) from None
 
+    def slice_hf_tensor(self, hf_name: str, tensor: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Return the part of checkpoint tensor `hf_name` that holds rows (dim 0) or cols (dim 1)
+        [start, stop) of its HF weight (a view where possible).
+
+        A plain tensor is narrowed. A quantized weight's values and scales give the blocks or groups
+        covering that range (a per-tensor scale whole, INT4's `weight_shape` the slice's own), so an
+        engine cuts a weight and its scales alike; an edge inside a block or group raises ValueError
+        naming the setting.
+        """
+        self.shard_role(hf_name)  # raises for a name outside the layout
+        weight_shape = self._expected[self.weight_of(hf_name)][0]
+        return self.quant.slice_output(hf_name, tensor, weight_shape, dim, start, stop)
+
     @property
     def keep_together(self) -> tuple[tuple[str, ...], ...]:
-        """The family's groups of HF name patterns that must share a bucket."""
-        return self.family.keep_together
+        """The groups of HF name patterns that must share a bucket: the family's, and each quantized
+        weight's values with its scales (see `keep_together_of`)."""
+        return keep_together_of(self.family, self._stored)
 
     # -- the Megatron side --------------------------------------------------------------------
 
@@ -249,13 +316,22 @@ class Converter:
 
     def convert(self, megatron_name: str, tensor: torch.Tensor,
                 into: Callable[[str], torch.Tensor | None] | None = None) -> list[tuple[str, torch.Tensor]]:
-        """Return the HF (name, tensor) pairs for one full Megatron tensor; [] if it is skipped.
+        """Return the HF checkpoint (name, tensor) pairs for one full Megatron tensor; [] if it is skipped.
 
-        Outputs are contiguous and in the rule's dtype; they may share storage with `tensor`.
-        `into(hf_name)` may return a destination (its final shape and dtype, e.g. the tensor's
-        slot in a bucket): the output is then written there in one copy (layout and cast
-        together) and the destination is returned in its place.
+        Outputs are contiguous and in the rule's dtype; they may share storage with `tensor`. A weight
+        the quantization_config selects comes out as its quantized tensors, computed from the whole
+        tensor (so a block never straddles training shards), its scales right after its values.
+        `into(hf_name)` may return a destination for an unquantized output (its final shape and
+        dtype, e.g. its slot in a bucket): the output is then written there in one copy (layout and
+        cast together) and the destination is returned in its place.
         """
+        plain = None if into is None else (lambda name: into(name) if self.quant.scheme_of(name) is None else None)
+        return [out for name, t in self._convert_unquantized(megatron_name, tensor, plain)
+                for out in self.quant.quantize(name, t)]
+
+    def _convert_unquantized(self, megatron_name: str, tensor: torch.Tensor,
+                             into: Callable[[str], torch.Tensor | None] | None = None
+                             ) -> list[tuple[str, torch.Tensor]]:
         if self.is_skipped(megatron_name):
             return []
         rule, captures = self._find_rule(megatron_name)
@@ -277,7 +353,8 @@ class Converter:
     def gather_dtype(self, megatron_name: str, dtype: torch.dtype) -> torch.dtype:
         """Return the dtype a Megatron tensor of `dtype` may be gathered in without changing what `convert`
         produces: its rule's output dtype when the rule only moves elements and that dtype is narrower
-        (fp32 parameters sent as bf16 move half the bytes), else `dtype`."""
+        (fp32 parameters sent as bf16 move half the bytes; a quantized weight is quantized from that
+        dtype either way), else `dtype`."""
         if self.is_skipped(megatron_name):
             return dtype
         rule, _ = self._find_rule(megatron_name)
@@ -288,7 +365,8 @@ class Converter:
     def convert_meta(self, megatron_name: str, shape: Iterable[int], dtype: torch.dtype) -> list[TensorMeta]:
         """Return the metadata `convert` would produce for a tensor of this shape and dtype, without data."""
         fake = torch.empty(tuple(shape), dtype=dtype, device="meta")
-        return [TensorMeta.of(name, t) for name, t in self.convert(megatron_name, fake)]
+        return [meta for name, t in self._convert_unquantized(megatron_name, fake)
+                for meta in self.quant.outputs(name, t.shape, t.dtype)]
 
     # -- checks ---------------------------------------------------------------------------
 
@@ -304,6 +382,20 @@ class Converter:
 
     def _why_unexpected(self, hf_name: str) -> str:
         cfg = self.config
+        weight = output_weight(hf_name)
+        if weight is not None and weight in self._expected:
+            scheme = self.quant.scheme_of(weight)
+            if scheme is None:
+                if cfg.get("quantization_config") is None:
+                    why = "the HF config has no quantization_config"
+                elif any(compile_pattern(p).match(weight) for p in DEFAULT_UNQUANTIZED):
+                    why = "published quantized checkpoints keep it unquantized (converters.quant.DEFAULT_UNQUANTIZED)"
+                else:
+                    why = "the quantization_config's targets and ignore list do not select it"
+                return (f"{weight} is not quantized: {why}; make quantization_config match the engine's "
+                        f"checkpoint")
+            return (f"{weight} is quantized as {scheme}, stored as {list(scheme.output_names(weight))}; "
+                    f"fix quantization_config to match the engine's checkpoint")
         for row in self.family.hf_tensors:
             captures = compile_pattern(row.name).match(hf_name)
             if captures is None:
@@ -341,8 +433,8 @@ class Converter:
         """Raise unless `produced_names` is exactly the expected HF name set, each name once."""
         counts = Counter(produced_names)
         twice = sorted(n for n, c in counts.items() if c > 1)
-        unexpected = sorted(n for n in counts if n not in self._expected)
-        missing = sorted(n for n in self._expected if n not in counts)
+        unexpected = sorted(n for n in counts if n not in self._stored)
+        missing = sorted(n for n in self._stored if n not in counts)
         if missing:
             raise MissingTensorError(
                 f"{len(missing)} HF tensor(s) of family {self.family.name!r} were never produced: "
@@ -353,7 +445,8 @@ class Converter:
         if unexpected:
             raise UnexpectedTensorError(
                 f"{len(unexpected)} produced HF tensor(s) are not in the HF config's layout for family "
-                f"{self.family.name!r}: {self._listing(unexpected)}; fix the HF config or skip their sources"
+                f"{self.family.name!r}: {self._listing(unexpected)} ({self._why_unexpected(unexpected[0])}); "
+                f"fix the HF config or skip their sources"
             )
         if twice:
             raise UnexpectedTensorError(
@@ -364,9 +457,11 @@ class Converter:
     def _listing(self, names: list[str]) -> str:
         shown = []
         for name in names[:_MAX_LISTED]:
+            weight = self.weight_of(name)
             sources = [r.megatron for r in self.family.rules
-                       for h in r.hf if compile_pattern(h).match(name) is not None]
-            shown.append(f"{name} (from {' or '.join(sources)})" if sources else name)
+                       for h in r.hf if compile_pattern(h).match(weight) is not None]
+            part = f"part of quantized {weight}, " if weight != name else ""
+            shown.append(f"{name} ({part}from {' or '.join(sources)})" if sources else name)
         more = f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
         return ", ".join(shown) + more
 
@@ -381,4 +476,5 @@ def untied(cfg: HFConfig) -> bool:
     return not tied(cfg)
 
 
-__all__ = ["Rule", "HFTensor", "Shard", "Skip", "Family", "Converter", "ConfigError", "tied", "untied"]
+__all__ = ["Rule", "HFTensor", "Shard", "Skip", "Family", "Converter", "ConfigError", "keep_together_of",
+           "tied", "untied"]

@@ -23,7 +23,7 @@ EMBEDDING_RULES = (
     Rule("output_layer.weight", "lm_head.weight", vocab),
 )
 EMBEDDING_HF = (
-    HFTensor("model.embed_tokens.weight", ("vocab_size", "hidden_size"), Shard.VOCAB),
+    HFTensor("model.embed_tokens.weight", ("vocab_size", "hidden_size"), Shard.VOCAB, linear=False),
     HFTensor("model.norm.weight", ("hidden_size",), Shard.REPLICATED),
     HFTensor("lm_head.weight", ("vocab_size", "hidden_size"), Shard.VOCAB, when=untied),
 )

@@ -56,7 +56,7 @@ class WeightSyncCallback:
 
         With `enabled: false` nothing is connected and the callback only counts updates.
         `sync_kwargs` go to `TrainerWeightSync` (converter or hf_config, layout, trainer_group,
-        engine_client).
+        engine_clients).
         """
         from megatron_sync.sync import TrainerWeightSync
 

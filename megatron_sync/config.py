@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_sync.bucket import CHECKSUMS
+from megatron_sync.engines.fleet import parse_engine
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.transport import transport_names
 
 BACKENDS = ("gloo", "nccl", "auto")
-INFLIGHT_POLICIES = ("abort", "recompute", "keep")
+INFLIGHT_POLICIES = ("abort", "wait", "recompute", "keep")
 CHECKSUM_CHOICES = ("auto", *CHECKSUMS)
 DEFAULT_GATHER_BUDGET_MB = 1024.0
 
@@ -36,7 +37,8 @@ class WeightSyncConfig:
     per rollout batch, a rollout iteration advances this counter several times."""
 
     transport: str = "broadcast"
-    """How bytes move: a name registered in `megatron_sync.transport` ("broadcast")."""
+    """How bytes move: a name registered in `megatron_sync.transport` ("broadcast", or "disk_delta":
+    through shared storage, with the delta_* settings below)."""
 
     backend: str = "auto"
     """Collective backend of the transport group: "gloo", "nccl", or "auto"
@@ -79,8 +81,46 @@ class WeightSyncConfig:
     """If set, each sync's metrics are appended to this file as one JSON line."""
 
     inflight_policy: str = "abort"
-    """What happens to generations in flight at sync time: "abort" them,
-    "recompute" their KV cache under the new weights, or "keep" them on old weights."""
+    """What happens to generations in flight at sync time: "abort" them, "wait" until they finish
+    on the old weights (then the version goes live; bounded by timeout_s), "recompute" their KV
+    cache under the new weights, or "keep" them going over their old KV cache (off-policy)."""
+
+    engines: tuple[str, ...] = ()
+    """Engines the trainer drives over their own HTTP API, each "KIND=URL" with KIND "vllm" or
+    "sglang" (e.g. "vllm=http://10.0.0.7:8000"); their workers are the inference ranks, so
+    num_inference_ranks must equal their worker count. Empty: the engines are megatron-sync
+    inference jobs (launch/serve.sh) that follow the trainer's control messages."""
+
+    # ---- transport "disk_delta" (weights through shared storage; see the README's "Disk-delta transport") ----
+
+    delta_dir: Optional[str] = None
+    """The shared directory every trainer stage source and every inference host mounts (at this path):
+    each stage's versions in stage-<s>/, control files in control/. Required with transport "disk_delta"."""
+
+    delta_local_dir: Optional[str] = None
+    """An inference host's own directory (a local disk) for its memory-mapped copy of the weights, which
+    each version patches. Required with transport "disk_delta"."""
+
+    delta_snapshot_every: int = 10
+    """Every N-th version also carries a full snapshot (the first one always does), so a reader that
+    missed versions, or holds nothing yet, needs at most N - 1 deltas after the newest snapshot."""
+
+    delta_retention: int = 4
+    """Keep the newest N versions (each with its chain back to a snapshot) plus what live readers need."""
+
+    delta_encoding: str = "auto"
+    """Per-chunk encoding: "auto" (a cheap heuristic), "best" (try all, keep the smallest) or one name of
+    megatron_sync.delta.codec.CODECS ("xor_zstd" is the plain XOR + zstd baseline)."""
+
+    delta_when_behind: str = "coalesce"
+    """When the trainer syncs faster than versions are encoded: "coalesce" replaces the waiting version
+    with the newer one (training never waits; engines skip to the newest), "block" makes sync() wait."""
+
+    delta_queue_depth: int = 1
+    """Versions that may wait for the encoder (host memory: queue_depth + 2 copies of a stage's weights)."""
+
+    delta_encode_threads: int = 2
+    """Threads encoding one version (zstd and numpy release the GIL)."""
 
     checksum: str = "auto"
     """Integrity check of every bucket: "xxh3" (host bytes, memory speed), "crc32" (host bytes,
@@ -121,6 +161,20 @@ class WeightSyncConfig:
             raise ValueError("metrics_path must be a file path string or null")
         _check_choice("inflight_policy", self.inflight_policy, INFLIGHT_POLICIES)
         _check_choice("checksum", self.checksum, CHECKSUM_CHOICES)
+        if isinstance(self.engines, str) or not isinstance(self.engines, (list, tuple)):
+            raise ValueError(f"engines must be a list of KIND=URL entries, got {self.engines!r}")
+        object.__setattr__(self, "engines", tuple(self.engines))  # YAML and flags give lists
+        for entry in self.engines:
+            parse_engine(entry)
+        for name in ("delta_snapshot_every", "delta_retention", "delta_queue_depth", "delta_encode_threads"):
+            _check_int(name, getattr(self, name), minimum=1)
+        if self.transport == "disk_delta":
+            for name in ("delta_dir", "delta_local_dir"):
+                if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                    raise ValueError(f"transport='disk_delta' needs {name}: " + (
+                        "the shared directory both jobs mount, e.g. /shared/run42/weights" if name == "delta_dir"
+                        else "a directory on each inference host's local disk, e.g. /local/megatron_sync"))
+            self.delta_writer_options()
 
     def replace(self, **changes: Any) -> "WeightSyncConfig":
         """Return a copy with `changes` applied (validated like a new config)."""
@@ -134,6 +188,18 @@ class WeightSyncConfig:
                 "in the weight_sync: section, or --weight-sync-family qwen3)"
             )
         return self.family
+
+    def delta_writer_options(self) -> Any:
+        """Return the disk-delta writer's `WriterOptions` for these settings (ValueError names the field)."""
+        from megatron_sync.delta.options import WriterOptions
+
+        try:
+            return WriterOptions(snapshot_every=self.delta_snapshot_every, retention=self.delta_retention,
+                                 encoding=self.delta_encoding, when_behind=self.delta_when_behind,
+                                 queue_depth=self.delta_queue_depth, encode_threads=self.delta_encode_threads,
+                                 block_timeout_s=self.timeout_s)
+        except ValueError as e:
+            raise ValueError(f"delta_{e}") from None
 
     @property
     def bucket_size_bytes(self) -> int:
@@ -211,6 +277,8 @@ def add_weight_sync_args(parser: argparse.ArgumentParser, *, defaults: bool = Tr
             kwargs["type"] = int
         elif field.type in ("float", float):
             kwargs["type"] = float
+        elif str(field.type).startswith("tuple"):
+            kwargs.update(type=str, nargs="*")
         else:
             kwargs["type"] = str
         group.add_argument(flag, **kwargs)

@@ -13,14 +13,15 @@ from __future__ import annotations
 import json
 import logging
 from concurrent.futures import Future
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from converters import get_converter, get_family
+from converters import get_converter, get_family, keep_together_of
 from megatron_sync.agreement import failing_together, torch_gather
 from megatron_sync.config import WeightSyncConfig
 from megatron_sync.engines.base import EngineAdapter, EngineClient
+from megatron_sync.engines.fleet import EngineFleet, clients_from_config
 from megatron_sync.engines.serving import GenerationServer
 from megatron_sync.errors import SyncAbortedError
 from megatron_sync.meta import dtype_from_name
@@ -58,8 +59,13 @@ class TrainerWeightSync:
     Start-up checks, before any weight moves: every Megatron parameter has a
     conversion rule, the stages together produce exactly the HF checkpoint the
     converter expects, and every rank of the transport computed the same plan.
-    Any failure is raised on every trainer rank. `engine_client` (vLLM, SGLang)
-    is driven around every sync by the leader.
+    Any failure is raised on every trainer rank.
+
+    Engines driven over their own API (vLLM, SGLang): `engine_clients`
+    (pass the same list on every trainer rank; default: built from
+    `config.engines`). The leader starts their workers joining the transport
+    group before it connects, pauses them before each sync and resumes them
+    after it; a failed sync names the failing worker ("vLLM worker 1 of URL").
     """
 
     def __init__(
@@ -71,14 +77,13 @@ class TrainerWeightSync:
         *,
         hf_config: Any = None,
         trainer_group: Any = None,
-        engine_client: Optional[EngineClient] = None,
+        engine_clients: Optional[Sequence[EngineClient]] = None,
     ):
         if not config.enabled:
             raise ValueError("weight_sync.enabled is false; build no TrainerWeightSync (WeightSyncCallback.from_config skips it)")
         converter = converter if converter is not None else build_converter(config, hf_config)
         self.config = config
         self.layout = layout or ParallelLayout.from_megatron()
-        self.engine_client = engine_client
         self.version = 0
         self._gather = torch_gather(trainer_group)
         self.stream = MegatronWeightStream(
@@ -90,10 +95,22 @@ class TrainerWeightSync:
                 check_model_complete(all_stage_metadata(self.stream), converter)
         transport_cls = get_transport(config.transport)
         self.transport = None
+        self.engines = self._engine_fleet(config, engine_clients, transport_cls.trainer_joins(self.layout))
+        with failing_together("checking the driven engines and starting their joins", self._gather):
+            self.engines.start_joins(config, num_trainer_stages=self.layout.pp)
         with failing_together("connecting to the inference ranks", self._gather):
-            if transport_cls.trainer_joins(self.layout):
-                self.transport = transport_cls.connect_trainer(config, self.layout)
-            self.sender = transport_cls.make_sender(self.transport, self.stream, config, converter.keep_together)
+            with self.engines.joined():  # driven engines' workers join while the trainer connects
+                if transport_cls.trainer_joins(self.layout):
+                    self.transport = transport_cls.connect_trainer(config, self.layout)
+                self.sender = transport_cls.make_sender(self.transport, self.stream, config,
+                                                        converter.keep_together)
+
+    def _engine_fleet(self, config: WeightSyncConfig, clients: Optional[Sequence[EngineClient]],
+                      joins: bool) -> EngineFleet:
+        """Return the driven engines: their clients on the leader (stage 0's source), none elsewhere."""
+        clients = list(clients) if clients is not None else clients_from_config(config)
+        leads = joins and self.layout.is_stage_source and self.layout.pp_rank == 0
+        return EngineFleet(clients if leads else [], driven=any(self._gather(bool(clients))))
 
     @property
     def is_leader(self) -> bool:
@@ -107,18 +124,24 @@ class TrainerWeightSync:
         trainer rank if any rank failed (the engines then keep the previous version).
         """
         version = self.version + 1
+        if self.engines.driven:
+            with failing_together(f"pausing the engines for version {version}", self._gather):
+                self.engines.before_sync(version)
         if self.is_leader:
-            if self.engine_client is not None:
-                self.engine_client.before_sync(version)
+            self.engines.begin_transfer(version)
             self.transport.control.send(ControlMessage(ControlOp.SYNC, version))
-        ok = False
         try:
             with failing_together(f"weight sync of version {version}", self._gather):
-                metrics = self.sender.sync(version)
-            ok = True
-        finally:
-            if self.is_leader and self.engine_client is not None:
-                self.engine_client.after_sync(version, ok)
+                try:
+                    metrics = self.sender.sync(version)
+                except SyncAbortedError as e:
+                    raise self.engines.named(e, self.transport)
+        except BaseException:
+            self.engines.after_sync(version, ok=False)  # resumes them on the previous version; never raises
+            raise
+        if self.engines.driven:
+            with failing_together(f"committing version {version} on the engines", self._gather):
+                self.engines.after_sync(version, ok=True)
         self.version = version
         return metrics
 
@@ -138,6 +161,7 @@ class TrainerWeightSync:
         The leader hosts the rendezvous store, so it waits (up to `timeout_s`)
         until every engine rank has read "stop" before the store goes away.
         """
+        self.engines.close()  # driven engines' workers acknowledge "stop" as they leave
         if self.transport is not None:
             if self.is_leader:
                 try:
@@ -147,9 +171,6 @@ class TrainerWeightSync:
                     log.warning("the engines did not all acknowledge 'stop'", exc_info=True)
             self.transport.close()
             self.transport = None
-        if self.engine_client is not None:
-            self.engine_client.close()
-            self.engine_client = None
 
 
 AppHandler = Callable[[ControlMessage], None]
@@ -181,7 +202,9 @@ class InferenceWeightSync:
         self.engine = engine
         self.server = GenerationServer(engine, engine_group=engine_group, inflight_policy=config.inflight_policy,
                                        commit_timeout_s=config.timeout_s)
-        keep_together = get_family(config.require_family()).keep_together
+        # the same groups as the trainer's converter: the family's, plus each quantized weight with its scales
+        keep_together = keep_together_of(get_family(config.require_family()),
+                                         [m.name for m in engine.expected_tensors()])
         transport_cls = get_transport(config.transport)
         self.transport = transport_cls.connect_inference(
             config, num_trainer_stages=num_trainer_stages, inference_rank=inference_rank)

@@ -88,6 +88,29 @@ def test_unpublished_target_is_an_error():
         plan_chain(_store("1S 2"), _held(2), 9, where=lambda v: f"version {v}")
 
 
+AROUND_DAMAGE = [
+    # store,              held,      target, damaged,  steps     (damaged: parts whose files failed verification)
+    ("1S 2 3 4S 5",       _held(2),  5,      "3",      "4S 5"),  # around a damaged delta, from a later snapshot
+    ("1S 2 3 4S 5",       _held(2),  5,      "4",      "4S 5"),  # its delta is damaged, its snapshot is not
+    ("1S 2 3 4 5S",       _held(2),  5,      "4",      "5S"),
+    ("1S 2 3 4S 5",       None,      5,      "4S",     "1S 2 3 4 5"),  # a damaged snapshot: the one before
+    ("1S 2 3",            _held(1),  3,      "5",      "2 3"),  # damage elsewhere changes nothing
+]
+
+
+@pytest.mark.parametrize("spec,held,target,damaged,steps", AROUND_DAMAGE)
+def test_plans_go_around_damaged_parts(spec, held, target, damaged, steps):
+    plan = plan_chain(_store(spec), held, target, damaged=set(_steps(damaged)))
+    assert plan.steps == _steps(steps)
+    assert not set(plan.steps) & set(_steps(damaged))
+
+
+def test_damage_with_no_way_around_it_is_an_error_that_waits_for_a_snapshot():
+    with pytest.raises(ChainError, match=r"version 3 failed verification and no intact snapshot lies after it; "
+                                         r"the writer's next version carries a snapshot"):
+        plan_chain(_store("1S 2 3 4"), _held(2), 4, where=lambda v: f"version {v}", damaged={Step(3, "delta")})
+
+
 def _lease(held=None, reading=()) -> Lease:
     return Lease("r", held, tuple(reading))
 

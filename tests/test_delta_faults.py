@@ -27,7 +27,8 @@ from megatron_sync.delta import (
     ChainError, CorruptFileError, DeltaReader, DeltaWriter, LockHeldError, StoreWriteError,
     VersionNotPublishedError, WriterOptions,
 )
-from megatron_sync.delta.storedir import published_versions, version_path
+from megatron_sync.delta.chain import Step
+from megatron_sync.delta.storedir import published_versions, snapshot_requests, version_path
 from tests.delta_support import assert_same_bytes, make_pair, publish, small_model, sparse_update
 from tests.support.dist import run_distributed, run_ranks
 
@@ -89,6 +90,31 @@ def test_damaged_data_file_is_detected_before_anything_is_applied(tmp_path, dama
     with open(path, "wb") as f:  # negative control: the same store, repaired, applies
         f.write(original)
     assert_same_bytes(reader.apply(4).tensors, versions[4])
+    writer.close(), reader.close()
+
+
+def test_a_reader_that_meets_a_damaged_file_asks_for_a_snapshot_and_recovers_at_the_next_version(tmp_path):
+    writer, reader, versions = _chain(tmp_path, 3, snapshot_every=100)
+    before = _Unchanged(reader, versions[2])
+    path = _data_file(writer.root, 3)
+    with open(path, "r+b") as f:
+        f.seek(5)
+        f.write(b"\xff\xff")
+    with pytest.raises(CorruptFileError, match="does not match its digest"):
+        reader.apply(3)
+    before.check()
+    (request,) = snapshot_requests(writer.root)
+    assert (request.reader, request.version) == ("host0", 3) and path in request.reason
+    versions[4] = sparse_update(versions[3], 4)
+    publish(writer, 4, versions[4])  # snapshot_every=100, yet the request makes version 4 carry a snapshot
+    assert writer.stats[-1].snapshot_bytes > 0 and snapshot_requests(writer.root) == []
+    staged = reader.apply(4)  # version 3 stays damaged: the plan goes around it
+    assert staged.plan.steps == (Step(4, "snapshot"),)
+    assert_same_bytes(staged.tensors, versions[4])
+    versions[5] = sparse_update(versions[4], 5)
+    publish(writer, 5, versions[5])
+    assert writer.stats[-1].snapshot_bytes == 0  # one snapshot answered the request
+    assert reader.apply(5).plan.steps == (Step(5, "delta"),)
     writer.close(), reader.close()
 
 

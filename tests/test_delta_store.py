@@ -296,3 +296,24 @@ def test_on_published_hears_of_every_published_version_and_its_errors_are_report
     with DeltaReader(writer.root, str(tmp_path / "local"), reader_id="host0") as reader:
         assert_same_bytes(reader.apply().tensors, tensors)
     writer.close()
+
+
+def test_a_buffer_filled_in_place_is_published_like_a_submitted_one(tmp_path):
+    from megatron_sync.delta.publish import TensorLayout
+
+    writer, reader = make_pair(tmp_path)
+    tensors = small_model()
+    layout = TensorLayout.of_specs((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
+    buffer = writer.reserve(layout)
+    with pytest.raises(ValueError, match="the layout says"):  # a wrong dtype never lands in the buffer
+        layout.fill_one(buffer, layout.entries[0], tensors[layout.entries[0].name].float())
+    writer.release(buffer)  # e.g. the stream failed halfway: nothing is submitted
+    buffer = writer.reserve(layout)
+    for entry in reversed(layout.entries):  # in any order, as a stream yields them
+        layout.fill_one(buffer, entry, tensors[entry.name])
+    writer.submit_buffer(1, layout, buffer)
+    writer.flush(timeout=60)
+    assert_same_bytes(reader.apply().tensors, tensors)
+    with pytest.raises(ValueError, match="version 1 must be greater than 1"):
+        writer.submit_buffer(1, layout, writer.reserve(layout))
+    writer.close(), reader.close()

@@ -23,21 +23,12 @@ from converters.quant import (
     parse_quantization_config, quantize, quantized_names, select_targets, shard_quantized, slice_quantized,
     unpack_int4,
 )
+from tests.support.quant_refs import (
+    assert_bits_equal, bits, block_scale_full, ct_compress, ct_decompress, fp8_bound, int4_bound, vllm_quantizers,
+)
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of `t`, so that equality means bit-for-bit equality (NaN payloads, -0.0 included)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_bits_equal(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    assert ours.dtype == ref.dtype, f"{what}: dtype {ours.dtype} != {ref.dtype}"
-    assert tuple(ours.shape) == tuple(ref.shape), f"{what}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
-    differ = (bits(ours) != bits(ref)).sum().item()
-    assert differ == 0, f"{what}: {differ} bytes differ"
-
 
 def weight(shape, dtype, seed=0, *, special=False) -> torch.Tensor:
     """Random N(0,1) weights; `special` adds an all-zero block, a tiny block (< 1e-4) and huge spikes."""
@@ -54,13 +45,7 @@ def weight(shape, dtype, seed=0, *, special=False) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def vllm_refs():
     """vLLM's block cast (eager) and per-tensor QuantFP8; importing vLLM takes a few seconds."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
-    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
-    from vllm.utils.deep_gemm import per_block_cast_to_fp8
-    with set_current_vllm_config(VllmConfig()):
-        per_tensor = QuantFP8(static=False, group_shape=GroupShape.PER_TENSOR)
-    return per_block_cast_to_fp8._torchdynamo_orig_callable, per_tensor
+    return vllm_quantizers()
 
 
 FP8_SHAPES = [(256, 384), (300, 260), (1, 1), (129, 511)]
@@ -136,15 +121,6 @@ def test_fp8_tensor_equals_vllm_quantfp8(vllm_refs, shape, dtype, content):
 
 # -- FP8 error bound ----------------------------------------------------------------------------
 
-def fp8_bound(x: torch.Tensor, scale_full: torch.Tensor) -> torch.Tensor:
-    """|x - dequant| <= 2**-4 |x| + 2**-10 s (half an e4m3 step, normal or subnormal), + fp32 slack."""
-    return (2.0 ** -4 * x.abs() + 2.0 ** -10 * scale_full) * (1 + 2.0 ** -16)
-
-
-def block_scale_full(scale: torch.Tensor, shape, block) -> torch.Tensor:
-    return scale.repeat_interleave(block[0], 0)[: shape[0]].repeat_interleave(block[1], 1)[:, : shape[1]]
-
-
 @pytest.mark.parametrize("scheme", [Fp8Block(), Fp8Block((128, 128), "ue8m0"), Fp8Block((32, 64)), Fp8Tensor()])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("special", [False, True])
@@ -188,26 +164,6 @@ def test_bitwise_check_catches_one_ulp_scale_change(vllm_refs):
 
 # -- INT4 pack-quantized ------------------------------------------------------------------------
 
-def ct_int4(group_size: int):
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
-    return args, QuantizationScheme(targets=["Linear"], weights=args)
-
-
-def ct_compress(x: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
-    """compressed-tensors end to end: min-max group scales, then its pack-quantized compressor."""
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
-    args, scheme = ct_int4(group_size)
-    scale, _ = compute_dynamic_scales_and_zp(value=x, args=args, module=torch.nn.Module())
-    return PackedQuantizationCompressor.compress({"weight": x, "weight_scale": scale}, scheme)
-
-
-def ct_decompress(tensors: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-    return PackedQuantizationCompressor.decompress(tensors, ct_int4(group_size)[1])["weight"]
-
-
 INT4_CASES = [((64, 256), 32), ((64, 256), 128), ((100, 384), 128), ((7, 96), 32), ((3, 32), 32)]
 
 
@@ -236,12 +192,6 @@ def test_pack_int4_equals_compressed_tensors_pack_to_int32(cols):
     q[0, : min(cols, 8)] = 7  # the top nibble of a word set: the int32 sign bit
     assert_bits_equal(pack_int4(q), pack_to_int32(q, 4), "packed words")
     assert_bits_equal(unpack_int4(pack_int4(q), cols), q, "round trip")
-
-
-def int4_bound(x: torch.Tensor, scale_full: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """s/2 (1 + u) + 2.01 u |x| with u the unit roundoff of `dtype` (x / s and q * s are computed in it)."""
-    u = torch.finfo(dtype).eps / 2
-    return scale_full * 0.5 * (1 + u) + 2.01 * u * x.abs()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

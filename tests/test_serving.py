@@ -289,7 +289,32 @@ def test_commit_not_taken_in_time_is_withdrawn_and_generation_stays_on_old_versi
     assert response.tokens == _greedy(models["A"], PROMPTS[0], 4)
 
 
+def test_wait_lets_requests_in_flight_finish_on_the_old_version_then_applies(models):
+    """Policy "wait": a version staged mid-generation goes live only when the requests finished."""
+    engine, _ = _engine_with(models, "A", 1)
+    full_b = full_state_from_hf_model(models["B"])
+    server = GenerationServer(engine, engine_group=None, inflight_policy="wait", commit_timeout_s=30.0)
+    committing: list = []
+
+    def before_step(step: int) -> None:
+        if step == SWITCH_AT:
+            shards = {n: engine.shard_of(n, t).clone() for n, t in full_b.items()}
+            committing.append(threading.Thread(target=server.commit, args=(shards, 2)))
+            committing[0].start()
+            server.wait_for_commit(2, timeout=10.0)  # staged before this boundary
+
+    responses = server.generate(PROMPTS, MAX_NEW, before_step=before_step)
+    committing[0].join(timeout=10.0)
+    assert not committing[0].is_alive() and engine.version == 2
+    assert server.commit_log == [(2, None)]  # applied after generation, not at a step boundary
+    for prompt, r in zip(PROMPTS, responses):
+        assert r.tokens == _greedy(models["A"], prompt, MAX_NEW) and r.finish_reason == "length"
+        assert r.weight_versions == [(1, 0, MAX_NEW)] and not r.off_policy_kv
+    (after,) = server.generate(PROMPTS[:1], 4)
+    assert after.tokens == _greedy(models["B"], PROMPTS[0], 4) and after.weight_versions == [(2, 0, 4)]
+
+
 def test_bad_policy_names_the_choices(models):
     engine = ReferenceEngine(tiny_config("qwen3"), tp_rank=0, tp_size=1)
-    with pytest.raises(ValueError, match=r"inflight_policy='drain'.*\['abort', 'recompute', 'keep'\]"):
+    with pytest.raises(ValueError, match=r"inflight_policy='drain'.*\['abort', 'wait', 'recompute', 'keep'\]"):
         GenerationServer(engine, engine_group=None, inflight_policy="drain")

@@ -133,15 +133,18 @@ class Fp8Block:
         full = scale.repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
         return (q.float() * full).to(dtype)
 
-    def slice(self, name: str, tensors: Mapping[str, torch.Tensor], dim: int, start: int, stop: int
-              ) -> dict[str, torch.Tensor]:
-        """Return the weight rows/cols [start, stop) along `dim` with the scale blocks that cover them."""
-        q, scale_name = tensors[name], weight_prefix(name) + "weight_scale_inv"
+    def slice_output(self, name: str, output: str, tensor: torch.Tensor, shape: tuple[int, int], dim: int,
+                     start: int, stop: int) -> torch.Tensor:
+        """Return the part of output `output` (the e4m3 weight or its block scales) of weight `name`, whose
+        logical shape is `shape`, that holds the weight's rows (dim 0) or cols (dim 1) [start, stop)."""
         unit = self.block[dim]
         for edge in (start, stop):
-            check_boundary(name, dim, edge, q.shape[dim], unit, "weight_block_size")
-        return {name: q.narrow(dim, start, stop - start),
-                scale_name: tensors[scale_name].narrow(dim, start // unit, -(-stop // unit) - start // unit)}
+            check_boundary(name, dim, edge, shape[dim], unit, "weight_block_size")
+        weight, scale = self.output_names(name)
+        if output == weight:
+            return tensor.narrow(dim, start, stop - start)
+        assert output == scale, f"{output!r} is not an output of {name!r}"
+        return tensor.narrow(dim, start // unit, -(-stop // unit) - start // unit)
 
 
 @dataclass(frozen=True)
@@ -179,9 +182,12 @@ class Fp8Tensor:
         """Return the weight rebuilt from its e4m3 values and its scale, cast to `dtype`."""
         return (tensors[name].float() * tensors[weight_prefix(name) + "weight_scale"].float()).to(dtype)
 
-    def slice(self, name: str, tensors: Mapping[str, torch.Tensor], dim: int, start: int, stop: int
-              ) -> dict[str, torch.Tensor]:
-        """Return the weight rows/cols [start, stop) along `dim`; the scale is shared by every shard."""
-        scale_name = weight_prefix(name) + "weight_scale"
-        return {name: tensors[name].narrow(dim, start, stop - start), scale_name: tensors[scale_name]}
-
+    def slice_output(self, name: str, output: str, tensor: torch.Tensor, shape: tuple[int, int], dim: int,
+                     start: int, stop: int) -> torch.Tensor:
+        """Return the part of output `output` of weight `name` holding its rows/cols [start, stop) along
+        `dim`: a narrow of the e4m3 weight; the scale, shared by every shard, whole."""
+        weight, scale = self.output_names(name)
+        if output == weight:
+            return tensor.narrow(dim, start, stop - start)
+        assert output == scale, f"{output!r} is not an output of {name!r}"
+        return tensor

@@ -144,19 +144,20 @@ class Int4Group:
         q = unpack_int4(packed, cols).to(scale.dtype)
         return (q.view(rows, -1, self.group_size) * scale.unsqueeze(-1)).view(rows, cols).to(dtype)
 
-    def slice(self, name: str, tensors: Mapping[str, torch.Tensor], dim: int, start: int, stop: int
-              ) -> dict[str, torch.Tensor]:
-        """Return the weight rows/cols [start, stop) along `dim` with their scales and a matching weight_shape."""
-        names = self.output_names(name)
-        packed, scale = tensors[names[0]], tensors[names[1]]
-        shape = list(self.logical_shape(name, tensors))
+    def slice_output(self, name: str, output: str, tensor: torch.Tensor, shape: tuple[int, int], dim: int,
+                     start: int, stop: int) -> torch.Tensor:
+        """Return the part of output `output` of weight `name` (logical `shape`) that holds its rows (dim 0)
+        or cols (dim 1) [start, stop): packed words and scales narrowed, `weight_shape` the slice's own."""
         unit = math.lcm(self.group_size, PACK) if dim == 1 else 1
         for edge in (start, stop):
             check_boundary(name, dim, edge, shape[dim], unit, _SETTING)
-        shape[dim] = stop - start
-        if dim == 1:
-            packed = packed.narrow(1, start // PACK, -(-stop // PACK) - start // PACK)
-            scale = scale.narrow(1, start // self.group_size, (stop - start) // self.group_size)
-        else:
-            packed, scale = packed.narrow(0, start, stop - start), scale.narrow(0, start, stop - start)
-        return dict(zip(names, (packed, scale, torch.tensor(shape, dtype=torch.int64))))
+        packed, scale, logical = self.output_names(name)
+        if output == logical:
+            local = list(shape)
+            local[dim] = stop - start
+            return torch.tensor(local, dtype=torch.int64, device=tensor.device)
+        assert output in (packed, scale), f"{output!r} is not an output of {name!r}"
+        if dim == 0:
+            return tensor.narrow(0, start, stop - start)
+        per_col = PACK if output == packed else self.group_size  # columns per packed word / per scale
+        return tensor.narrow(1, start // per_col, -(-stop // per_col) - start // per_col)

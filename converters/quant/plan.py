@@ -16,6 +16,8 @@ import torch
 from converters.quant.config import (
     DEFAULT_UNQUANTIZED, IsLinearWeight, QuantScheme, parse_quantization_config, select_targets,
 )
+from converters.quant.fp8 import Fp8Block, Fp8Tensor
+from converters.quant.int4 import Int4Group
 from megatron_sync.meta import TensorMeta
 
 Layout = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
@@ -44,9 +46,19 @@ def slice_quantized(name: str, tensors: Mapping[str, torch.Tensor], scheme: Quan
 
     Raises ValueError when an edge falls inside a scale block or group.
     """
+    shape = scheme.logical_shape(name, tensors)
+    return {out: slice_output(name, out, tensors[out], scheme, shape, dim, start, stop)
+            for out in scheme.output_names(name)}
+
+
+def slice_output(name: str, output: str, tensor: torch.Tensor, scheme: QuantScheme, shape: Iterable[int],
+                 dim: int, start: int, stop: int) -> torch.Tensor:
+    """Return the part of `output` (one tensor `quantize` made from weight `name` of logical `shape`) that
+    holds the weight's rows (dim 0) or cols (dim 1) [start, stop); an engine slices one received tensor
+    at a time with it. Raises ValueError when an edge falls inside a scale block or group."""
     if dim not in (0, 1) or not 0 <= start < stop:
         raise ValueError(f"{name!r}: cannot slice dim {dim} over [{start}, {stop})")
-    return scheme.slice(name, tensors, dim, start, stop)
+    return scheme.slice_output(name, output, tensor, tuple(shape), dim, start, stop)
 
 
 def shard_quantized(name: str, tensors: Mapping[str, torch.Tensor], scheme: QuantScheme, dim: int,
@@ -58,6 +70,36 @@ def shard_quantized(name: str, tensors: Mapping[str, torch.Tensor], scheme: Quan
                          f"(rank {rank}); choose a tensor-parallel size that divides {size}")
     chunk = size // world
     return slice_quantized(name, tensors, scheme, dim, rank * chunk, (rank + 1) * chunk)
+
+
+# The output names of every format, for a weight "w.weight": how a received name is recognized as a
+# quantized weight's part without the plan (an engine knows the names it expects, not the trainer's config).
+_SUFFIXES = tuple(dict.fromkeys(
+    out.removeprefix("w.")
+    for scheme in (Fp8Block(), Fp8Tensor(), Int4Group()) for out in scheme.output_names("w.weight")
+))
+
+
+def output_weight(name: str) -> str | None:
+    """Return the weight name ("x.weight") whose quantized part `name` is by its name alone ("x.weight_scale"
+    -> "x.weight"), or None when `name` is no format's scale, packed values or shape."""
+    for suffix in _SUFFIXES:
+        if suffix != "weight" and name.endswith("." + suffix):
+            return name[: -len(suffix)] + "weight"
+    return None
+
+
+def output_groups(names: Iterable[str]) -> tuple[tuple[str, ...], ...]:
+    """Return, in name order, one group per quantized weight among `names`: its outputs (values, scales,
+    shape) that must share a bucket. A weight that appears alone (unquantized) forms no group."""
+    by_prefix: dict[str, list[str]] = {}
+    for name in names:
+        for suffix in _SUFFIXES:
+            if name.endswith("." + suffix):
+                by_prefix.setdefault(name[: -len(suffix)], []).append(name)
+                break
+    return tuple(tuple(sorted(group)) for _, group in sorted(by_prefix.items())
+                 if len(group) > 1 or not group[0].endswith(".weight"))
 
 
 class QuantPlan:
@@ -105,7 +147,16 @@ class QuantPlan:
     def keep_together(self) -> tuple[tuple[str, ...], ...]:
         """Return one group per quantized weight: the weight's output names and its scales', which
         must share a bucket (literal names in the converters' pattern grammar)."""
-        return tuple(tuple(scheme.output_names(name)) for name, scheme in sorted(self.schemes.items()))
+        return output_groups(out for name, s in self.schemes.items() for out in s.output_names(name))
+
+    def slice_output(self, output: str, tensor: torch.Tensor, shape: Iterable[int], dim: int, start: int,
+                     stop: int) -> torch.Tensor:
+        """Return the part of produced tensor `output` that holds rows/cols [start, stop) along `dim` of
+        its HF weight, whose logical shape is `shape` (a narrow for an unquantized tensor)."""
+        weight = self._weight_of.get(output)
+        if weight is None:
+            return tensor.narrow(dim, start, stop - start)
+        return slice_output(weight, output, tensor, self.schemes[weight], shape, dim, start, stop)
 
     def dequantize(self, name: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Return HF weight `name` in `dtype`, rebuilt from its quantized tensors when it is quantized."""

@@ -13,7 +13,7 @@ plan says why.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable, Mapping, Optional
+from typing import AbstractSet, Callable, Iterable, Mapping, Optional
 
 from megatron_sync.delta.errors import ChainError, VersionNotPublishedError
 
@@ -73,10 +73,11 @@ def _plain(version: int) -> str:
 
 
 def plan_chain(published: Mapping[int, VersionInfo], held: Optional[Held], target: int,
-               where: Callable[[int], str] = _plain) -> ChainPlan:
+               where: Callable[[int], str] = _plain, damaged: AbstractSet[Step] = frozenset()) -> ChainPlan:
     """Return the steps from `held` (or from a snapshot) to `target`; raise ChainError when none exist.
 
-    `where(version)` names a version in messages (for example its directory).
+    `where(version)` names a version in messages (for example its directory); `damaged` holds
+    the steps whose files failed verification before, which the plan avoids.
     """
     if target not in published:
         raise VersionNotPublishedError(
@@ -84,13 +85,14 @@ def plan_chain(published: Mapping[int, VersionInfo], held: Optional[Held], targe
             "writer to publish it, or ask for one of the published versions")
     if held is not None and held.version == target and held.state_digest == published[target].state_digest:
         return ChainPlan(target, ())
-    steps, reason = _delta_path(published, held, target, where)
+    steps, reason = _delta_path(published, held, target, where, damaged)
     if steps is not None:
         return ChainPlan(target, tuple(steps))
-    return ChainPlan(target, tuple(_snapshot_path(published, target, where)), reason)
+    return ChainPlan(target, tuple(_snapshot_path(published, target, where, damaged)), reason)
 
 
-def _delta_path(published, held: Optional[Held], target: int, where) -> tuple[Optional[list[Step]], str]:
+def _delta_path(published, held: Optional[Held], target: int, where,
+                damaged: AbstractSet[Step] = frozenset()) -> tuple[Optional[list[Step]], str]:
     """Return the deltas from `held` to `target` (oldest first), or None and why there are none."""
     if held is None:
         return None, "the local copy holds no version yet"
@@ -104,6 +106,8 @@ def _delta_path(published, held: Optional[Held], target: int, where) -> tuple[Op
             return None, f"the chain back from version {target} has a gap: {where(version)} is missing"
         if info.base_version is None:
             return None, f"{where(version)} is a snapshot without a delta part"
+        if Step(version, "delta") in damaged:
+            return None, f"the delta part of {where(version)} failed verification"
         if info.base_version < held.version:
             return None, (f"{where(version)} is a delta against version {info.base_version}, which is older "
                           f"than the local copy's version {held.version} (wrong base)")
@@ -118,13 +122,17 @@ def _delta_path(published, held: Optional[Held], target: int, where) -> tuple[Op
     return steps[::-1], ""
 
 
-def _snapshot_path(published, target: int, where) -> list[Step]:
-    """Return the newest snapshot in `target`'s ancestry and the deltas after it (oldest first)."""
+def _snapshot_path(published, target: int, where, damaged: AbstractSet[Step] = frozenset()) -> list[Step]:
+    """Return the newest intact snapshot in `target`'s ancestry and the deltas after it (oldest first)."""
     steps, version = [], target
     while True:
         info = published[version]
-        if info.has_snapshot:
+        if info.has_snapshot and Step(version, "snapshot") not in damaged:
             return [Step(version, "snapshot")] + steps[::-1]
+        if Step(version, "delta") in damaged or info.base_version is None:
+            raise ChainError(
+                f"cannot reach version {target}: {where(version)} failed verification and no intact snapshot lies "
+                "after it; the writer's next version carries a snapshot (this reader asked for one): apply that")
         base = published.get(info.base_version)
         if base is None:
             raise ChainError(

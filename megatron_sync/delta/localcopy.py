@@ -21,6 +21,7 @@ import json
 import mmap
 import os
 import struct
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -109,8 +110,12 @@ class SlotFile:
         dtype, shape, start, end = self.layout[name]
         if end == start:
             return torch.empty(shape, dtype=dtype)
-        flat = torch.frombuffer(self._map, dtype=dtype, count=(end - start) // dtype.itemsize,
-                                offset=self._data_start + start)
+        with warnings.catch_warnings():
+            # A read-only mapping (another rank's view of the applier's file): torch warns that the
+            # buffer is not writable. Readers only copy from these views (load_shards), never write.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(self._map, dtype=dtype, count=(end - start) // dtype.itemsize,
+                                    offset=self._data_start + start)
         return flat.view(shape)
 
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -13,11 +13,12 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
+import math
 import os
 import shutil
 import time
 import uuid
-from typing import Iterator, Mapping, Optional
+from typing import Iterable, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
@@ -52,22 +53,33 @@ class TensorLayout:
     @classmethod
     def of(cls, tensors: Mapping[str, torch.Tensor]) -> "TensorLayout":
         """Return the layout of `tensors` ({hf_name: tensor}); raise ValueError for an unsupported dtype."""
+        return cls.of_specs((name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
+
+    @classmethod
+    def of_specs(cls, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> "TensorLayout":
+        """Return the layout of tensors given as (name, dtype, shape) (metadata only, no tensor needed)."""
         entries, offset = [], 0
-        for name, tensor in tensors.items():
-            if tensor.dtype not in SAFETENSORS_DTYPES:
-                raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot hold; "
+        for name, dtype, shape in specs:
+            if dtype not in SAFETENSORS_DTYPES:
+                raise ValueError(f"tensor {name!r} has dtype {dtype}, which safetensors cannot hold; "
                                  f"use one of {sorted(map(str, SAFETENSORS_DTYPES))}")
-            nbytes = tensor.numel() * tensor.element_size()
-            entries.append(LayoutEntry(name, tensor.dtype, tuple(tensor.shape), offset, nbytes))
+            nbytes = math.prod(shape) * dtype.itemsize
+            entries.append(LayoutEntry(name, dtype, tuple(shape), offset, nbytes))
             offset += nbytes
         return cls(tuple(entries), offset)
 
     def fill(self, buffer: np.ndarray, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy `tensors` (same names, shapes and dtypes as this layout) into `buffer`."""
-        flat = torch.from_numpy(buffer)
         for entry in self.entries:
-            tensor = tensors[entry.name].detach()
-            flat[entry.offset: entry.offset + entry.nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+            self.fill_one(buffer, entry, tensors[entry.name])
+
+    def fill_one(self, buffer: np.ndarray, entry: LayoutEntry, tensor: torch.Tensor) -> None:
+        """Copy `tensor` (any device; `entry`'s shape and dtype) into its bytes of `buffer`."""
+        if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+            raise ValueError(f"tensor {entry.name!r} is {tensor.dtype} {tuple(tensor.shape)}, the layout says "
+                             f"{entry.dtype} {entry.shape}; a version's tensors keep their dtypes and shapes")
+        flat = torch.from_numpy(buffer)
+        flat[entry.offset: entry.offset + entry.nbytes].copy_(tensor.detach().reshape(-1).view(torch.uint8))
 
     def view(self, buffer: np.ndarray, entry: LayoutEntry) -> np.ndarray:
         """Return the bytes of `entry` inside `buffer`."""

@@ -9,10 +9,16 @@ decoded tensor's digest. Only then are the staged tensors handed out (views
 into the memory-mapped slot, for the engine's `load_shards`); `commit` makes
 the staged slot the local copy's version. Staging never touches the engine,
 so it runs while the engine generates.
+
+A reader that cannot reach a version (a file fails verification, the chain
+is broken) remembers the damaged part, plans around it from then on, and asks
+the writer for a snapshot (`storedir.request_snapshot`), so it recovers at
+the next version the writer publishes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import mmap
 import os
@@ -24,7 +30,7 @@ import numpy as np
 import torch
 
 from megatron_sync.delta import storedir
-from megatron_sync.delta.chain import ChainPlan, Held, Lease, plan_chain
+from megatron_sync.delta.chain import ChainPlan, Held, Lease, Step, plan_chain
 from megatron_sync.delta.codec import decode_into
 from megatron_sync.delta.errors import ChainError, CorruptFileError, VersionNotPublishedError
 from megatron_sync.delta.fsio import FileLock
@@ -72,6 +78,7 @@ class DeltaReader:
         self._cache = storedir.ManifestCache(root)
         self._slots: dict[str, SlotFile] = {}
         self._staged: Optional[StagedVersion] = None
+        self._damaged: set[Step] = set()  # parts whose files failed verification: plans avoid them
         self._write_lease(())
 
     @property
@@ -107,6 +114,18 @@ class DeltaReader:
         """
         if self._staged is not None:
             raise RuntimeError(f"version {self._staged.version} is staged; commit or discard it first")
+        try:
+            return self._stage_target(target)
+        except VersionNotPublishedError:
+            raise
+        except (CorruptFileError, ChainError) as exc:
+            # Ask for a snapshot: the writer's next version then carries one and this reader
+            # recovers from it instead of waiting for the next scheduled snapshot.
+            wanted = target if target is not None else (self.latest_published() or 0)
+            storedir.request_snapshot(self.root, self.reader_id, wanted, str(exc))
+            raise
+
+    def _stage_target(self, target: Optional[int]) -> Optional[StagedVersion]:
         for attempt in range(2):
             manifests, plan = self._plan(target)
             if not plan.steps:
@@ -171,15 +190,26 @@ class DeltaReader:
             self._raise_unpublished(target, manifests)
         if self._held is not None and self._held.version > target:
             raise ChainError(f"the local copy in {self.local_dir} holds version {self._held.version}, newer than "
-                             f"the requested {target}; versions only move forward (ask for the newest)")
+                             f"the requested {target}; versions only move forward (ask for the newest; if the store "
+                             f"was recreated from scratch, delete {self.local_dir})")
         infos = {v: storedir.version_info(m) for v, m in manifests.items()}
         try:
-            plan = plan_chain(infos, self._held, target, where=self._where)
+            plan = self._plan_around_damage(infos, target)
         except ChainError as exc:
             if broken:  # a damaged manifest may be what broke the chain: say so
                 raise ChainError(f"{exc}\nunreadable manifests: " + "; ".join(map(str, broken.values()))) from exc
             raise
         return manifests, plan
+
+    def _plan_around_damage(self, infos, target: int) -> ChainPlan:
+        """Plan around the parts that failed verification; with no way around them, try them again
+        (their files may have been restored meanwhile)."""
+        try:
+            return plan_chain(infos, self._held, target, where=self._where, damaged=self._damaged)
+        except ChainError:
+            if not self._damaged:
+                raise
+            return plan_chain(infos, self._held, target, where=self._where)
 
     def _raise_unpublished(self, target: int, manifests: dict[int, Manifest]) -> None:
         leftovers = storedir.unpublished_leftovers(self.root, target)
@@ -210,7 +240,8 @@ class DeltaReader:
             out = self._slot_file(slot, target.tensors)
             for i, step in enumerate(plan.steps):
                 base = self._slot_file(self._slot) if i == 0 and step.part == "delta" else out
-                self._decode_step(manifests[step.version], step.part, base, out, files)
+                with self._marking_damaged(step):
+                    self._decode_step(manifests[step.version], step.part, base, out, files)
         finally:
             for data in files.values():
                 if isinstance(data, mmap.mmap):
@@ -228,15 +259,26 @@ class DeltaReader:
                 manifest = manifests[step.version]
                 for name in sorted({c.file for chunks in _part(manifest, step.part).chunks for c in chunks}):
                     size, expected = manifest.files[name]
-                    data = _map_file(os.path.join(self._where(step.version), name))
-                    files[(step.version, name)] = data
-                    check_file(self._where(step.version), name, size, expected, data)
+                    with self._marking_damaged(step):
+                        data = _map_file(os.path.join(self._where(step.version), name))
+                        files[(step.version, name)] = data
+                        check_file(self._where(step.version), name, size, expected, data)
         except BaseException:
             for data in files.values():
                 if isinstance(data, mmap.mmap):
                     data.close()
             raise
         return files
+
+    @contextlib.contextmanager
+    def _marking_damaged(self, step: Step):
+        """Remember `step` as damaged when its files fail verification, so later plans go around it."""
+        try:
+            yield
+        except CorruptFileError:
+            self._damaged.add(step)
+            raise
+        self._damaged.discard(step)
 
     def _decode_step(self, manifest: Manifest, part_name: str, base: SlotFile, out: SlotFile, files) -> None:
         part = _part(manifest, part_name)

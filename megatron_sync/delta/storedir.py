@@ -5,12 +5,14 @@
       .tmp-v00000008-...     a version being written (never read; removed by the next writer)
       .trash-v00000002-...   a version being deleted (renamed out of sight first)
       leases/<reader>.json   what each reader holds and is reading
+      requests/<reader>.json a reader that could not reach a version asks for a snapshot
       writer.lock            one writer per root
       gc.lock                taken by garbage collection, and by a reader while it registers a read
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -26,6 +28,7 @@ from megatron_sync.delta.manifest import Manifest, parse_version_dirname, read_m
 
 TMP_PREFIX = ".tmp-"
 LEASES = "leases"
+REQUESTS = "requests"
 _SAFE_READER = re.compile(r"[A-Za-z0-9._-]+")
 
 
@@ -133,14 +136,9 @@ def remove_lease(root: str, reader: str) -> None:
 def read_leases(root: str, ttl_s: float, now: Optional[float] = None) -> list[Lease]:
     """Return the leases refreshed within `ttl_s` seconds (older ones belong to readers presumed gone)."""
     now = time.time() if now is None else now
-    folder, leases = os.path.join(root, LEASES), []
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
-        if not name.endswith(".json"):
-            continue
-        try:
-            with open(os.path.join(folder, name)) as f:
-                obj = json.load(f)
-        except (OSError, ValueError):
+    leases = []
+    for _, obj in _json_files(os.path.join(root, LEASES)):
+        if obj is None:
             continue  # being replaced right now, or damaged: it protects nothing
         if now - float(obj.get("updated", 0)) <= ttl_s:
             held = Held(*obj["held"]) if obj.get("held") else None
@@ -165,3 +163,60 @@ def collect_garbage(root: str, retention: int, lease_ttl_s: float, cache: Manife
             fsio.remove_dir(version_path(root, version))
     return doomed
 
+
+
+# ----------------------------------------------------------------------------- snapshot requests
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotRequest:
+    """A reader that could not reach `version` asks the writer to publish a snapshot."""
+
+    reader: str
+    version: int
+    reason: str
+    name: str  # the request's file name under requests/
+
+
+def request_snapshot(root: str, reader: str, version: int, reason: str) -> None:
+    """Ask the writer of `root` to make its next version a snapshot (reader `reader` cannot reach `version`)."""
+    os.makedirs(os.path.join(root, REQUESTS), exist_ok=True)
+    fsio.write_json_atomic(os.path.join(root, REQUESTS, f"{reader}.json"), {
+        "reader": reader, "version": version, "reason": reason[:500], "host": socket.gethostname(),
+        "pid": os.getpid(), "time": time.time(),
+    })
+
+
+def snapshot_requests(root: str) -> list[SnapshotRequest]:
+    """Return the pending snapshot requests of `root` (an unreadable one still counts as a request)."""
+    requests = []
+    for name, obj in _json_files(os.path.join(root, REQUESTS)):
+        try:
+            requests.append(SnapshotRequest(str(obj["reader"]), int(obj["version"]), str(obj["reason"]), name))
+        except (KeyError, TypeError, ValueError):
+            requests.append(SnapshotRequest(name[:-5], -1, "unreadable request", name))
+    return requests
+
+
+def clear_snapshot_requests(root: str, requests: list[SnapshotRequest]) -> None:
+    """Remove requests a published snapshot answered (a reader that fails again asks again)."""
+    for request in requests:
+        try:
+            os.unlink(os.path.join(root, REQUESTS, request.name))
+        except FileNotFoundError:
+            pass
+
+
+def _json_files(folder: str):
+    """Yield (name, object) for every *.json file in `folder`, object None when it is unreadable
+    (being replaced right now, or damaged); a file removed meanwhile is skipped."""
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(folder, name)) as f:
+                yield name, json.load(f)
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError):
+            yield name, None

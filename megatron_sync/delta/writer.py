@@ -16,6 +16,11 @@ When versions arrive faster than they are published, `when_behind` decides:
 - "block": `submit` waits until the encoder takes a waiting version (bounded
   by `block_timeout_s`). Every version is published; training pays for it.
 
+A reader that cannot reach a version (a damaged file, a broken chain) asks
+for a snapshot (`storedir.request_snapshot`); the next version published
+then carries one, so readers recover one version later instead of waiting
+for the next scheduled snapshot.
+
 An error while publishing a version (disk full, ...) leaves nothing of that
 version visible and is raised, once, by the next `submit` or `flush`; the
 writer keeps going and the next version is a delta against the last version
@@ -99,18 +104,55 @@ class DeltaWriter:
         publish (that version is not published; this one is not queued).
         """
         layout = TensorLayout.of(tensors)
-        with self._cond:
-            self._raise_error_locked()
-            if version <= self._last_version:
-                raise ValueError(f"version {version} must be greater than {self._last_version}, the last one "
-                                 "submitted or already in the store; versions only increase")
-            if len(self._queue) >= self.options.queue_depth:
-                self._make_room_locked()
-            buffer = self._take_buffer_locked(layout.nbytes)
+        buffer = self.reserve(layout)
+        try:
             layout.fill(buffer, tensors)
+        except BaseException:
+            self.release(buffer)
+            raise
+        self.submit_buffer(version, layout, buffer)
+
+    def reserve(self, layout: TensorLayout) -> np.ndarray:
+        """Return a writer-owned buffer for one version laid out by `layout`.
+
+        The caller fills it (for example straight from the weight stream, with no copy of
+        its own) and hands it back with `submit_buffer`, or with `release` when filling failed.
+        """
+        with self._cond:
+            if self._closing:
+                raise WriterClosedError(f"the delta writer of {self.root} is closed; create a new one")
+            return self._take_buffer_locked(layout.nbytes)
+
+    def release(self, buffer: np.ndarray) -> None:
+        """Give back a reserved buffer that will not be submitted."""
+        with self._cond:
+            self._free.append(buffer)
+
+    def submit_buffer(self, version: int, layout: TensorLayout, buffer: np.ndarray) -> None:
+        """Queue a filled buffer from `reserve` for publishing as `version` (the writer owns it again).
+
+        Raises, once, the error of an earlier version's publish (then this version is not queued).
+        """
+        with self._cond:
+            try:
+                self._raise_error_locked()
+                if version <= self._last_version:
+                    raise ValueError(f"version {version} must be greater than {self._last_version}, the last one "
+                                     "submitted or already in the store; versions only increase")
+                if len(self._queue) >= self.options.queue_depth:
+                    self._make_room_locked()
+            except BaseException:
+                self._free.append(buffer)
+                raise
             self._queue.append(_Job(version, layout, buffer))
             self._last_version = version
             self._cond.notify_all()
+
+    @property
+    def last_version(self) -> int:
+        """Return the newest version submitted, or already in the store when this writer started (0: none)."""
+        with self._cond:
+            return self._last_version
 
     def flush(self, timeout: Optional[float] = None) -> None:
         """Wait until every submitted version is published or skipped; raise a pending publish error."""
@@ -192,9 +234,15 @@ class DeltaWriter:
 
     def _publish(self, job: _Job) -> PublishStats:
         base = self._base if self._base is not None and self._base.layout == job.layout else None
-        snapshot = base is None or self._since_snapshot + 1 >= self.options.snapshot_every
+        requests = storedir.snapshot_requests(self.root)
+        snapshot = base is None or self._since_snapshot + 1 >= self.options.snapshot_every or bool(requests)
         manifest, stats = write_version(self.root, job.version, job.layout, job.buffer, base=base,
                                         snapshot=snapshot, options=self.options, executor=self._executor)
+        if requests:
+            log.warning("delta store %s: version %d carries a snapshot that readers asked for: %s", self.root,
+                        job.version, "; ".join(f"{r.reader} could not reach version {r.version} ({r.reason})"
+                                               for r in requests))
+            storedir.clear_snapshot_requests(self.root, requests)
         with self._cond:
             if self._base is not None:
                 self._free.append(self._base.data)

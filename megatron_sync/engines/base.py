@@ -8,17 +8,25 @@ version. `snapshot()` lets the receiver undo a load that succeeded here but
 failed on another rank.
 
 Engines driven through their own API (vLLM, SGLang) also get an
-`EngineClient` on the trainer side: the trainer driver calls its hooks around
-every sync (pause, open the engine's update session, resume).
+`EngineClient` on the trainer side: the trainer's leader starts the engine's
+workers joining the transport group (`join`, with the `Rendezvous` that
+`plan_rendezvous` assigns each engine), and calls its hooks around every sync
+(pause and open the engine's update session, start its receive, close the
+session and resume).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from megatron_sync.meta import TensorMeta
+
+if TYPE_CHECKING:
+    from megatron_sync.config import WeightSyncConfig
 
 
 @runtime_checkable
@@ -43,15 +51,84 @@ class EngineAdapter(Protocol):
         """The version of the weights in use now (0 before the first sync)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Rendezvous:
+    """Where one driven engine's workers join the transport group, and the settings both sides share."""
+
+    config: "WeightSyncConfig"
+    """The trainer's settings, with `backend` resolved to "gloo" or "nccl"."""
+    num_trainer_stages: int
+    """How many trainer stage sources the transport group holds (they come first)."""
+    first_inference_rank: int
+    """Inference rank (0-based among all inference ranks) of this engine's worker 0."""
+    num_workers: int
+    """How many workers (vLLM: TP*PP*DP ranks) this engine contributes; worker w is inference rank
+    first_inference_rank + w."""
+
+    def worker_of(self, inference_rank: int) -> Optional[int]:
+        """Return the worker index of `inference_rank` in this engine, or None when it is another's."""
+        worker = inference_rank - self.first_inference_rank
+        return worker if 0 <= worker < self.num_workers else None
+
+
+def plan_rendezvous(config: "WeightSyncConfig", num_trainer_stages: int, worker_counts: Sequence[int],
+                    backend: str) -> list[Rendezvous]:
+    """Return each engine's Rendezvous: engines take consecutive inference ranks, in the order given.
+
+    Raises ValueError when the engines' workers do not add up to
+    `config.num_inference_ranks` (the trainer would wait for ranks that never come).
+    """
+    total = sum(worker_counts)
+    if total != config.num_inference_ranks:
+        raise ValueError(
+            f"the engines have {list(worker_counts)} workers ({total} in all) but "
+            f"weight_sync.num_inference_ranks={config.num_inference_ranks}; set it to {total}"
+        )
+    resolved = dataclasses.replace(config, backend=backend)
+    firsts = [sum(worker_counts[:i]) for i in range(len(worker_counts))]
+    return [Rendezvous(config=resolved, num_trainer_stages=num_trainer_stages, first_inference_rank=first,
+                       num_workers=count) for first, count in zip(firsts, worker_counts)]
+
+
+class Joining(Protocol):
+    """An engine's join of the transport group, under way."""
+
+    def wait(self, timeout_s: float) -> None:
+        """Return once the engine's workers joined; raise (naming the engine) if they failed."""
+
+
 @runtime_checkable
 class EngineClient(Protocol):
-    """Trainer-side handle of an engine that is driven over its own API around each sync."""
+    """Trainer-side handle of an engine driven over its own API (vLLM, SGLang); only the leader calls it.
+
+    Order: `num_workers` and `join` once (the join runs while the trainer
+    connects); per sync `before_sync` -> `begin_transfer` -> (the trainer
+    sends) -> `after_sync`; `close` at the end. The engine's workers are
+    transport ranks like any inference rank; the trainer learns a sync's
+    outcome from the transport's agreement, not from these calls.
+    """
+
+    url: str
+    """Where the engine's API answers, e.g. "http://10.0.0.7:8000"."""
+
+    def num_workers(self) -> int:
+        """Return how many inference ranks this engine's workers occupy (checks the engine can take part)."""
+
+    def join(self, rendezvous: Rendezvous) -> Joining:
+        """Start the engine's workers joining the transport group; return at once (raise on a refusal)."""
 
     def before_sync(self, version: int) -> None:
-        """Prepare the engine to receive `version` (pause per the in-flight policy, open an update)."""
+        """Pause generation as the in-flight policy says and open an update session (nothing moves yet)."""
+
+    def begin_transfer(self, version: int) -> None:
+        """Start the engine's receive of `version` in the background (its workers block while buckets arrive)."""
 
     def after_sync(self, version: int, ok: bool) -> None:
-        """Finish `version` (commit it and resume if `ok`, else leave the previous version serving)."""
+        """Close the session: if `ok`, tag the engine with `version` and reset its caches as the policy
+        says; either way resume generation (after a failure the engine serves the previous version)."""
+
+    def describe_rank(self, inference_rank: int) -> Optional[str]:
+        """Return e.g. "vLLM worker 1 of http://..." when `inference_rank` is this engine's, else None."""
 
     def close(self) -> None:
-        """Release the client (the engine keeps serving)."""
+        """Let the engine's workers leave the transport group (the engine keeps serving its weights)."""

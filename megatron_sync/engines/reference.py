@@ -16,6 +16,14 @@ The engine speaks the HF checkpoint format (what the trainer sends), with
 per-expert names; transformers 5 keeps experts fused in memory
 (`mlp.experts.gate_up_proj[e] = [gate_e; up_e]`, `mlp.experts.down_proj[e]`),
 and `FUSED_EXPERTS` says where each per-expert tensor lives inside the fused one.
+
+Quantized checkpoints (an HF config with a `quantization_config`): the engine
+expects the quantized names (FP8 values + `weight_scale_inv` / `weight_scale`,
+INT4 `weight_packed` / `weight_scale` / `weight_shape`), cuts a weight's
+scales with the weight (`Converter.slice_hf_tensor`: block rows with their
+weight rows), and at `load_shards` dequantizes them into its float live
+weights. It keeps the received quantized shards as they came, so `snapshot()`
+returns the wire format and a rollback reloads exactly what was there.
 """
 
 from __future__ import annotations
@@ -37,9 +45,9 @@ from megatron_sync.engines.tp_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     all_reduce_,
+    even_range,
+    kv_head_range,
     local_kv_heads,
-    split_even,
-    split_kv_heads,
 )
 from megatron_sync.meta import TensorMeta
 
@@ -121,8 +129,10 @@ class ReferenceEngine:
         self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
         self.config = copy.deepcopy(hf_config)
         self.converter = get_converter(self.family, self.config, dtype=dtype)
-        self._expected = {m.name: m for m in self.converter.expected_metas()}
-        self._splits = {name: ENGINE_SPLIT[self.converter.shard_role(name)] for name in self._expected}
+        self._expected = {m.name: m for m in self.converter.expected_metas()}  # as received (quantized names)
+        self._weights = {m.name: m for m in self.converter.expected_metas(quantized=False)}  # as computed with
+        self._splits = {name: ENGINE_SPLIT[self.converter.shard_role(name)] for name in self._weights}
+        self._quantized_parts = {n for n in self._expected if self.converter.quant.weight_of(n) is not None}
         self._check_heads()
         self._version = 0
         with torch.device("meta"):
@@ -130,10 +140,12 @@ class ReferenceEngine:
 
             model = AutoModelForCausalLM.from_config(self.config, dtype=dtype, experts_implementation="eager")
         self._index_checkpoint(model)
+        self._local_shapes = {name: self.local_shape(name) for name in self._expected}  # block edges checked here
         with torch.device("meta"):
             self._parallelize(model)
         self.model = _materialize(model)
         self._live = {name: slot.view(_live_tensor(self.model, slot.memory_name)) for name, slot in self._slots.items()}
+        self._held = self._quantized_zeros()
 
     # ---- what the engine loads (pure) ----
 
@@ -151,8 +163,13 @@ class ReferenceEngine:
         return self._split_of(name).dim
 
     def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """Return this rank's slice of the full checkpoint tensor `name` (a view; pure)."""
-        split, meta = self._split_of(name), self._expected[name]
+        """Return this rank's slice of the full checkpoint tensor `name` (a view; pure).
+
+        A quantized weight's scales are cut where its values are: the scale blocks or groups
+        covering this rank's weight rows or columns.
+        """
+        self._split_of(name)
+        meta = self._expected[name]
         if tuple(full.shape) != meta.shape:
             raise ValueError(
                 f"{name}: got shape {tuple(full.shape)}, this {self.family} config expects {meta.shape}; "
@@ -160,11 +177,13 @@ class ReferenceEngine:
             )
         if full.dtype != meta.dtype:
             raise ValueError(f"{name}: got dtype {full.dtype}, this engine loads it as {meta.dtype}; cast before sending")
-        return self._split(split, full)
+        return self._cut(name, full)
 
     def local_shape(self, name: str) -> tuple[int, ...]:
         """Return the shape of this rank's shard of `name`."""
-        return tuple(self._split(self._split_of(name), torch.empty(self._expected[name].shape, device="meta")).shape)
+        self._split_of(name)
+        meta = self._expected[name]
+        return tuple(self._cut(name, torch.empty(meta.shape, dtype=meta.dtype, device="meta")).shape)
 
     # ---- live weights ----
 
@@ -182,20 +201,29 @@ class ReferenceEngine:
                 f"unexpected {unexpected[:8]} ({len(unexpected)})"
             )
         for name, shard in shards.items():
-            live = self._live[name]
-            if tuple(shard.shape) != tuple(live.shape) or shard.dtype != live.dtype:
+            shape, dtype = self._local_shapes[name], self._expected[name].dtype
+            if tuple(shard.shape) != shape or shard.dtype != dtype:
                 raise ValueError(
                     f"{name}: shard {tuple(shard.shape)} {shard.dtype} != this rank's "
-                    f"{tuple(live.shape)} {live.dtype}; produce it with shard_of() of the same engine"
+                    f"{shape} {dtype}; produce it with shard_of() of the same engine"
                 )
+        quant = self.converter.quant
+        for weight in quant.schemes:  # what the values and scales dequantize to (INT4: its weight_shape)
+            shape = quant.schemes[weight].logical_shape(weight, shards)
+            if tuple(shape) != tuple(self._live[weight].shape):
+                raise ValueError(f"{weight}: its quantized shards hold shape {tuple(shape)}, this rank computes "
+                                 f"with {tuple(self._live[weight].shape)}; produce them with shard_of()")
         with torch.no_grad():
-            for name, shard in shards.items():
-                self._live[name].copy_(shard)
+            for name, live in self._live.items():
+                live.copy_(shards[name] if name not in quant.schemes else quant.dequantize(name, shards, live.dtype))
+        self._held = {name: shards[name] for name in self._quantized_parts}
         self._version = version
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        """Return copies of this rank's live shards by checkpoint-format name (for rollback)."""
-        return {name: live.detach().clone() for name, live in self._live.items()}
+        """Return copies of this rank's shards by checkpoint-format name, as `load_shards` takes them
+        (for rollback): live tensors, and the quantized shards last loaded for a quantized weight."""
+        return {name: (self._held[name] if name in self._quantized_parts else self._live[name]).detach().clone()
+                for name in self._expected}
 
     # ---- inference (collective over the engine group) ----
 
@@ -259,10 +287,10 @@ class ReferenceEngine:
         return Shard.KV_HEADS in self._splits.values()
 
     def _index_checkpoint(self, model: nn.Module) -> None:
-        """Find every expected checkpoint tensor's place in memory; every in-memory tensor must get one."""
+        """Find every weight's place in memory; every in-memory tensor must get one."""
         memory = model.state_dict()
         self._slots = {}
-        for name, meta in self._expected.items():
+        for name, meta in self._weights.items():
             slot = _slot_of(name, memory)
             if slot is None:
                 raise ValueError(
@@ -288,19 +316,33 @@ class ReferenceEngine:
             )
 
     def _split_of(self, name: str) -> Shard:
-        if name not in self._splits:
+        if name not in self._expected:
             raise ValueError(
                 f"{name!r} is not a tensor of this {self.family} engine; expected HF checkpoint names "
                 f"such as {next(iter(self._expected))!r} (see expected_tensors())"
             )
-        return self._splits[name]
+        return self._splits[self.converter.weight_of(name)]
 
-    def _split(self, split: Shard, full: torch.Tensor) -> torch.Tensor:
+    def _range(self, split: Shard, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        """Return (dim, start, stop) of this rank's part of a weight of `shape` (None: all of it)."""
         if split is Shard.REPLICATED:
-            return full
+            return None
         if split is Shard.KV_HEADS:
-            return split_kv_heads(full, self.config.num_key_value_heads, self.tp_rank, self.tp_size)
-        return split_even(full, split.dim, self.tp_rank, self.tp_size)
+            return (0, *kv_head_range(shape[0], self.config.num_key_value_heads, self.tp_rank, self.tp_size))
+        return (split.dim, *even_range(shape[split.dim], self.tp_rank, self.tp_size))
+
+    def _cut(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """Return this rank's part of checkpoint tensor `name`: its weight's range, scales cut alike."""
+        weight = self.converter.weight_of(name)
+        cut = self._range(self._splits[weight], self._weights[weight].shape)
+        return full if cut is None else self.converter.slice_hf_tensor(name, full, *cut)
+
+    def _quantized_zeros(self) -> dict[str, torch.Tensor]:
+        """Return the quantized shards of this rank's (zero) quantized weights: what `snapshot()`
+        holds for them before the first load."""
+        return {out: t for weight in self.converter.quant.schemes
+                for out, t in self.converter.quant.quantize(
+                    weight, torch.zeros(self._live[weight].shape, dtype=self._weights[weight].dtype))}
 
     def _parallelize(self, model: nn.Module) -> None:
         """Swap sharded projections and fused experts for local-shard versions (on the meta device);
@@ -318,10 +360,11 @@ class ReferenceEngine:
             if hasattr(module, "num_key_value_groups"):
                 self._localize_attention(module)
         for name in direct:
-            _set_dtype(model, name, self._expected[name].dtype)
+            _set_dtype(model, name, self._weights[name].dtype)
 
     def _tp_linear(self, name: str, linear: nn.Linear, split: Shard) -> nn.Module:
-        local = self._split(split, linear.weight)
+        dim, start, stop = self._range(split, tuple(linear.weight.shape))
+        local = linear.weight.narrow(dim, start, stop - start)
         has_bias = linear.bias is not None
         if split is Shard.ROW:
             return RowParallelLinear(

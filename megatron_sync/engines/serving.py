@@ -17,10 +17,13 @@ at the first boundary where every rank offers the same one, so all ranks
 switch between the same two tokens; if they differ the step runs on the old
 weights everywhere and the offer stands for the next boundary. What happens to
 requests in flight at a switch is the `inflight_policy` (see INFLIGHT_POLICIES
-in config): "abort" ends them, "recompute" drops their KV cache and re-prefills
-prompt + generated tokens under the new weights (SGLang's retract, vLLM's
-clear_cache), "keep" decodes on with the new weights over the old KV cache
-(SGLang's in_place, vLLM's keep), which the response records as off-policy KV.
+in config): "abort" ends them, "wait" lets them finish on the old weights and
+applies the version once generation ends (vLLM's pause mode "wait"; the
+commit still waits at most `commit_timeout_s`), "recompute" drops their KV
+cache and re-prefills prompt + generated tokens under the new weights (SGLang's
+retract, vLLM's clear_cache), "keep" decodes on with the new weights over the
+old KV cache (SGLang's in_place, vLLM's keep), which the response records as
+off-policy KV.
 
 Every response carries `weight_versions` spans over its generated tokens and
 `kv_versions` spans over the positions whose cached keys/values the final token
@@ -269,8 +272,10 @@ class GenerationServer:
     def _boundary(self, requests: list[_Request], step: int, fingerprint: int) -> None:
         """Agree with the other engine ranks whether a staged version goes live before this step."""
         waiting_since: Optional[float] = None
+        # "wait": nothing switches while a request is in flight; the version is applied when generate() ends
+        holding = self.inflight_policy == "wait" and any(r.in_flight for r in requests)
         while True:
-            offer = self._offer()
+            offer = None if holding else self._offer()
             live = self.engine.version
             target = offer.version if offer is not None else live
             late = waiting_since is not None and time.monotonic() - waiting_since > self.commit_timeout_s

@@ -16,9 +16,7 @@ import abc
 import enum
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
-
-from megatron_sync.transport.group import StoreBoard
+from typing import Any, Iterable, Optional, Protocol
 
 
 class ControlOp(str, enum.Enum):
@@ -74,10 +72,19 @@ class ControlChannel(abc.ABC):
         """Return {rank: payload} of every listed rank's report (leader), waiting up to `timeout_s`."""
 
 
-class StoreControlChannel(ControlChannel):
-    """A control channel over a rendezvous store's board (the transport group's, for broadcast)."""
+class Board(Protocol):
+    """Where a `StoreControlChannel` posts and fetches: a rendezvous store's `StoreBoard`, or the
+    disk-delta transport's `DirectoryBoard` (files in the shared directory)."""
 
-    def __init__(self, board: StoreBoard) -> None:
+    def post(self, key: str, value: bytes) -> None: ...
+
+    def fetch(self, key: str, timeout_s: Optional[float] = None) -> bytes: ...
+
+
+class StoreControlChannel(ControlChannel):
+    """A control channel over a board: a rendezvous store's (broadcast) or a shared directory's (disk delta)."""
+
+    def __init__(self, board: Board) -> None:
         self._group = board
         self._sent = 0
         self._received = 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
-import pickle
+import io
 import queue
 import socket
 import time
@@ -65,12 +65,27 @@ def _worker(fn, rank, world_size, port, args, env, timeout, init_group, results)
                 timeout=datetime.timedelta(seconds=timeout),
             )
         value = fn(rank, world_size, *args) if init_group else fn(rank, *args)
-        results.put((rank, "ok", pickle.dumps(value)))
+        results.put((rank, "ok", _dumps(value)))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
         results.put((rank, type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _dumps(value: Any) -> bytes:
+    """Serialize a rank's result; torch.save's format, since plain pickle cannot load float8 tensors."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def run_ranks(
@@ -142,7 +157,7 @@ def _collect(procs, results, timeout: float, fail_fast: bool) -> dict[int, tuple
     while len(out) < len(procs) and time.monotonic() < deadline:
         try:
             rank, status, value = results.get(timeout=0.2)
-            out[rank] = (status, pickle.loads(value) if status == "ok" else value)
+            out[rank] = (status, _loads(value) if status == "ok" else value)
         except queue.Empty:
             if all(not p.is_alive() for p in procs) and results.empty():
                 break

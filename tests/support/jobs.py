@@ -7,14 +7,17 @@ versions through `TrainerWeightSync` with a training step between them, and
 returns what it sent; the engines (`ReferenceEngine` via `megatron_sync.serve.join`)
 serve through `InferenceWeightSync` until "stop" and return their shards and
 logits per version. `case["imports"]` names modules each process imports
-first (a test that registers its own family or transport).
+first (a test that registers its own family or transport). `case["quantization_config"]`
+goes into both jobs' HF config (the trainer quantizes, the engine dequantizes);
+with `case["record_unquantized"]` the trainer also returns, per version, the
+same gather and conversion without quantization (the reference quantizers' input).
 """
 
 from __future__ import annotations
 
 import importlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -40,6 +43,29 @@ def _setup(case: dict) -> None:
         importlib.import_module(module)
 
 
+def case_hf_config(case: dict):
+    """Return the HF config both jobs of `case` use: the tiny model's, with the case's quantization_config."""
+    from tests.support import models
+
+    config = models.hf_config(models.ModelSpec(**case["spec"]))
+    if case.get("quantization_config") is not None:
+        config.quantization_config = case["quantization_config"]
+    return config
+
+
+def _unquantized_hf_tensors(chunks: list, layout, case: dict) -> dict[str, torch.Tensor]:
+    """Return the HF tensors of the chunks' current weights, gathered and converted like a sync but not
+    quantized (collective over the trainer job; the stage source gets them)."""
+    from converters import get_converter
+    from megatron_sync.meta import dtype_from_name
+    from megatron_sync.stream import MegatronWeightStream
+
+    config = sync_config(case)
+    converter = get_converter(config.family, {**case_hf_config(case).to_dict(), "quantization_config": None},
+                              dtype=dtype_from_name(config.dtype))
+    return {name: t.clone() for name, t in MegatronWeightStream(chunks, layout, converter)}
+
+
 def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     """Train and sync; return {"sent": [{name: tensor} per version] (leader), "logits": [...]}."""
     _setup(case)
@@ -56,8 +82,8 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     layout = ParallelLayout.from_megatron()
     ddp = wrap_in_ddp(chunks)
     optimizer = make_optimizer(ddp, lr=1e-3)
-    sent, logits = [], []
-    with WeightSyncCallback.from_config(sync_config(case), ddp, hf_config=models.hf_config(spec),
+    sent, logits, unquantized = [], [], []
+    with WeightSyncCallback.from_config(sync_config(case), ddp, hf_config=case_hf_config(case),
                                         layout=layout) as callback:
         for version in range(1, case["versions"] + 1):
             if version > 1:
@@ -65,11 +91,13 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
                 train_step(ddp, optimizer, tokens, layout)
             callback.syncer.sync()
             logits.append(models.megatron_logits(chunks, EVAL_TOKENS))
+            if case.get("record_unquantized"):
+                unquantized.append(_unquantized_hf_tensors(chunks, layout, case))
             sender = callback.syncer.sender
             if callback.syncer.is_leader:
                 sent.append({e.name: sender.replica.view(e.name).clone()
                              for b in sender.replica.buckets for e in b.entries})
-    return {"sent": sent, "logits": logits}
+    return {"sent": sent, "logits": logits, "unquantized": unquantized}
 
 
 def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
@@ -77,10 +105,9 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     _setup(case)
     from megatron_sync.serve import join
     from megatron_sync.sync import InferenceWeightSync
-    from tests.support import models
 
     config = sync_config(case)
-    me = join(config, models.hf_config(models.ModelSpec(**case["spec"])))
+    me = join(config, case_hf_config(case))
     isync = InferenceWeightSync(config, me.engine, num_trainer_stages=case["layout"].get("pp", 1),
                                 inference_rank=me.rank, engine_group=me.group)
     held = []
@@ -93,14 +120,18 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     return {"held": held}
 
 
-def run_pair(case: dict, timeout: float = 240.0) -> tuple[list, list]:
-    """Run the trainer job and the inference job of `case` concurrently; return both jobs' per-rank results."""
+def run_pair(case: dict, timeout: float = 240.0, *, trainer: Callable = trainer_job,
+             engine: Callable = engine_job) -> tuple[list, list]:
+    """Run the trainer job and the inference job of `case` concurrently; return both jobs' per-rank results.
+
+    `trainer` / `engine` replace the job functions (module-level, with the same signatures).
+    """
     case = {"port": free_port(), "engines": 1, "engine_tp": 2, "layout": {}, "versions": 2, **case}
     trainer_world = _world(case["layout"])
     with ThreadPoolExecutor(max_workers=2) as pool:
-        trainer = pool.submit(run_distributed, trainer_job, trainer_world, case, timeout=timeout)
-        engines = pool.submit(run_distributed, engine_job, case["engines"] * case["engine_tp"], case, timeout=timeout)
-        return trainer.result(), engines.result()
+        trainers = pool.submit(run_distributed, trainer, trainer_world, case, timeout=timeout)
+        engines = pool.submit(run_distributed, engine, case["engines"] * case["engine_tp"], case, timeout=timeout)
+        return trainers.result(), engines.result()
 
 
 def _world(layout: dict) -> int:

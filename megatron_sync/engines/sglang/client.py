@@ -1,0 +1,146 @@
+"""The trainer's HTTP client for an SGLang server (0.5.21+), an `EngineClient` (no SGLang import).
+
+Joining: /init_weights_update_group makes the server's TP ranks join SGLang's
+update group as ranks 1.. (the trainer's `SGLangTransport`, transport
+"sglang", is rank 0). Around each sync: /pause_generation {mode} ->
+/begin_weight_update; the buckets then go through the transport (one
+/update_weights_from_distributed per bucket); after the last one
+/end_weight_update (SGLang re-runs its post-load processing) -> /flush_cache
+(as the policy requires) -> /update_weight_version -> /continue_generation.
+SGLang reports the version on every response (`meta_info.weight_version`)
+and on /model_info.
+
+In-flight policies (`PAUSE_PLANS`): abort -> "abort" + flush; recompute ->
+"retract" (running requests go back to the queue, their KV freed) + flush;
+keep -> "in_place" (requests continue over old KV); SGLang cannot flush while
+they hold the cache, so keep requires --disable-radix-cache. SGLang has no
+mode that lets requests finish first ("wait").
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from megatron_sync.engines.base import Rendezvous
+from megatron_sync.engines.http import BackgroundCall, EngineHTTPError, request_json
+from megatron_sync.engines.sglang import requests
+
+log = logging.getLogger("megatron_sync")
+
+
+@dataclass(frozen=True)
+class PausePlan:
+    """How one in-flight policy pauses SGLang and whether the radix cache is flushed after the update."""
+
+    mode: str
+    flush: bool
+
+
+PAUSE_PLANS = {
+    "abort": PausePlan("abort", flush=True),
+    "recompute": PausePlan("retract", flush=True),
+    "keep": PausePlan("in_place", flush=False),
+}
+
+
+class SGLangEngineClient:
+    """One SGLang server (its TP ranks) driven over HTTP around each sync; an `EngineClient`."""
+
+    def __init__(self, url: str, *, timeout_s: float = 300.0) -> None:
+        self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self.group_name = requests.GROUP_NAME
+        self.inflight_policy: Optional[str] = None
+        self.plan: Optional[PausePlan] = None
+        self._rendezvous: Optional[Rendezvous] = None
+        self._info: Optional[dict] = None
+        self.partially_updated = False
+
+    def num_workers(self) -> int:
+        """Return the server's TP size (its ranks in the update group); check it can take part."""
+        if self._info is None:
+            info = self._call("/server_info", method="GET")
+            if info.get("dp_size", 1) != 1 or info.get("pp_size", 1) != 1:
+                raise ValueError(f"SGLang at {self.url} runs dp_size={info.get('dp_size')} pp_size="
+                                 f"{info.get('pp_size')}; its distributed weight update needs both 1")
+            self._info = info
+        return int(self._info["tp_size"])
+
+    def join(self, rendezvous: Rendezvous) -> BackgroundCall:
+        """Start POST /init_weights_update_group (it blocks until every rank joined) on a thread.
+
+        Raises ValueError first, naming the fix, when the settings cannot work
+        with SGLang: another transport than "sglang", a policy SGLang lacks
+        ("wait"), or "keep" while SGLang caches prefixes.
+        """
+        config = rendezvous.config
+        if config.transport != "sglang" or rendezvous.num_trainer_stages != 1:
+            raise ValueError(f"SGLang at {self.url} receives only through its own update group: set "
+                             "weight_sync.transport: sglang, with one trainer pipeline stage (PP=1)")
+        if config.inflight_policy not in PAUSE_PLANS:
+            raise ValueError(f"inflight_policy={config.inflight_policy!r} is not available with SGLang; use one "
+                             f"of {list(PAUSE_PLANS)} (SGLang's pause modes have no 'wait')")
+        plan = PAUSE_PLANS[config.inflight_policy]
+        if not plan.flush and not (self._info or {}).get("disable_radix_cache"):
+            raise ValueError(f"inflight_policy='keep' at {self.url}: SGLang cannot flush its radix cache "
+                             "while kept requests run; start it with --disable-radix-cache or use 'recompute'")
+        self.plan, self.inflight_policy, self._rendezvous = plan, config.inflight_policy, rendezvous
+        body = requests.init_weights_update_group(
+            master_address=config.master_address, master_port=config.master_port,
+            rank_offset=1 + rendezvous.first_inference_rank, world_size=1 + config.num_inference_ranks,
+            group_name=self.group_name, backend=config.backend)
+        return BackgroundCall(lambda: self._call("/init_weights_update_group", body=body,
+                                                 timeout_s=config.timeout_s + 30), f"joining SGLang at {self.url}")
+
+    def before_sync(self, version: int) -> None:
+        """Pause per the policy and open SGLang's update session."""
+        self._call("/pause_generation", body=requests.pause_generation(self.plan.mode))
+        self._call("/begin_weight_update", body=requests.begin_weight_update())
+
+    def begin_transfer(self, version: int) -> None:
+        """Nothing to start: the transport announces each bucket as it sends it."""
+
+    def after_sync(self, version: int, ok: bool) -> None:
+        """Close the session; on `ok` flush, tag and resume; otherwise stay paused (partially updated)."""
+        self._call("/end_weight_update", body=requests.end_weight_update())
+        if not ok:
+            self.partially_updated = True
+            log.error("SGLang at %s loaded part of version %d and stays paused; the next successful sync "
+                      "resumes it", self.url, version)
+            return
+        if self.plan.flush:
+            request_json(self.url, "/flush_cache", query={"timeout": 30}, timeout_s=self.timeout_s, text=True)
+        self._call("/update_weight_version", body=requests.update_weight_version(version))
+        self._call("/continue_generation", body=requests.continue_generation())
+        self.partially_updated = False
+
+    def describe_rank(self, inference_rank: int) -> Optional[str]:
+        """Return "SGLang TP rank t of <url>" when `inference_rank` is one of this server's ranks."""
+        worker = None if self._rendezvous is None else self._rendezvous.worker_of(inference_rank)
+        return None if worker is None else f"SGLang TP rank {worker} of {self.url}"
+
+    def close(self) -> None:
+        """Let the engine leave the update group."""
+        if self._rendezvous is not None:
+            self._call("/destroy_weights_update_group",
+                       body=requests.destroy_weights_update_group(group_name=self.group_name))
+            self._rendezvous = None
+
+    def weight_version(self) -> str:
+        """Return the weight version the server reports (GET /model_info)."""
+        return self._call("/model_info", method="GET")["weight_version"]
+
+    def _call(self, route: str, *, method: str = "POST", body: Any = None, query: Optional[dict] = None,
+              timeout_s: Optional[float] = None) -> Any:
+        return call_sglang(self.url, route, method=method, body=body, query=query,
+                           timeout_s=self.timeout_s if timeout_s is None else timeout_s)
+
+
+def call_sglang(url: str, route: str, *, timeout_s: float, method: str = "POST", body: Any = None,
+                query: Optional[dict] = None) -> Any:
+    """Return SGLang's JSON answer; raise EngineHTTPError also when it answers {"success": false}."""
+    answer = request_json(url, route, method=method, body=body, query=query, timeout_s=timeout_s)
+    if isinstance(answer, dict) and answer.get("success") is False:
+        raise EngineHTTPError(url, route, f"reported failure: {answer.get('message')}")
+    return answer

@@ -1,0 +1,173 @@
+"""Walking a transfer plan: senders pack and write their messages, receivers verify what landed.
+
+Out of band, on the control channel, each sender posts one report per receiver once its last
+message to that receiver is written: the xxh3-64 of every range and the bytes the transport
+accepted, or the error that stopped it. A receiver waits (bounded) for the reports of all its
+senders, then for its own receives, and checks every range's checksum against its staging
+buffer. Committing the staged version is the all-ranks agreement's job, not this module's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+import xxhash
+
+from megatron_sync.p2p.movers import ByteMover, Control
+from megatron_sync.p2p.plan import Range, TransferPlan
+from megatron_sync.errors import CorruptBucketError, PeerFailureError
+
+
+def checksum(data: torch.Tensor) -> int:
+    """Return the xxh3-64 of a flat uint8 tensor's bytes (copied to host if on a device)."""
+    return xxhash.xxh3_64_intdigest(data.detach().cpu().contiguous().numpy())
+
+
+def report_key(version: int, sender: int, receiver: int) -> str:
+    """Return the control key of `sender`'s report to `receiver` for `version`."""
+    return f"p2p/v{version}/report/{sender}/{receiver}"
+
+
+@dataclass
+class TransferStats:
+    """What one rank moved in one sync: bytes per peer, ranges, seconds."""
+
+    bytes_per_peer: dict[int, int] = field(default_factory=dict)
+    ranges: int = 0
+    seconds: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        """Return the bytes moved with every peer together."""
+        return sum(self.bytes_per_peer.values())
+
+
+def pack(ranges: list[Range], replica: Mapping[str, torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
+    """Copy the ranges' bytes from the full tensors in `replica` into `buffer`, back to back; return the used part."""
+    at = 0
+    for r in ranges:
+        buffer[at:at + r.nbytes].copy_(r.source(replica[r.name]))
+        at += r.nbytes
+    return buffer[:at]
+
+
+def send_share(plan: TransferPlan, sender: int, replica: Mapping[str, torch.Tensor], mover: ByteMover,
+               control: Control, *, version: int) -> TransferStats:
+    """Send every message of `sender` in its queue order; post one report per receiver.
+
+    On a failure, every receiver still waiting for this sender gets the error as its
+    report (so it fails at once instead of timing out), then the error is raised.
+    """
+    start = time.perf_counter()
+    queue = plan.sender_queue(sender)
+    if not queue:
+        return TransferStats()
+    left = {}
+    for m in queue:
+        left[m.receiver] = left.get(m.receiver, 0) + 1
+    sums: dict[int, list[list[int]]] = {receiver: [] for receiver in left}
+    stats = TransferStats()
+    before = mover.bytes_written
+    buffer = mover.send_buffer(max(m.nbytes for m in queue))
+    done = 0
+    try:
+        for done, m in enumerate(queue):
+            ranges = [plan.ranges[i] for i in m.ranges]
+            payload = pack(ranges, replica, buffer)
+            at = 0
+            for r in ranges:
+                sums[m.receiver].append([r.index, checksum(payload[at:at + r.nbytes])])
+                at += r.nbytes
+            mover.write(m, plan.ranges, payload)
+            stats.ranges += len(ranges)
+            left[m.receiver] -= 1
+            if left[m.receiver] == 0:
+                moved = mover.bytes_written.get(m.receiver, 0) - before.get(m.receiver, 0)
+                stats.bytes_per_peer[m.receiver] = moved
+                report = {"checksums": sums.pop(m.receiver), "bytes": moved}
+                control.post(report_key(version, sender, m.receiver), json.dumps(report).encode())
+    except Exception as exc:
+        _abandon(queue[done:], plan, mover, buffer)
+        error = f"trainer rank {sender}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+        for receiver in sums:
+            control.post(report_key(version, sender, receiver), json.dumps({"error": error}).encode())
+        raise
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _abandon(messages, plan: TransferPlan, mover: ByteMover, buffer: torch.Tensor) -> None:
+    """Send filler for every message not written, so two-sided receivers finish their receives."""
+    for m in messages:
+        try:
+            mover.abandon(m, plan.ranges, buffer[:m.nbytes])
+        except Exception:  # noqa: BLE001 — the receiver is gone too; its report says why
+            return
+
+
+def receive_shards(plan: TransferPlan, receiver: int, staging: torch.Tensor, mover: ByteMover,
+                   control: Control, *, version: int, timeout_s: float) -> TransferStats:
+    """Receive this receiver's ranges into `staging`, verify each checksum; return what arrived.
+
+    Raises PeerFailureError when a sender reports an error or stays silent past `timeout_s`,
+    and CorruptBucketError naming the range when bytes differ from what was sent. Either
+    way every receive is finished or parked first, so nothing writes into `staging` later
+    unnoticed, and the caller keeps the previous version.
+    """
+    start = time.perf_counter()
+    deadline = start + timeout_s
+    messages = plan.incoming(receiver)
+    pending = mover.expect(receiver, messages, plan.ranges, staging)
+    reports, failure = _collect_reports(control, version, receiver, sorted({m.sender for m in messages}), deadline)
+    try:
+        arrived = pending.wait(max(deadline - time.perf_counter(), 0.001))
+    except PeerFailureError as e:
+        raise (failure or e) from e
+    if failure is not None:
+        raise failure
+    stats = TransferStats(bytes_per_peer=arrived or {s: r["bytes"] for s, r in reports.items()})
+    stats.ranges = _verify(plan, receiver, staging, reports)
+    expected = sum(len(m.ranges) for m in messages)
+    if stats.ranges != expected:
+        raise CorruptBucketError(f"receiver {receiver}: {stats.ranges} ranges reported, {expected} planned")
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _collect_reports(control: Control, version: int, receiver: int, senders: list[int],
+                     deadline: float) -> tuple[dict[int, dict], PeerFailureError | None]:
+    """Return every sender's report, and the first failure (an error report, or silence past the deadline)."""
+    reports: dict[int, dict] = {}
+    failure = None
+    for sender in senders:
+        try:
+            reports[sender] = json.loads(control.fetch(report_key(version, sender, receiver),
+                                                       max(deadline - time.perf_counter(), 0.001)))
+        except PeerFailureError as e:
+            failure = failure or PeerFailureError(f"receiver {receiver}: trainer rank {sender} sent no report "
+                                                  f"for version {version}: {e}")
+            continue
+        if "error" in reports[sender]:
+            failure = failure or PeerFailureError(
+                f"receiver {receiver}: a sender failed mid-transfer of version {version}: {reports[sender]['error']}")
+    return reports, failure
+
+
+def _verify(plan: TransferPlan, receiver: int, staging: torch.Tensor, reports: dict[int, dict]) -> int:
+    """Check every reported range's checksum against `staging`; return how many were checked."""
+    checked = 0
+    for sender, report in reports.items():
+        for index, want in report["checksums"]:
+            r = plan.ranges[index]
+            if r.receiver != receiver or checksum(staging[r.dst:r.dst + r.nbytes]) != want:
+                raise CorruptBucketError(
+                    f"receiver {receiver}: range {index} of {r.name} (rows {r.row}..{r.row + r.rows - 1}, "
+                    f"{r.nbytes} bytes from trainer rank {sender}) does not match its checksum; nothing is applied"
+                )
+            checked += 1
+    return checked

