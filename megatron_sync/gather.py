@@ -152,14 +152,19 @@ def _batch_key(unit: GatherUnit, etp: int) -> tuple | None:
     return None
 
 
-def _batches(units: list[GatherUnit], budget_bytes: int, etp: int = 1) -> Iterator[list[GatherUnit]]:
-    """Group consecutive units of one batch key up to `budget_bytes`; everything else alone."""
+def _batches(units: list[GatherUnit], budget_bytes: int, etp: int = 1, tp: int = 1) -> Iterator[list[GatherUnit]]:
+    """Group consecutive units of one batch key up to their bound; everything else alone.
+
+    A TP batch holds its full tensors plus this rank's flat contribution (1/tp of them) during
+    the gather, so its full bytes stay within budget * tp / (tp + 1).
+    """
     batch: list[GatherUnit] = []
     batch_bytes = 0
     key = None
     for unit in units:
         unit_key = _batch_key(unit, etp)
-        if batch and (unit_key != key or batch_bytes + unit.nbytes > budget_bytes):
+        bound = budget_bytes * tp // (tp + 1) if unit_key == ("tp",) else budget_bytes
+        if batch and (unit_key != key or batch_bytes + unit.nbytes > bound):
             yield batch
             batch, batch_bytes = [], 0
         if unit_key is None:
@@ -177,7 +182,8 @@ class ShardGatherer:
 
     Memory bound: gathered bytes alive at once never exceed the budget plus
     the largest single tensor. Small TP-sharded tensors share one collective
-    (a batch of at most `budget_bytes`) and are merged one at a time; routed
+    (a batch whose full tensors and this rank's contribution fit the budget)
+    and are merged one at a time; routed
     experts whole on their owner share one message per owner (at most
     `budget_bytes`), received into one buffer whose views are yielded; a tensor
     larger than the budget, and every ETP-split expert, is gathered straight
@@ -218,7 +224,7 @@ class ShardGatherer:
         next one (with `handoff`: until `release`); units this rank takes no part in are not yielded here.
         """
         layout = self.layout
-        for batch in _batches(units, self.budget_bytes, layout.etp):
+        for batch in _batches(units, self.budget_bytes, layout.etp, layout.tp):
             first = batch[0]
             if first.owner_ep is not None:
                 if not layout.gathers_experts:
@@ -262,8 +268,9 @@ class ShardGatherer:
     def _gather_tp_batch(self, batch: list[GatherUnit]):
         """One gather over the TP group for the whole batch, as flat bytes, merged one unit at a time."""
         layout = self.layout
-        flat = torch.empty(sum(u.local.numel() * u.dtype.itemsize for u in batch), dtype=torch.uint8,
-                           device=batch[0].local.device)
+        local_bytes = sum(u.local.numel() * u.dtype.itemsize for u in batch)
+        flat = torch.empty(local_bytes, dtype=torch.uint8, device=batch[0].local.device)
+        self.tracker.add(local_bytes)  # this rank's contribution, alive until the gather returns
         offset = 0
         for u in batch:  # one pass: copy (and cast to the gather dtype) straight into the flat buffer
             n = u.local.numel() * u.dtype.itemsize
@@ -272,9 +279,13 @@ class ShardGatherer:
         receiving = layout.tp_rank == 0
         shards = [torch.empty_like(flat) for _ in range(layout.tp)] if receiving else None
         if receiving:
-            self.tracker.add(flat.numel() * layout.tp)
+            self.tracker.add(local_bytes * layout.tp)
         try:
-            dist.gather(flat, shards, dst=group_rank0_global(layout.tp_group), group=layout.tp_group)
+            try:
+                dist.gather(flat, shards, dst=group_rank0_global(layout.tp_group), group=layout.tp_group)
+            finally:
+                del flat
+                self.tracker.release(local_bytes)
             offset = 0
             for unit in batch:
                 if not receiving:
@@ -288,7 +299,7 @@ class ShardGatherer:
         finally:
             if receiving:
                 del shards
-                self.tracker.release(flat.numel() * layout.tp)
+                self.tracker.release(local_bytes * layout.tp)
 
     def _gather_in_pieces(self, unit: GatherUnit, group, size: int, rank: int) -> torch.Tensor | None:
         """Gather one tensor to group rank 0 straight into its full tensor, piece by piece.
