@@ -37,6 +37,22 @@ def split_strided_shard(full: torch.Tensor, dim: int, stride: int, size: int, ra
     return torch.cat([blocks[k * size + rank] for k in range(stride)], dim=dim)
 
 
+def gather_to_first(tensor: torch.Tensor, group, size: int, rank: int) -> list[torch.Tensor] | None:
+    """Return every group rank's `tensor` on group rank 0 (its own first, no copy of it); None elsewhere.
+
+    Point-to-point rather than `dist.gather`: gloo's gather stages all shards
+    in one more buffer and copies them out, an extra pass over the bytes.
+    """
+    if rank != 0:
+        dist.send(tensor, dst=group_rank0_global(group), group=group)
+        return None
+    shards = [tensor] + [torch.empty_like(tensor) for _ in range(size - 1)]
+    receives = [dist.irecv(shards[r], src=dist.get_global_rank(group, r), group=group) for r in range(1, size)]
+    for receive in receives:
+        receive.wait()
+    return shards
+
+
 class GatherMemoryTracker:
     """Counts bytes of gathered tensors that are alive (gathered but not yet released); thread-safe."""
 
@@ -277,14 +293,12 @@ class ShardGatherer:
             flat[offset:offset + n].view(u.dtype).view(u.local.shape).copy_(u.local)
             offset += n
         receiving = layout.tp_rank == 0
-        shards = [torch.empty_like(flat) for _ in range(layout.tp)] if receiving else None
         if receiving:
-            self.tracker.add(local_bytes * layout.tp)
+            self.tracker.add(local_bytes * (layout.tp - 1))  # the other ranks' shards; this rank's is `flat`
         try:
-            try:
-                dist.gather(flat, shards, dst=group_rank0_global(layout.tp_group), group=layout.tp_group)
-            finally:
-                del flat
+            shards = gather_to_first(flat, layout.tp_group, layout.tp, layout.tp_rank)
+            del flat
+            if not receiving:
                 self.tracker.release(local_bytes)
             offset = 0
             for unit in batch:
@@ -298,7 +312,7 @@ class ShardGatherer:
                 yield from self._hold(unit, merge_strided_shards(parts, unit.sharding.dim, unit.sharding.stride))
         finally:
             if receiving:
-                del shards
+                shards = None
                 self.tracker.release(local_bytes * layout.tp)
 
     def _gather_in_pieces(self, unit: GatherUnit, group, size: int, rank: int) -> torch.Tensor | None:
@@ -321,15 +335,13 @@ class ShardGatherer:
             bytes_per_slab = max(1, local.numel() // local.shape[along]) * unit.dtype.itemsize * size
             slabs = max(1, (self.budget_bytes // 2) // bytes_per_slab)
             pieces = [(a, min(slabs, local.shape[along] - a)) for a in range(0, local.shape[along], slabs)]
-        dst = group_rank0_global(group)
         for start, length in pieces:
             piece = local if len(pieces) == 1 else local.narrow(along, start, length)
             piece = piece.to(unit.dtype).contiguous()
-            shards = [torch.empty_like(piece) for _ in range(size)] if receiving else None
             piece_bytes = piece.numel() * unit.dtype.itemsize * size
             if receiving:
                 self.tracker.add(2 * piece_bytes)  # the shards and their merge
-            dist.gather(piece, shards, dst=dst, group=group)
+            shards = gather_to_first(piece, group, size, rank)
             if receiving:
                 merged = merge_strided_shards(shards, sharding.dim, sharding.stride)
                 target = full if len(pieces) == 1 and local.dim() < 2 else full.narrow(along, start, length)

@@ -152,7 +152,8 @@ class MegatronWeightStream:
                         continue  # after a local failure keep gathering: the stage's other ranks are in the collectives
                     try:
                         start = time.perf_counter()
-                        converted = self.converter.convert(unit.name, full, into=into)
+                        converted = (self.converter.convert(unit.name, full) if into is None
+                                     else self.converter.convert(unit.name, full, into=into))
                         end = time.perf_counter()
                         seconds["convert"] += end - start
                         if record is not None:
