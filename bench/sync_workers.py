@@ -149,21 +149,12 @@ def trainer_main(rank: int, world_size: int, spec: ModelSpec, layout_kw: dict, c
         for mb in cfg["bucket_mb"]:
             sender = WeightSender.connect(stream, transport, bucket_size_bytes=int(mb * 2**20), timeline=True,
                                           checksum=cfg["checksum"])
-            for _ in range(WARMUP_SYNCS):  # first touch of the replica's pages
-                version += 1
-                sender.sync(version)
-            rows: dict = {kind: [] for kind in KINDS}
-            for rep in range(cfg["reps"]):
-                for kind in round_order(rep):
-                    _start_together(transport)
-                    if kind == "sync":
-                        version += 1
-                        rows[kind].append(_measured_sync(sender, stream, version))
-                    elif kind == "raw":
-                        rows[kind].append(measure(lambda: _raw_send(transport, sender) if transport else None))
-                    else:
-                        rows[kind].append(measure(lambda: _naive_send(chunks, layout, converter, transport,
-                                                                      sender.plan if transport else None)))
+            plan = sender.plan if transport else None
+            version, rows = _rounds(cfg, transport, version, sender.sync, {  # warm-up: the replica's pages
+                "sync": lambda v: _measured_sync(sender, stream, v),
+                "raw": lambda v: measure(lambda: _raw_send(transport, sender) if transport else None),
+                "naive": lambda v: measure(lambda: _naive_send(chunks, layout, converter, transport, plan)),
+            })
             info = {"gather_budget": stream.gather_budget_bytes, "largest_gathered": stream.tracker.largest_tensor}
             if transport is not None:
                 info.update(replica_bytes=sender.replica.nbytes, max_bucket=sender.plan.max_bucket_bytes,
@@ -174,6 +165,23 @@ def trainer_main(rank: int, world_size: int, spec: ModelSpec, layout_kw: dict, c
         if transport is not None:
             transport.close()
     return results
+
+
+def _rounds(cfg: dict, transport, version: int, warm_up: Callable[[int], object],
+            run: dict[str, Callable[[int], dict]]) -> tuple[int, dict[str, list[dict]]]:
+    """Run WARMUP_SYNCS syncs, then `reps` rounds of every kind (order alternating), each after a barrier;
+    return the last version and the rows per kind. Every rank of both jobs calls it in lockstep."""
+    for _ in range(WARMUP_SYNCS):
+        version += 1
+        warm_up(version)
+    rows: dict[str, list[dict]] = {kind: [] for kind in KINDS}
+    for rep in range(cfg["reps"]):
+        for kind in round_order(rep):
+            _start_together(transport)
+            if kind == "sync":
+                version += 1
+            rows[kind].append(run[kind](version))
+    return version, rows
 
 
 def _start_together(transport) -> None:
@@ -242,22 +250,13 @@ def engine_main(rank: int, world_size: int, spec: ModelSpec, layout_kw: dict, cf
         for mb in cfg["bucket_mb"]:
             receiver = WeightReceiver(engine, transport, bucket_size_bytes=int(mb * 2**20), timeline=True,
                                       checksum=cfg["checksum"])
-            for _ in range(WARMUP_SYNCS):  # allocates both staging sets (and takes the one snapshot)
-                version += 1
-                receiver.receive(version)
             scratch = [transport.alloc(receiver.plan.max_bucket_bytes) for _ in range(2)]
-            rows: dict = {kind: [] for kind in KINDS}
-            for rep in range(cfg["reps"]):
-                for kind in round_order(rep):
-                    _start_together(transport)
-                    if kind == "sync":
-                        version += 1
-                        rows[kind].append(measure(lambda: _sync_row(receiver.receive(version))))
-                    elif kind == "raw":
-                        rows[kind].append(measure(lambda: _raw_receive(transport, receiver.plan, scratch)))
-                    else:
-                        rows[kind].append(measure(lambda: _naive_receive(transport, receiver.plan, naive_engine,
-                                                                         version)))
+            # warm-up: allocates both staging sets (and takes the receiver's one snapshot)
+            version, rows = _rounds(cfg, transport, version, receiver.receive, {
+                "sync": lambda v: measure(lambda: _sync_row(receiver.receive(v))),
+                "raw": lambda v: measure(lambda: _raw_receive(transport, receiver.plan, scratch)),
+                "naive": lambda v: measure(lambda: _naive_receive(transport, receiver.plan, naive_engine, v)),
+            })
             results[mb] = {"rows": rows, "info": {"buffer_bytes": receiver.buffer_bytes,
                                                   "receive_buffers": 2 * receiver.plan.max_bucket_bytes,
                                                   "staging_bytes": receiver.staging.nbytes,

@@ -90,7 +90,7 @@ class WeightSender(Sender):
         self._pulled = 0.0  # time this thread spent waiting for the stream (gather + convert, or a fake's work)
         with PhaseTimer(metrics, "total"):
             if self.replica is None:
-                for _ in _timed(self.stream.walk(record=metrics.event), self):
+                for _ in self._pull(self.stream.walk(record=metrics.event)):
                     pass
             else:
                 self._sync_source(version, metrics)
@@ -102,6 +102,24 @@ class WeightSender(Sender):
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
         return metrics
+
+    def _pull(self, items):
+        """Yield from the stream's `items`, adding the time spent waiting for each to `self._pulled`."""
+        iterator = iter(items)
+        try:
+            while True:
+                start = time.perf_counter()
+                try:
+                    item = next(iterator)
+                except StopIteration:
+                    return
+                finally:
+                    self._pulled += time.perf_counter() - start
+                yield item
+        finally:
+            close = getattr(iterator, "close", None)  # a generator: closing it finishes the stream's gathers
+            if close is not None:
+                close()
 
     def _sync_source(self, version: int, metrics: SyncMetrics) -> None:
         stage = self.stream.stage
@@ -132,7 +150,7 @@ class WeightSender(Sender):
         self._sent = 0  # own buckets issued so far (read by _send_aborted)
         self._seal_error: Optional[str] = None
         in_flight: collections.deque[_InFlight] = collections.deque()
-        items = _timed(self.stream.walk(into=self.replica.slot, record=metrics.event), self)
+        items = self._pull(self.stream.walk(into=self.replica.slot, record=metrics.event))
 
         def issue_ready() -> None:
             # Own broadcasts follow the earlier stages' on the group, so they start once those are done.
@@ -218,25 +236,6 @@ class WeightSender(Sender):
         for status in (error, None):
             self.transport.agree(status, what=f"sync of version {version}",
                                  failure=lambda failures: SyncAbortedError(version, failures))
-
-
-def _timed(items, sender: WeightSender):
-    """Yield from `items`, adding the time spent waiting for each item to `sender._pulled`."""
-    iterator = iter(items)
-    try:
-        while True:
-            start = time.perf_counter()
-            try:
-                item = next(iterator)
-            except StopIteration:
-                return
-            finally:
-                sender._pulled += time.perf_counter() - start
-            yield item
-    finally:
-        close = getattr(iterator, "close", None)
-        if close is not None:
-            close()
 
 
 def _drain(items) -> None:
