@@ -49,7 +49,7 @@ def _worker(rank, world, port, planned, senders, backends, repeats):
     version = 0
     for backend in backends:
         mover = (MooncakeMover(group.board, protocol="tcp") if backend == "mooncake"
-                 else TorchP2PMover(group._pg, peers, timeout_s=300))
+                 else TorchP2PMover(group, peers))
         if staging is not None:
             mover.expose(rank - senders, staging)
         for _ in range(repeats):

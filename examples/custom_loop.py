@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import sys
 
 import torch
@@ -44,15 +45,19 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     add_weight_sync_args(parser, defaults=False)  # weight sync: --weight-sync-* flags override the YAML
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="[trainer] %(message)s")
+    logging.getLogger("megatron_sync").setLevel(logging.INFO)  # weight sync: session, admissions, refusals
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     from tests.support.train import train_step
 
-    config = WeightSyncConfig.from_yaml(args.config).replace(**explicit_flags(args))  # weight sync
+    # weight sync: this example syncs the initial weights unless the YAML says sync_on_start: false
+    config = WeightSyncConfig.from_yaml(args.config, defaults={"sync_on_start": True}).replace(**explicit_flags(args))
     model, optimizer, vocab_size = build_model(config.require_family(), args.seed)
     layout = ParallelLayout.from_megatron()
-    # weight sync: collective on every trainer rank; connects to the engines and checks the model.
+    # weight sync: collective on every trainer rank; connects to the engines, checks the model, and (with
+    # sync_on_start) sends the initial weights as version 1. Leaving the block (also on SIGTERM / SIGINT)
+    # tells the engines to stop.
     with WeightSyncCallback.from_config(config, model, layout=layout) as callback:
-        callback.sync_now()  # weight sync: the engines start from the trainer's initial weights
         for step in range(args.steps):
             tokens = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
             loss = train_step(model, optimizer, tokens, layout)

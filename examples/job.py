@@ -4,8 +4,10 @@ Sections: `model` (family and sizes of the tiny CPU model), `trainer`
 (Megatron's parallel layout), `train` (steps and data), `verify` (what the
 demo checks after each sync) and `weight_sync` (the library's own settings,
 `WeightSyncConfig`). Command-line `--weight-sync-*` flags override the YAML.
-This is harness, not library: a production job reads `weight_sync:` with
-`WeightSyncConfig.from_yaml` and builds its own model.
+The whole file is validated when it is loaded (unknown keys, wrong types, and
+sections that do not fit each other), so the demo refuses a bad file before
+it launches anything. This is harness, not library: a production job reads
+`weight_sync:` with `WeightSyncConfig.from_yaml` and builds its own model.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, Callable
 import yaml
 
 from megatron_sync.config import WeightSyncConfig, add_weight_sync_args, explicit_flags, field_names
+from megatron_sync.lifecycle import Terminated
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,39 +88,124 @@ class JobConfig:
 
     @classmethod
     def load(cls, path: str, overrides: dict[str, Any] | None = None) -> "JobConfig":
-        """Read a job YAML; `overrides` replace `weight_sync` keys (from --weight-sync-* flags)."""
+        """Read and validate a whole job YAML; `overrides` replace `weight_sync` keys (--weight-sync-* flags).
+
+        Every section is checked here, before any job is launched: unknown keys
+        and values of the wrong type name the key, and the sections are checked
+        against each other (`check_layouts`). `weight_sync.family` may be left
+        out: it is the `model:` section's family (stated once, in one file), and
+        a different one is an error. `weight_sync.sync_on_start` defaults to true
+        here (the demo's engines start from zeros and take version 1 from the
+        trainer's initial weights).
+        """
         with open(path) as f:
             doc = yaml.safe_load(f) or {}
-        known = {"model", "trainer", "train", "verify", "weight_sync"}
-        unknown = sorted(set(doc) - known)
+        if not isinstance(doc, dict):
+            raise ValueError(f"{path}: a job YAML is a mapping of sections {sorted(SECTIONS)}")
+        unknown = sorted(set(doc) - set(SECTIONS))
         if unknown:
-            raise ValueError(f"{path}: unknown sections {unknown}; valid sections are {sorted(known)}")
-        if "model" not in doc or "family" not in (doc["model"] or {}):
-            raise ValueError(f"{path}: the 'model:' section must name a 'family'")
-        sync_values = dict(doc.get("weight_sync") or {})
-        sync_values.setdefault("family", doc["model"]["family"])
-        sync_values.update(overrides or {})
-        if sync_values["family"] != doc["model"]["family"]:
+            raise ValueError(f"{path}: unknown sections {unknown}; valid sections are {sorted(SECTIONS)}")
+        model = _mapping(doc, "model", path)
+        if "family" not in model:
+            raise ValueError(f"{path}: the 'model:' section must name a 'family' (e.g. family: qwen3)")
+        sync_values = {**_mapping(doc, "weight_sync", path), **(overrides or {})}
+        sync_values.setdefault("family", model["family"])
+        sync_values.setdefault("sync_on_start", True)  # the demo's engines start from zeros
+        if sync_values["family"] != model["family"]:
             raise ValueError(
-                f"{path}: weight_sync.family={sync_values['family']!r} but the model is "
-                f"{doc['model']['family']!r}; drop weight_sync.family or make them agree"
+                f"{path}: weight_sync.family={sync_values['family']!r} but model.family is "
+                f"{model['family']!r}; drop weight_sync.family or make them agree"
             )
-        return cls(
-            model=dict(doc["model"]),
+        try:
+            weight_sync = WeightSyncConfig.from_dict(sync_values)
+        except ValueError as e:
+            raise ValueError(f"{path}: weight_sync: {e}") from None
+        _typed(_model_spec_type(), model, "model", path)
+        job = cls(
+            model=dict(model),
             trainer=_section(TrainerLayout, doc, "trainer", path),
             train=_section(TrainSettings, doc, "train", path),
             verify=_section(VerifySettings, doc, "verify", path),
-            weight_sync=WeightSyncConfig.from_dict(sync_values),
+            weight_sync=weight_sync,
         )
+        try:
+            job.check_layouts()
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+        return job
+
+    def check_layouts(self) -> None:
+        """Raise ValueError naming the keys when the model, the trainer layout and the engines do not fit."""
+        try:
+            spec = self.model_spec()
+        except (TypeError, ValueError, KeyError) as e:
+            raise ValueError(f"model: {e}") from None
+        t, ws = self.trainer, self.weight_sync
+        layers_per_stage = t.pp * (t.vpp or 1)
+        checks = [
+            (spec.num_heads % t.tp == 0, f"trainer.tp={t.tp} must divide model.num_heads={spec.num_heads}"),
+            (spec.num_kv_heads % t.tp == 0 or t.tp % spec.num_kv_heads == 0,
+             f"trainer.tp={t.tp} and model.num_kv_heads={spec.num_kv_heads}: one must divide the other"),
+            (spec.num_layers % layers_per_stage == 0,
+             f"model.num_layers={spec.num_layers} must divide into trainer.pp*vpp={layers_per_stage} stages"),
+            (not spec.is_moe or spec.num_experts % t.ep == 0,
+             f"trainer.ep={t.ep} must divide model.num_experts={spec.num_experts}"),
+            (spec.is_moe or t.ep == 1, f"trainer.ep={t.ep} needs a mixture-of-experts model.family, not "
+                                       f"{spec.family!r}"),
+            (spec.num_heads % ws.engine_tp_size == 0,
+             f"weight_sync.engine_tp_size={ws.engine_tp_size} must divide model.num_heads={spec.num_heads}"),
+        ]
+        problems = [message for ok, message in checks if not ok]
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+SECTIONS = ("model", "trainer", "train", "verify", "weight_sync")
+
+
+def _model_spec_type():
+    from tests.support.models import ModelSpec
+
+    return ModelSpec
+
+
+def _mapping(doc: dict, name: str, path: str) -> dict:
+    values = doc.get(name) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: '{name}:' must be a mapping of keys, got {type(values).__name__}")
+    return values
 
 
 def _section(kind, doc: dict, name: str, path: str):
-    values = doc.get(name) or {}
-    valid = {f.name for f in dataclasses.fields(kind)}
-    unknown = sorted(set(values) - valid)
+    values = _mapping(doc, name, path)
+    _typed(kind, values, name, path)
+    try:
+        return kind(**values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {name}: {e}") from None
+
+
+def _typed(kind, values: dict, name: str, path: str) -> None:
+    """Check `values` against `kind`'s fields: unknown keys and wrongly typed values name the key."""
+    fields = {f.name: f for f in dataclasses.fields(kind)}
+    unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ValueError(f"{path}: unknown keys {unknown} in '{name}:'; valid keys are {sorted(valid)}")
-    return kind(**values)
+        raise ValueError(f"{path}: unknown keys {unknown} in '{name}:'; valid keys are {sorted(fields)}")
+    for key, value in values.items():
+        allowed = _ANNOTATION_TYPES.get(str(fields[key].type).replace(" ", ""))
+        if allowed is not None and not _is_instance(value, allowed):
+            raise ValueError(f"{path}: {name}.{key}={value!r} must be {fields[key].type}")
+
+
+_ANNOTATION_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
+                     "int|None": (int, type(None)), "float|None": (int, float, type(None)),
+                     "str|None": (str, type(None))}
+
+
+def _is_instance(value: Any, allowed: tuple) -> bool:
+    if isinstance(value, bool) and bool not in allowed:
+        return False  # yaml's true/false is not a number
+    return isinstance(value, allowed)
 
 
 def job_arg_parser(description: str) -> argparse.ArgumentParser:
@@ -173,6 +261,9 @@ def run_under_torchrun(role: str, args: argparse.Namespace, run: Callable[[JobCo
     dist.init_process_group("gloo", timeout=timeout)
     try:
         return run(job)
+    except Terminated as e:  # the library already told the other job; no traceback for a requested stop
+        print(f"[{role} rank {dist.get_rank()}] stopped by {e}", flush=True)
+        return e.exit_code
     finally:
         dist.destroy_process_group()
 

@@ -6,7 +6,8 @@ The engines are built from the job YAML's tiny model; on the trainer's "verify"
 message they post their logits, on "rollout" they generate while the next sync
 arrives and post the responses with the versions each token came from. Both go
 to the demo's own store (`--harness-port`), not through the library.
-`--test-exit-during-version` makes one rank die mid-sync (fault injection for tests).
+`--test-exit-during-version` makes one rank die mid-sync, `--test-hang-during-version`
+makes it hang there (fault injection for tests).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import argparse
 import io
 import json
 import os
+import signal
 import sys
+import time
 from concurrent.futures import Future
 
 import torch
@@ -41,6 +44,20 @@ class _DiesMidSync:
             if self._seen > 3:  # a few tensors into the sync
                 print(f"[inference] fault injection: exiting while receiving version {self._version}", flush=True)
                 os._exit(17)
+        return self._engine.shard_of(name, full)
+
+
+class _HangsMidSync(_DiesMidSync):
+    """Fault injection for tests: the wrapped engine's rank hangs while staging `version`, deaf to
+    SIGTERM (signals blocked in its main thread, as in a rank stuck in native code)."""
+
+    def shard_of(self, name, full):
+        if self._engine.version == self._version - 1:
+            self._seen += 1
+            if self._seen > 3:
+                print(f"[inference] fault injection: hanging while receiving version {self._version}", flush=True)
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+                time.sleep(3600)
         return self._engine.shard_of(name, full)
 
 
@@ -102,13 +119,12 @@ def run(job: JobConfig, args: argparse.Namespace) -> int:
     me = join(ws, hf_config(job.model_spec()))
     if args.test_exit_during_version and me.rank == args.test_exit_rank:
         me.engine = _DiesMidSync(me.engine, args.test_exit_during_version)
+    if args.test_hang_during_version and me.rank == args.test_exit_rank:
+        me.engine = _HangsMidSync(me.engine, args.test_hang_during_version)
     checks = DemoChecks(job, me, harness_store(args.harness_port, timeout_s=ws.timeout_s))
-    try:
-        return serve(me, ws, num_trainer_stages=job.trainer.pp,
-                     handlers={"verify": checks.verify, "rollout": checks.rollout})
-    except BaseException:
-        checks.dump_survivor()
-        raise
+    # on_stop: every way out (stop, a failure, SIGTERM even while blocked) dumps what the rank holds
+    return serve(me, ws, num_trainer_stages=job.trainer.pp, handlers={"verify": checks.verify, "rollout": checks.rollout},
+                 on_stop=checks.dump_survivor)
 
 
 def main(argv=None) -> int:
@@ -116,7 +132,9 @@ def main(argv=None) -> int:
     faults = parser.add_argument_group("fault injection (tests)")
     faults.add_argument("--test-exit-during-version", type=int, default=0,
                         help="make one inference rank exit while it receives this version")
-    faults.add_argument("--test-exit-rank", type=int, default=1, help="the inference rank that exits")
+    faults.add_argument("--test-hang-during-version", type=int, default=0,
+                        help="make one inference rank hang (deaf to SIGTERM) while it receives this version")
+    faults.add_argument("--test-exit-rank", type=int, default=1, help="the inference rank that exits or hangs")
     args = parser.parse_args(argv)
     return run_under_torchrun("inference", args, lambda job: run(job, args))
 

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -120,7 +121,17 @@ class Verifier:
         torch.save(sent, os.path.join(folder, f"sent_stage{self.sync.stream.stage}.pt"))
 
 
-def run(job: JobConfig, harness_port: int) -> int:
+def pause_after(pause_version: int, version: int) -> None:
+    """Fault injection for tests: idle (between syncs, on every rank) once `version` is synced."""
+    if pause_version and version == pause_version:
+        print(f"[trainer] fault injection: idling after version {version}", flush=True)
+        time.sleep(PAUSE_S)
+
+
+PAUSE_S = 600.0
+
+
+def run(job: JobConfig, harness_port: int, pause_version: int = 0) -> int:
     """Train for `job.train.steps` optimizer updates, syncing per the config; return an exit code."""
     from tests.support.train import make_optimizer, train_step, wrap_in_ddp
 
@@ -128,14 +139,17 @@ def run(job: JobConfig, harness_port: int) -> int:
         raise ValueError("this job checks every sync against the engines; set weight_sync.enabled: true")
     chunks, layout, hf_config = build_trainer(job)
     model = wrap_in_ddp(chunks)  # what a Megatron job hands the library: DDP-wrapped chunks
-    callback = WeightSyncCallback.from_config(job.weight_sync, model, hf_config=hf_config, layout=layout)
-    sync = callback.syncer
-    verifier = Verifier(job, sync, chunks, harness_store(harness_port, timeout_s=job.weight_sync.timeout_s))
     optimizer = make_optimizer(model, job.train.lr)
-    try:
-        verifier.after_sync(1, sync.sync())  # version 1: the engines start from the trainer's weights
+    # Collective; with sync_on_start (the demo's default) the engines get the initial weights as version 1.
+    # Leaving the block, also on SIGTERM / SIGINT, tells the engines to stop.
+    with WeightSyncCallback.from_config(job.weight_sync, model, hf_config=hf_config, layout=layout) as callback:
+        sync = callback.syncer
+        verifier = Verifier(job, sync, chunks, harness_store(harness_port, timeout_s=job.weight_sync.timeout_s))
+        if callback.initial_metrics is not None:
+            verifier.after_sync(sync.version, callback.initial_metrics)
+            pause_after(pause_version, sync.version)
         for step in range(job.train.steps):
-            if job.weight_sync.every_n_steps == 1:
+            if job.weight_sync.every_n_steps == 1 and sync.version:
                 verifier.start_rollout(sync.version)  # generation in flight when the next sync arrives
             loss = train_step(model, optimizer, batch(job, step, verifier.vocab_size), layout)
             if sync.is_leader:
@@ -144,8 +158,7 @@ def run(job: JobConfig, harness_port: int) -> int:
             if metrics is not None:
                 verifier.after_sync(sync.version, metrics)
                 verifier.check_rollout(sync.version - 1)
-    finally:
-        callback.close()
+                pause_after(pause_version, sync.version)
     failures = [verifier.failures]
     dist.broadcast_object_list(failures, src=0)
     if dist.get_rank() == 0:
@@ -156,8 +169,11 @@ def run(job: JobConfig, harness_port: int) -> int:
 
 
 def main(argv=None) -> int:
-    args = job_arg_parser("megatron-sync demo trainer job (run under torchrun)").parse_args(argv)
-    return run_under_torchrun("trainer", args, lambda job: run(job, args.harness_port))
+    parser = job_arg_parser("megatron-sync demo trainer job (run under torchrun)")
+    parser.add_argument("--test-pause-after-version", type=int, default=0,
+                        help="fault injection (tests): idle for a long while after syncing this version")
+    args = parser.parse_args(argv)
+    return run_under_torchrun("trainer", args, lambda job: run(job, args.harness_port, args.test_pause_after_version))
 
 
 if __name__ == "__main__":

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from contextlib import ExitStack
+from typing import Any, Optional, Protocol
 
 import torch
+
+from megatron_sync.lifecycle import stop_on_signals
 
 
 class Syncer(Protocol):
     def sync(self) -> Any:
         """Stream the current weights as the next version; return that sync's metrics."""
 
-    def close(self) -> None:
-        """Tell the engines to stop and release the transport."""
+    def close(self, reason: Optional[str] = None) -> None:
+        """Tell the engines to stop (saying `reason` when the trainer did not simply finish) and release
+        the transport."""
 
 
 def ensure_params_gathered(chunks: list[torch.nn.Module]) -> None:
@@ -40,6 +44,12 @@ class WeightSyncCallback:
     once per rollout sets N=4. Call `after_optimizer_step` on every trainer
     rank, right after the optimizer step (Megatron: after `train_step`
     returns with `update_successful`); it is collective when it syncs.
+
+    Use it as a context manager (or call `close()` after the loop): leaving
+    the block tells the engines to stop, and they exit 0 on the version they
+    hold. Inside the block SIGTERM and SIGINT raise `lifecycle.Terminated` in
+    the main thread (unless the application installed its own handlers), so a
+    trainer stopped by its launcher still tells the engines why it stopped.
     """
 
     def __init__(self, syncer: Syncer | None, chunks: list[torch.nn.Module], *, every_n_steps: int = 1):
@@ -49,19 +59,29 @@ class WeightSyncCallback:
         self.chunks = chunks
         self.every_n_steps = every_n_steps
         self.updates = 0
+        self.initial_metrics: Any = None  # the start-up sync's metrics (weight_sync.sync_on_start)
+        self._signals = ExitStack()
 
     @classmethod
     def from_config(cls, config: Any, chunks: list[torch.nn.Module], **sync_kwargs) -> "WeightSyncCallback":
         """Return the callback a training config asks for (collective when sync is enabled).
 
         With `enabled: false` nothing is connected and the callback only counts updates.
-        `sync_kwargs` go to `TrainerWeightSync` (converter or hf_config, layout, trainer_group,
-        engine_clients).
+        With `sync_on_start: true` the current weights are synced once before this returns
+        (version 1; its metrics in `initial_metrics`). `sync_kwargs` go to `TrainerWeightSync`
+        (converter or hf_config, layout, trainer_group, engine_clients).
         """
         from megatron_sync.sync import TrainerWeightSync
 
         syncer = TrainerWeightSync(config, chunks, **sync_kwargs) if config.enabled else None
-        return cls(syncer, chunks, every_n_steps=config.every_n_steps)
+        callback = cls(syncer, chunks, every_n_steps=config.every_n_steps)
+        if config.enabled and config.sync_on_start:
+            try:
+                callback.initial_metrics = callback.sync_now()
+            except BaseException as e:
+                callback.close(reason=f"the trainer's start-up sync failed: {type(e).__name__}")
+                raise
+        return callback
 
     def after_optimizer_step(self, update_successful: bool = True) -> Any:
         """Count one optimizer update and sync when it is the N-th; return metrics or None.
@@ -84,14 +104,21 @@ class WeightSyncCallback:
         ensure_params_gathered(self.chunks)
         return self.syncer.sync()
 
-    def close(self) -> None:
-        """Stop the engines' sync loop and release the transport (call once training ends)."""
-        if self.syncer is not None:
-            self.syncer.close()
-            self.syncer = None
+    def close(self, reason: Optional[str] = None) -> None:
+        """Tell the engines to stop and release the transport (call once training ends); safe to call twice.
+
+        The engines exit 0 on the version they hold and print `reason` when given.
+        """
+        try:
+            if self.syncer is not None:
+                syncer, self.syncer = self.syncer, None
+                syncer.close(reason)
+        finally:
+            self._signals.close()
 
     def __enter__(self) -> "WeightSyncCallback":
+        self._signals.enter_context(stop_on_signals())
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close(None if exc is None else f"the trainer stopped on {type(exc).__name__}: {exc}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -19,7 +20,10 @@ from megatron_sync.meta import dtype_from_name
 from megatron_sync.transport import transport_names
 
 BACKENDS = ("gloo", "nccl", "auto")
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 INFLIGHT_POLICIES = ("abort", "wait", "recompute", "keep")
+P2P_BACKENDS = ("torch", "mooncake")  # megatron_sync.transport.p2p.MOVERS
+P2P_PROTOCOLS = ("tcp", "rdma")
 CHECKSUM_CHOICES = ("auto", *CHECKSUMS)
 DEFAULT_GATHER_BUDGET_MB = 1024.0
 
@@ -37,8 +41,9 @@ class WeightSyncConfig:
     per rollout batch, a rollout iteration advances this counter several times."""
 
     transport: str = "broadcast"
-    """How bytes move: a name registered in `megatron_sync.transport` ("broadcast", or "disk_delta":
-    through shared storage, with the delta_* settings below)."""
+    """How bytes move: a name registered in `megatron_sync.transport` ("broadcast"; "p2p": every trainer
+    rank sends its own share, with the p2p_* settings below; or "disk_delta": through shared storage,
+    with the delta_* settings below)."""
 
     backend: str = "auto"
     """Collective backend of the transport group: "gloo", "nccl", or "auto"
@@ -91,6 +96,15 @@ class WeightSyncConfig:
     num_inference_ranks must equal their worker count. Empty: the engines are megatron-sync
     inference jobs (launch/serve.sh) that follow the trainer's control messages."""
 
+    run_id: Optional[str] = None
+    """Identity of the sync session (letters, digits, '.', '_', '-'). The trainer hosts the session under
+    this id, or under a generated one it prints when null; an inference job with a run_id joins only the
+    session of that id, with null it joins whichever session the trainer at master_address:master_port runs."""
+
+    sync_on_start: bool = False
+    """Sync the trainer's weights once as `WeightSyncCallback.from_config` returns (version 1), before the
+    first optimizer update: for engines that start without the trainer's current weights."""
+
     # ---- transport "disk_delta" (weights through shared storage; see the README's "Disk-delta transport") ----
 
     delta_dir: Optional[str] = None
@@ -121,6 +135,26 @@ class WeightSyncConfig:
 
     delta_encode_threads: int = 2
     """Threads encoding one version (zstd and numpy release the GIL)."""
+
+    # ---- transport "p2p" (every trainer rank sends its share; see the README's "P2P transport") ----
+
+    p2p_backend: str = "torch"
+    """transport "p2p" only: what moves the bytes. "torch": point-to-point on the transport group
+    (gloo on CPU, NCCL on GPU, as `backend` says); "mooncake": Mooncake Transfer Engine writes into
+    each inference rank's registered staging memory (install mooncake-transfer-engine, or the
+    -non-cuda build for TCP on CPU hosts, and the system library libibverbs1)."""
+
+    p2p_protocol: str = "tcp"
+    """p2p_backend "mooncake" only: "tcp", or "rdma" (refused when no RDMA device is visible,
+    instead of Mooncake's silent fallback to TCP)."""
+
+    p2p_device_name: str = ""
+    """p2p_backend "mooncake" with "rdma": the RDMA devices to use, comma-separated (e.g. "mlx5_0,mlx5_1");
+    empty: Mooncake picks."""
+
+    p2p_local_hostname: Optional[str] = None
+    """p2p_backend "mooncake": the address this process's transfer engine advertises to its peers;
+    None: this host's name (socket.gethostname()). Use "127.0.0.1" when every rank runs on one host."""
 
     checksum: str = "auto"
     """Integrity check of every bucket: "xxh3" (host bytes, memory speed), "crc32" (host bytes,
@@ -161,6 +195,10 @@ class WeightSyncConfig:
             raise ValueError("metrics_path must be a file path string or null")
         _check_choice("inflight_policy", self.inflight_policy, INFLIGHT_POLICIES)
         _check_choice("checksum", self.checksum, CHECKSUM_CHOICES)
+        if self.run_id is not None and (not isinstance(self.run_id, str) or not _RUN_ID.fullmatch(self.run_id)):
+            raise ValueError(f"run_id={self.run_id!r} is not valid: use 1-64 letters, digits, '.', '_' or '-' "
+                             "(or null to let the trainer name the session)")
+        _check_bool("sync_on_start", self.sync_on_start)
         if isinstance(self.engines, str) or not isinstance(self.engines, (list, tuple)):
             raise ValueError(f"engines must be a list of KIND=URL entries, got {self.engines!r}")
         object.__setattr__(self, "engines", tuple(self.engines))  # YAML and flags give lists
@@ -175,6 +213,17 @@ class WeightSyncConfig:
                         "the shared directory both jobs mount, e.g. /shared/run42/weights" if name == "delta_dir"
                         else "a directory on each inference host's local disk, e.g. /local/megatron_sync"))
             self.delta_writer_options()
+        if self.transport == "p2p" and self.engines:
+            raise ValueError("transport 'p2p' writes into the staging memory of megatron-sync inference ranks "
+                             "(launch/serve.sh); engines driven over HTTP (weight_sync.engines) need transport "
+                             "'broadcast' (vLLM) or 'sglang'")
+        _check_choice("p2p_backend", self.p2p_backend, P2P_BACKENDS)
+        _check_choice("p2p_protocol", self.p2p_protocol, P2P_PROTOCOLS)
+        if not isinstance(self.p2p_device_name, str):
+            raise ValueError("p2p_device_name must be a string of RDMA device names, e.g. 'mlx5_0,mlx5_1' (or '')")
+        if self.p2p_local_hostname is not None and (not isinstance(self.p2p_local_hostname, str)
+                                                    or not self.p2p_local_hostname):
+            raise ValueError("p2p_local_hostname must be a host name or IP this rank is reachable at, or null")
 
     def replace(self, **changes: Any) -> "WeightSyncConfig":
         """Return a copy with `changes` applied (validated like a new config)."""
@@ -227,8 +276,14 @@ class WeightSyncConfig:
         return cls(**values)
 
     @classmethod
-    def from_yaml(cls, path: str) -> "WeightSyncConfig":
-        """Return the config in the `weight_sync:` section of the training YAML at `path`."""
+    def from_yaml(cls, path: str, defaults: Optional[dict[str, Any]] = None) -> "WeightSyncConfig":
+        """Return the config in the `weight_sync:` section of the training YAML at `path`.
+
+        `defaults` (an application's own, stated in its code) apply where the
+        section does not set a key. Nothing else is filled in: a section without
+        `family` leaves it None, and the trainer refuses to start saying where
+        to set it.
+        """
         import yaml
 
         with open(path) as f:
@@ -238,7 +293,7 @@ class WeightSyncConfig:
         section = document["weight_sync"] or {}
         if not isinstance(section, dict):
             raise ValueError(f"{path}: 'weight_sync' must be a mapping of settings")
-        return cls.from_dict(section)
+        return cls.from_dict({**(defaults or {}), **section})
 
     @classmethod
     def from_args(cls, namespace: argparse.Namespace) -> "WeightSyncConfig":

@@ -13,12 +13,30 @@ class PeerFailureError(SyncError):
     """A collective or the rendezvous failed or timed out: a peer died, hangs, or never came."""
 
 
+class TrainerGoneError(PeerFailureError):
+    """An idle engine lost its trainer: the rendezvous stopped answering with no sync running (the trainer
+    exited without "stop"); the engine holds its last committed version."""
+
+
+class RendezvousError(SyncError):
+    """The two jobs could not meet: the rendezvous refused a rank (naming the disagreement), could not be
+    reached or hosted (naming why), or a rank of the session failed while starting (quoting its error)."""
+
+
 class PlanMismatchError(SyncError):
     """Ranks computed different sync plans, or the plan does not cover what an engine expects."""
 
 
 class CorruptBucketError(SyncError):
     """A received bucket's checksum or header did not match; nothing of it is applied."""
+
+
+class SenderFailedError(SyncError):
+    """A sender reported that it failed mid-sync (its error is in the message); nothing of it is applied.
+
+    Unlike a PeerFailureError the sender is alive and the transport still works: the
+    ranks agree on the failure and the next sync can go ahead.
+    """
 
 
 class AgreedFailure(SyncError):

@@ -35,7 +35,7 @@ from megatron_sync.errors import PlanMismatchError
 from megatron_sync.meta import TensorMeta, dtype_name
 
 if TYPE_CHECKING:
-    from megatron_sync.transport.base import BucketTransport
+    from megatron_sync.transport.base import BucketTransport, Transport
 
 KeepTogether = Sequence[Sequence[str]]
 """Groups of name patterns in the converters' grammar (`{layer}`, `{expert}`, whole-name match); names
@@ -230,7 +230,16 @@ def handshake_plan(transport: "BucketTransport", stage_metas: Optional[list[Tens
     """
     plan = build_plan(transport.exchange_metadata(stage_metas), bucket_size_bytes, keep_together)
     problem = coverage_problem(plan.tensors(), expected) if expected is not None else None
-    reports = transport.all_gather_json([transport.rank, plan.digest(), problem, checksum])
+    agree_on_plan(transport, plan.digest(), problem, checksum=checksum)
+    return plan
+
+
+def agree_on_plan(transport: "Transport", digest: str, problem: Optional[str], *,
+                  checksum: Optional[str] = None) -> None:
+    """All-gather every rank's plan digest, coverage problem and checksum choice; raise
+    PlanMismatchError on every rank if the digests or checksums differ or any rank found a
+    problem (None: its engine is covered exactly)."""
+    reports = transport.all_gather_json([transport.rank, digest, problem, checksum])
     by_digest: dict[str, list[int]] = {}
     by_checksum: dict[str, list[int]] = {}
     for rank, digest, _, algorithm in reports:
@@ -254,7 +263,6 @@ def handshake_plan(transport: "BucketTransport", stage_metas: Optional[list[Tens
             f"[transport rank {transport.rank}] the plan does not match the engines' expected tensors:\n"
             + "\n".join(f"  transport rank {r}: {p}" for r, p in problems)
         )
-    return plan
 
 
 def coverage_problem(planned: list[TensorMeta], expected: list[TensorMeta]) -> Optional[str]:

@@ -25,13 +25,13 @@ from typing import Optional
 
 import torch
 
-from megatron_sync.agreement import describe
 from megatron_sync.bucket import checksum, resolve_checksum, unpack
 from megatron_sync.engines.base import EngineAdapter
-from megatron_sync.errors import CorruptBucketError, PeerFailureError, SyncAbortedError
+from megatron_sync.errors import CorruptBucketError, PeerFailureError
 from megatron_sync.metrics import PhaseTimer, SyncMetrics, Timeline
 from megatron_sync.plan import BucketPlan, KeepTogether, handshake_plan
 from megatron_sync.transport.base import ABORTED_NBYTES, BucketHeader, BucketTransport, Commit, Receiver
+from megatron_sync.transport.commit import AgreedCommit
 
 
 class StagingSets:
@@ -100,8 +100,8 @@ class WeightReceiver(Receiver):
                  metrics_path: Optional[str] = None, commit: Optional[Commit] = None,
                  rollback: bool = True, checksum: str = "auto", timeline: bool = False) -> None:
         self.engine, self.transport = engine, transport
-        self.rollback = rollback
-        self.commit = commit if commit is not None else engine.load_shards
+        self.staging = StagingSets()
+        self._agreed = AgreedCommit(transport, engine, commit, rollback=rollback, live_shards=self.staging.live_shards)
         self.metrics_path = metrics_path
         self.record_timeline = timeline
         self.history: list[SyncMetrics] = []
@@ -110,43 +110,38 @@ class WeightReceiver(Receiver):
                                    expected=engine.expected_tensors(), checksum=self.checksum)
         # Two receive buffers: bucket k+1 arrives while bucket k is verified and staged.
         self._buffers = [transport.alloc(self.plan.max_bucket_bytes) for _ in range(2)]
-        self.staging = StagingSets()
-        self.snapshots_taken = 0  # engine.snapshot() copies made (the first sync only, normally)
+
+    @property
+    def snapshots_taken(self) -> int:
+        """How many `engine.snapshot()` copies were made (the first sync only, normally)."""
+        return self._agreed.snapshots_taken
 
     @property
     def buffer_bytes(self) -> int:
         """Bytes this receiver holds between syncs: receive buffers plus both staging sets."""
         return sum(b.numel() for b in self._buffers) + self.staging.nbytes
 
+    @property
+    def commit(self) -> Commit:
+        """What makes an agreed version live: `commit(staged shards, version)`."""
+        return self._agreed.commit
+
+    @commit.setter
+    def commit(self, commit: Commit) -> None:
+        self._agreed.commit = commit
+
     def receive(self, version: int) -> SyncMetrics:
         """Receive, verify and (if every rank agrees) load `version`; return its metrics."""
         metrics = SyncMetrics(version, role="receiver", rank=self.transport.rank,
                               timeline=Timeline() if self.record_timeline else None)
         with PhaseTimer(metrics, "total"):
-            self.staging.begin()
+            staged = self.staging.begin()
             error = self._receive_all(version, metrics)
-            with PhaseTimer(metrics, "commit", ("commit", -1)):
-                self._agree(version, error)
-            with PhaseTimer(metrics, "commit"):  # free unless no staging set holds the live shards yet
-                old_version, previous = self.engine.version, self._rollback_source()
-            load_error = self._load(self.staging.staged(), version, metrics)
-            try:
-                with PhaseTimer(metrics, "commit", ("commit", -1)):
-                    self._agree(version, load_error)
-            except SyncAbortedError as e:
-                if load_error is None:  # this rank loaded it, another did not: go back
-                    problem = self._roll_back(previous, old_version)
-                    if problem is not None:
-                        raise SyncAbortedError(version, [*e.failures, (self.transport.rank, problem)]) from e
-                raise
+            self._agreed(version, error, staged, metrics)
             self.staging.committed(version)
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
         return metrics
-
-    def _agree(self, version: int, error: Optional[str]) -> None:
-        self.transport.agree(error, what=f"sync of version {version}",
-                             failure=lambda failures: SyncAbortedError(version, failures))
 
     def _receive_all(self, version: int, metrics: SyncMetrics) -> Optional[str]:
         """Receive every bucket (always all, to stay in lockstep); return the first error or None."""
@@ -198,33 +193,3 @@ class WeightReceiver(Receiver):
     def _stage(self, bucket: BucketPlan, data: torch.Tensor) -> None:
         for name, full in unpack(data, bucket).items():
             self.staging.stage(name, self.engine.shard_of(name, full))  # a copy: the buffer is reused
-
-    def _rollback_source(self) -> Optional[dict[str, torch.Tensor]]:
-        """Return this rank's live shards as they are before the load (no copy when a staging set holds them)."""
-        if not self.rollback:
-            return None
-        live = self.staging.live_shards(self.engine.version)
-        if live is not None:
-            return live
-        self.snapshots_taken += 1
-        return self.engine.snapshot() or None
-
-    def _roll_back(self, previous: Optional[dict[str, torch.Tensor]], old_version: int) -> Optional[str]:
-        """Load the previous shards back; return what went wrong (None when this rank is back on `old_version`)."""
-        if previous is None:
-            return ("loaded the new version and has no snapshot to roll back to; this engine rank now "
-                    "differs from ranks that failed to load")
-        try:
-            self.commit(previous, old_version)
-        except Exception as e:  # noqa: BLE001 — reported with the sync's failures
-            return f"rolling back to version {old_version} failed: {e}"
-        return None
-
-    def _load(self, staged: dict[str, torch.Tensor], version: int, metrics: SyncMetrics) -> Optional[str]:
-        try:
-            with PhaseTimer(metrics, "apply", ("load", -1)):
-                self.commit(staged, version)
-        except Exception as e:  # noqa: BLE001 — agreed on, then raised on every rank
-            return (f"commit failed: {describe(e, limit=3)} (ranks that loaded the new version "
-                    "roll back to the previous one)")
-        return None

@@ -28,12 +28,13 @@ import torch
 
 from megatron_sync.agreement import describe
 from megatron_sync.bucket import checksum, resolve_checksum
-from megatron_sync.errors import SyncAbortedError, SyncError
+from megatron_sync.errors import SyncError
 from megatron_sync.metrics import PhaseTimer, SyncMetrics, Timeline
 from megatron_sync.plan import BucketPlan, KeepTogether, SyncPlan, handshake_plan
 from megatron_sync.replica import HostReplica
 from megatron_sync.stream import HFWeightStream
 from megatron_sync.transport.base import ABORTED_NBYTES, BucketHeader, BucketTransport, Sender, Waitable
+from megatron_sync.transport.commit import sender_rounds
 
 WireHook = Callable[[int, torch.Tensor], Optional[torch.Tensor]]
 
@@ -56,7 +57,8 @@ class WeightSender(Sender):
         self.stream, self.transport, self.plan = stream, transport, plan
         self.metrics_path = metrics_path
         self.history: list[SyncMetrics] = []
-        self.record_timeline, self.max_in_flight = timeline, max_in_flight
+        self.record_timeline = timeline
+        self.max_in_flight = min(max_in_flight, transport.max_buckets_in_flight) if transport else max_in_flight
         # Test hook: returns other bytes to put on the wire for (bucket index, bucket bytes); the
         # checksum still covers the bucket's own bytes, as if the wire had corrupted them.
         self._corrupt_wire = corrupt_wire
@@ -142,7 +144,7 @@ class WeightSender(Sender):
         with PhaseTimer(metrics, "transfer"):
             _Relay(self.transport, [b for b in others if b.stage > stage], scratch).join()
         with PhaseTimer(metrics, "commit", ("commit", -1)):
-            self._commit(version, error)
+            sender_rounds(self.transport, version, error)
 
     def _send_own_stage(self, version: int, metrics: SyncMetrics) -> None:
         own = self.replica.buckets
@@ -230,12 +232,6 @@ class WeightSender(Sender):
         for bucket in self.replica.buckets[self._sent:]:
             header = BucketHeader(version, bucket.index, ABORTED_NBYTES, 0)
             self.transport.send_bucket(bucket, self.replica.payload(bucket.index), lambda h=header: h).wait()
-
-    def _commit(self, version: int, error: Optional[str]) -> None:
-        """Two phases: all ranks agree everything arrived intact; then all confirm they loaded it."""
-        for status in (error, None):
-            self.transport.agree(status, what=f"sync of version {version}",
-                                 failure=lambda failures: SyncAbortedError(version, failures))
 
 
 def _drain(items) -> None:

@@ -10,7 +10,9 @@ its initial `*.safetensors` (without them the engine starts from zeros and
 serves nothing useful until the trainer's first sync). Ranks form engines of
 `weight_sync.engine_tp_size` consecutive ranks. The job follows the trainer's
 control messages until the trainer says stop, then exits 0 on the version it
-holds; SIGTERM makes every rank report the version it holds and exit.
+holds; SIGTERM makes every rank report the version it holds and exit, within
+`STOP_GRACE_S` even when it is blocked in a collective. An engine that fails
+while starting reports its error to the trainer's rendezvous first.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import datetime
 import glob
 import logging
 import os
-import signal
 import sys
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -29,8 +31,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_sync.config import WeightSyncConfig, add_weight_sync_args, explicit_flags
+from megatron_sync.errors import RendezvousError, TrainerGoneError
+from megatron_sync.lifecycle import Terminated, stop_on_signals
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.sync import AppHandler, InferenceWeightSync
+from megatron_sync.transport import get_transport
+from megatron_sync.transport.rendezvous import Identity
+from megatron_sync.transport.session import report_failure
 
 log = logging.getLogger("megatron_sync")
 
@@ -45,6 +52,13 @@ class EngineRank:
     tp_rank: int
     group: Any
     engine: Any
+    hf_config: Any = None  # the engine's model config, which the rendezvous compares with the trainer's
+    job_id: str = ""  # shared by every rank of this inference job
+
+
+STOP_GRACE_S = 3.0
+"""After SIGTERM / SIGINT, how long a rank blocked in a collective may take to unwind before it reports
+its version and exits anyway."""
 
 
 def engine_groups(world_size: int, tp: int) -> Any:
@@ -63,7 +77,7 @@ def build_reference_engine(hf_config: Any, config: WeightSyncConfig, *, tp_rank:
     from megatron_sync.engines.reference import ReferenceEngine
 
     return ReferenceEngine(hf_config, tp_rank=tp_rank, tp_size=config.engine_tp_size, group=group,
-                           dtype=dtype_from_name(config.dtype), family=config.family)
+                           dtype=dtype_from_name(config.dtype), family=config.require_family())
 
 
 ENGINES: dict[str, Callable[..., Any]] = {"reference": build_reference_engine}
@@ -89,50 +103,97 @@ def load_initial_weights(engine: Any, model_dir: str) -> int:
     return len(expected)
 
 
+def shared_job_id() -> str:
+    """Return an id rank 0 draws for this inference job, the same on every rank (collective)."""
+    box = [f"inference-{uuid.uuid4().hex[:8]}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def join(config: WeightSyncConfig, hf_config: Any, *, engine: str = "reference",
          model_dir: Optional[str] = None) -> EngineRank:
-    """Build this torchrun process's engine (the default process group must exist)."""
+    """Build this torchrun process's engine (the default process group must exist).
+
+    A failure while building (a config the engine cannot serve, a wrong rank
+    count) is first reported to the trainer's rendezvous, so the trainer fails
+    at once quoting it, and then raised.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != config.num_inference_ranks:
-        raise ValueError(
-            f"the inference job has {world} ranks but weight_sync.num_inference_ranks={config.num_inference_ranks}; "
-            "launch as many inference processes as the config says"
-        )
-    if engine not in ENGINES:
-        raise ValueError(f"--engine {engine!r} is not hosted by this job; use one of {sorted(ENGINES)}")
-    tp = config.engine_tp_size
-    group = engine_groups(world, tp)
-    engine_index, tp_rank = divmod(rank, tp)
-    built = ENGINES[engine](hf_config, config, tp_rank=tp_rank, group=group)
-    if model_dir is not None:
-        load_initial_weights(built, model_dir)
-    return EngineRank(rank, world, engine_index, tp_rank, group, built)
-
-
-class Terminated(BaseException):
-    """SIGTERM or SIGINT: torchrun stopping the job, or an operator."""
-
-
-def _raise_terminated(signum, frame):
-    raise Terminated(signal.Signals(signum).name)
+    job_id = shared_job_id()
+    try:
+        if world != config.num_inference_ranks:
+            raise ValueError(
+                f"the inference job has {world} ranks but weight_sync.num_inference_ranks="
+                f"{config.num_inference_ranks}; launch as many inference processes as the config says")
+        if engine not in ENGINES:
+            raise ValueError(f"--engine {engine!r} is not hosted by this job; use one of {sorted(ENGINES)}")
+        tp = config.engine_tp_size
+        group = engine_groups(world, tp)
+        engine_index, tp_rank = divmod(rank, tp)
+        built = ENGINES[engine](hf_config, config, tp_rank=tp_rank, group=group)
+        if model_dir is not None:
+            load_initial_weights(built, model_dir)
+    except Exception as e:
+        me = Identity(job=job_id, role="inference", member=rank, session=config.run_id)
+        reported = get_transport(config.transport).meets_at_store and report_failure(
+            config.master_address, config.master_port, me, f"{type(e).__name__}: {e}", timeout_s=config.timeout_s)
+        print(f"[inference rank {rank}] failed while starting: {type(e).__name__}: {e}"
+              + (" (reported to the trainer)" if reported else ""), flush=True)
+        raise
+    return EngineRank(rank, world, engine_index, tp_rank, group, built, hf_config, job_id)
 
 
 def serve(me: EngineRank, config: WeightSyncConfig, *, num_trainer_stages: int,
-          handlers: Optional[dict[str, Callable[[InferenceWeightSync, Any], AppHandler]]] = None) -> int:
-    """Follow the trainer until "stop"; return 0. `handlers[name](isync, message)` serve app messages."""
-    isync = InferenceWeightSync(config, me.engine, num_trainer_stages=num_trainer_stages,
-                                inference_rank=me.rank, engine_group=me.group)
-    bound = {name: (lambda message, make=make: make(isync, message)) for name, make in (handlers or {}).items()}
-    signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        isync.serve(bound)
-    except (Exception, Terminated) as e:
-        print(f"[inference rank {me.rank}] stopped by {type(e).__name__}: {e}; the engine stays on version "
-              f"{me.engine.version}", flush=True)
-        raise
-    finally:
-        isync.close()
-    print(f"[inference rank {me.rank}] stopped on version {me.engine.version}", flush=True)
+          handlers: Optional[dict[str, Callable[[InferenceWeightSync, Any], AppHandler]]] = None,
+          on_stop: Optional[Callable[[], None]] = None) -> int:
+    """Follow the trainer until "stop"; return the exit code. `handlers[name](isync, message)` serve app messages.
+
+    0: the trainer said stop (the engine holds its last version); 1: the trainer
+    went away, or the rendezvous refused this rank (the message says which);
+    128 + signum: SIGTERM / SIGINT, also when the rank was blocked (after
+    `STOP_GRACE_S`). Every way out prints the version held, after `on_stop()`.
+    """
+    def say(how: str) -> None:
+        if on_stop is not None:
+            on_stop()
+        print(f"[inference rank {me.rank}] {how}; the engine stays on version {me.engine.version}", flush=True)
+
+    with stop_on_signals(grace_s=STOP_GRACE_S, report=lambda what: say(f"stopped by {what}")) as stop:
+        try:
+            isync = InferenceWeightSync(config, me.engine, num_trainer_stages=num_trainer_stages,
+                                        inference_rank=me.rank, engine_group=me.group, hf_config=me.hf_config,
+                                        job_id=me.job_id)
+        except RendezvousError as e:
+            say(f"could not join the trainer: {e}")
+            return 1
+        except Terminated as e:
+            say(f"stopped by {e} while joining")
+            return e.exit_code
+        bound = {name: (lambda message, make=make: make(isync, message)) for name, make in (handlers or {}).items()}
+        try:
+            isync.serve(bound)
+        except Terminated as e:
+            say(f"stopped by {e}")
+            return e.exit_code
+        except Exception as e:
+            signalled = stop.as_exception()
+            if signalled is not None:  # the signal came first; this error is its consequence
+                say(f"stopped by {signalled} ({type(e).__name__} while unwinding)")
+                return signalled.exit_code
+            if isinstance(e, TrainerGoneError):
+                if on_stop is not None:
+                    on_stop()
+                print(f"[inference rank {me.rank}] {e}", flush=True)
+                return 1
+            say(f"stopped by {type(e).__name__}: {e}")
+            raise
+        finally:
+            isync.close()
+    if on_stop is not None:
+        on_stop()
+    reason = f": {isync.stop_reason}" if isync.stop_reason else ""
+    print(f"[inference rank {me.rank}] stopped on version {me.engine.version} (the trainer ended the "
+          f"session{reason})", flush=True)
     return 0
 
 
@@ -153,17 +214,36 @@ def config_from_args(args: argparse.Namespace) -> WeightSyncConfig:
     return base.replace(**explicit_flags(args))
 
 
+def with_model_family(config: WeightSyncConfig, hf_config: Any) -> WeightSyncConfig:
+    """Return `config` with `family` set: as given, else the family that declares config.json's model_type.
+
+    Not a default: the family is read from the model being served (each family
+    declares its `hf_model_types` in converters/), it is logged, and the
+    rendezvous refuses the join if it differs from the trainer's explicit one.
+    """
+    if config.family is not None:
+        return config
+    from converters import UnknownFamilyError, family_of_model_type
+
+    model_type = getattr(hf_config, "model_type", None)
+    try:
+        family = family_of_model_type(model_type).name
+    except UnknownFamilyError as e:
+        raise ValueError(f"{e}: set weight_sync.family (or --weight-sync-family) to the family being trained") from None
+    log.info("weight_sync.family not set: serving family %r, which converts config.json's model_type %r "
+             "(the trainer's family is checked against it at the rendezvous)", family, model_type)
+    return config.replace(family=family)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from transformers import AutoConfig
 
     args = arg_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format=f"[inference rank {os.environ.get('RANK', '?')}] %(message)s")
+    logging.getLogger("megatron_sync").setLevel(logging.INFO)
     config = config_from_args(args)
     hf_config = AutoConfig.from_pretrained(args.model_dir)
-    if config.family is None:
-        from converters import family_of_model_type
-
-        config = config.replace(family=family_of_model_type(hf_config.model_type).name)
-    logging.basicConfig(level=logging.WARNING, format=f"[inference rank {os.environ.get('RANK', '?')}] %(message)s")
+    config = with_model_family(config, hf_config)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(120.0, 4 * config.timeout_s)))
     try:
         me = join(config, hf_config, engine=args.engine, model_dir=args.model_dir)

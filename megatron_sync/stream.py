@@ -52,7 +52,7 @@ class HFWeightStream(Protocol):
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (hf_name, tensor) on the source rank; participate in gathers elsewhere."""
 
-    def walk(self, into: Optional[Into] = None, record: Optional[Record] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def walk(self, *, into: Optional[Into] = None, record: Optional[Record] = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Iterate as `__iter__` does, converting into `into(hf_name)` where it offers a destination
         (the yielded tensor is then that destination) and reporting timeline events to `record`."""
 
@@ -91,6 +91,7 @@ class MegatronWeightStream:
         if gather_budget_bytes <= 0:
             raise ValueError(f"gather_budget_bytes must be positive, got {gather_budget_bytes}")
         self._chunks = chunks
+        self.group = group  # the trainer job's group the stream's start-up checks run on (None: the default)
         self.layout = layout
         self.converter = converter
         self.tracker = tracker or GatherMemoryTracker()
@@ -103,7 +104,7 @@ class MegatronWeightStream:
         self._meta: list[TensorMeta] = []
         self._phase_seconds = {"gather": 0.0, "convert": 0.0}  # of the last walk
         with failing_together("planning the weight stream (names, shapes, conversion rules)", torch_gather(group)):
-            units = self._units()
+            units = self.units()
             self._unit_names = [u.name for u in units]
             if self.is_source:
                 self._meta = [m for u in units for m in converter.convert_meta(u.name, u.full_shape, u.dtype)]
@@ -123,26 +124,45 @@ class MegatronWeightStream:
     def phase_seconds(self) -> dict[str, float]:
         return self._phase_seconds
 
-    def _units(self) -> list[GatherUnit]:
-        """Return the stage's gather units, each in the narrowest dtype that converts to the same bits."""
+    def units(self) -> list[GatherUnit]:
+        """Return this rank's gather units (its local shards with global names), in walk order."""
         tensors = walk_model_chunks(self._chunks, self.layout, is_buffer=self.converter.is_buffer)
-        return [dataclasses.replace(u, dtype=self.converter.gather_dtype(u.name, u.dtype))
-                for u in plan_gather_units(tensors, self.layout) if not self.converter.is_skipped(u.name)]
+        return [u for u in plan_gather_units(tensors, self.layout) if not self.converter.is_skipped(u.name)]
+
+    def _narrowed_units(self) -> list[GatherUnit]:
+        """Return `units()`, each in the narrowest dtype that converts to the same bits (what this
+        stream's own gatherer moves)."""
+        return [dataclasses.replace(u, dtype=self.converter.gather_dtype(u.name, u.dtype)) for u in self.units()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.walk()
 
-    def walk(self, into: Optional[Into] = None, record: Optional[Record] = None) -> Iterator[tuple[str, torch.Tensor]]:
-        units = self._units()
+    def walk(self, gatherer: Any = None, expected: Optional[list[TensorMeta]] = None, *,
+             into: Optional[Into] = None, record: Optional[Record] = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (hf_name, tensor) for each unit `gatherer` hands this rank whole, converted and
+        checked against `expected` (what this rank yields, in order).
+
+        Iterating the stream is `walk()`: its own gatherer and `metadata()`, units whole on the
+        stage source, gathered in a background thread there (see the class doc). A transport that
+        keeps its replica elsewhere (P2P: each rank converts its assigned units) walks with its own
+        gatherer (`gather(units)` yielding `(unit, full tensor or None)`), in this thread.
+        `into(hf_name)` offers a destination to convert into (the yielded tensor is then that
+        destination); `record` receives timeline events. Collective over the stage; a conversion
+        error is raised once the walk is complete, so the stage's other ranks are never left in a gather.
+        """
+        own = gatherer is None
+        gatherer = self._gatherer if own else gatherer
+        expected = self._meta if expected is None else expected
+        units = self._narrowed_units() if own else self.units()
         if [u.name for u in units] != self._unit_names:
             raise RuntimeError(
                 "the model's parameters changed since the weight stream was planned; "
                 "rebuild the weight sync after changing the model"
             )
-        expected = iter(self._meta)
+        expected_iter = iter(expected)
         self._phase_seconds = seconds = {"gather": 0.0, "convert": 0.0}
-        gathered = _timed(self._gatherer.gather(units), seconds, record)
-        if self.prefetch:
+        gathered = _timed(gatherer.gather(units), seconds, record)
+        if own and self.prefetch:
             gathered = _Prefetcher(gathered, self._gatherer, self.gather_budget_bytes - self._gatherer.budget_bytes)
         failure: Exception | None = None
         try:
@@ -159,7 +179,7 @@ class MegatronWeightStream:
                         if record is not None:
                             record("convert", index, start, end)
                         for hf_name, tensor in converted:
-                            _check_against_plan(next(expected, None), hf_name, tensor, unit.name)
+                            _check_against_plan(next(expected_iter, None), hf_name, tensor, unit.name)
                     except Exception as exc:  # noqa: BLE001 — raised once the walk is complete
                         failure = exc
                         continue

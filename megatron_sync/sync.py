@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from concurrent.futures import Future
 from typing import Any, Callable, Optional, Sequence
 
@@ -23,43 +24,56 @@ from megatron_sync.config import WeightSyncConfig
 from megatron_sync.engines.base import EngineAdapter, EngineClient
 from megatron_sync.engines.fleet import EngineFleet, clients_from_config
 from megatron_sync.engines.serving import GenerationServer
-from megatron_sync.errors import SyncAbortedError
+from megatron_sync.errors import PeerFailureError, RendezvousError, SyncAbortedError, TrainerGoneError
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.metrics import SyncMetrics
+from megatron_sync.model_digest import model_digest, model_fields
 from megatron_sync.parallel import ParallelLayout
 from megatron_sync.stream import MegatronWeightStream, all_stage_metadata, check_model_complete
 from megatron_sync.transport import get_transport
 from megatron_sync.transport.control import ControlMessage, ControlOp, Report
+from megatron_sync.transport.rendezvous import Identity, expectations
+from megatron_sync.transport.session import SyncSession, new_session_id
 
 log = logging.getLogger("megatron_sync")
 MiB = 2**20
 IDLE_TIMEOUT_S = 24 * 3600.0  # how long an engine waits for the trainer's next message
 
 
-def build_converter(config: WeightSyncConfig, hf_config: Any = None) -> Any:
-    """Return the converter for `config.family` and `config.dtype`.
-
-    The HF config is `hf_config` when given (a transformers config or a dict),
-    else the JSON file at `config.hf_config_path`.
-    """
-    if hf_config is None:
-        if config.hf_config_path is None:
-            raise ValueError(
-                "no HF config for the inference model: set weight_sync.hf_config_path to its config.json "
-                "or pass hf_config= (the shapes every converted tensor is checked against)"
-            )
+def load_hf_config(config: WeightSyncConfig, hf_config: Any = None) -> Any:
+    """Return `hf_config` when given (a transformers config or a dict), else the JSON at `config.hf_config_path`."""
+    if hf_config is not None:
+        return hf_config
+    if config.hf_config_path is None:
+        raise ValueError(
+            "no HF config for the inference model: set weight_sync.hf_config_path to its config.json "
+            "or pass hf_config= (the shapes every converted tensor is checked against)"
+        )
+    try:
         with open(config.hf_config_path) as f:
-            hf_config = json.load(f)
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"weight_sync.hf_config_path={config.hf_config_path!r} cannot be read as a config.json: "
+                         f"{e}") from e
+
+
+def build_converter(config: WeightSyncConfig, hf_config: Any = None) -> Any:
+    """Return the converter for `config.family` and `config.dtype` over the HF config (`load_hf_config`)."""
+    hf_config = load_hf_config(config, hf_config)
     return get_converter(config.require_family(), hf_config, dtype=dtype_from_name(config.dtype))
 
 
 class TrainerWeightSync:
     """The trainer half. Construct and call `sync()` on every trainer rank (both are collective).
 
-    Start-up checks, before any weight moves: every Megatron parameter has a
-    conversion rule, the stages together produce exactly the HF checkpoint the
-    converter expects, and every rank of the transport computed the same plan.
-    Any failure is raised on every trainer rank.
+    Start-up, before any weight moves: the first joining trainer rank hosts the
+    sync session (the rendezvous, `transport/session.py`) and the other joining
+    ranks join it; every Megatron parameter has a conversion rule, the stages
+    together produce exactly the HF checkpoint the converter expects; the
+    inference job's ranks are admitted only if they expect the same layout and
+    model (`transport/rendezvous.py`); every rank of the transport computed the
+    same plan. Any failure is raised on every trainer rank and posted to the
+    session, so the engines fail at once quoting it.
 
     Engines driven over their own API (vLLM, SGLang): `engine_clients`
     (pass the same list on every trainer rank; default: built from
@@ -81,27 +95,49 @@ class TrainerWeightSync:
     ):
         if not config.enabled:
             raise ValueError("weight_sync.enabled is false; build no TrainerWeightSync (WeightSyncCallback.from_config skips it)")
-        converter = converter if converter is not None else build_converter(config, hf_config)
         self.config = config
         self.layout = layout or ParallelLayout.from_megatron()
         self.version = 0
+        self.transport = None
+        self.session: Optional[SyncSession] = None
+        self.engines = EngineFleet([], driven=False)
         self._gather = torch_gather(trainer_group)
-        self.stream = MegatronWeightStream(
-            chunks, self.layout, converter,
-            gather_budget_bytes=int(config.gather_budget_mb * MiB), group=trainer_group,
-        )
-        with failing_together("checking that the stages produce a complete HF checkpoint", self._gather):
+        transport_cls = get_transport(config.transport)
+        if converter is None or hf_config is not None:
+            hf_config = load_hf_config(config, hf_config)
+        try:
+            if transport_cls.meets_at_store:
+                self._open_session(transport_cls, hf_config)
+            self._start(transport_cls, chunks, converter, hf_config, trainer_group, engine_clients)
+        except BaseException as e:
+            if self.session is not None:
+                self.session.fail(f"the trainer failed while starting: {e}")
+            self.close()
+            raise
+
+    def _start(self, transport_cls: Any, chunks: list, converter: Any, hf_config: Any, trainer_group: Any,
+               engine_clients: Optional[Sequence[EngineClient]]) -> None:
+        """The start-up checks, then (once every rank of both jobs was admitted) the transport and sender."""
+        config = self.config
+        with failing_together("starting the trainer's weight sync", self._gather):
+            converter = converter if converter is not None else build_converter(config, hf_config)
+            self.stream = MegatronWeightStream(
+                chunks, self.layout, converter,
+                gather_budget_bytes=int(config.gather_budget_mb * MiB), group=trainer_group,
+            )
             if self.stream.is_source:
                 check_model_complete(all_stage_metadata(self.stream), converter)
-        transport_cls = get_transport(config.transport)
-        self.transport = None
         self.engines = self._engine_fleet(config, engine_clients, transport_cls.trainer_joins(self.layout))
         with failing_together("checking the driven engines and starting their joins", self._gather):
-            self.engines.start_joins(config, num_trainer_stages=self.layout.pp)
+            # Driven engines join this session only (run_id), like a launched inference job would.
+            joining = config.replace(run_id=self.session.id) if self.session is not None else config
+            self.engines.start_joins(joining, num_trainer_stages=self.layout.pp)
         with failing_together("connecting to the inference ranks", self._gather):
             with self.engines.joined():  # driven engines' workers join while the trainer connects
                 if transport_cls.trainer_joins(self.layout):
-                    self.transport = transport_cls.connect_trainer(config, self.layout)
+                    if self.session is not None:
+                        self.session.wait_ready()
+                    self.transport = transport_cls.connect_trainer(config, self.layout, session=self.session)
                 self.sender = transport_cls.make_sender(self.transport, self.stream, config,
                                                         converter.keep_together)
 
@@ -111,6 +147,34 @@ class TrainerWeightSync:
         clients = list(clients) if clients is not None else clients_from_config(config)
         leads = joins and self.layout.is_stage_source and self.layout.pp_rank == 0
         return EngineFleet(clients if leads else [], driven=any(self._gather(bool(clients))))
+
+    def _open_session(self, transport_cls: Any, hf_config: Any) -> None:
+        """Host (the first joining trainer rank) or join the sync session; collective on every trainer rank."""
+        joins = transport_cls.trainer_joins(self.layout)
+        token = uuid.uuid4().hex  # the first trainer rank's token names the trainer job
+        roster = self._gather({"joins": joins, "token": token, "session": self.config.run_id or new_session_id()})
+        members = [entry["token"] for entry in roster if entry["joins"]]
+        me = members.index(token) if joins else None
+        backend = self.config.resolved_backend(torch.cuda.is_available())
+        identity = Identity(job=f"trainer-{roster[0]['token'][:8]}", role="trainer",
+                            member=me if me is not None else -1,
+                            expects=expectations(self.config, trainer_stages=self.layout.pp, backend=backend),
+                            model=model_fields(hf_config) if hf_config is not None else None,
+                            session=roster[0]["session"])
+        if hf_config is None:
+            log.warning("no HF config (a converter was passed without hf_config=): the rendezvous cannot compare "
+                        "the engines' model-defining config fields with the trainer's")
+        where = (self.config.master_address, self.config.master_port)
+        with failing_together("hosting the sync session", self._gather):
+            if me == 0:
+                self.session = SyncSession.host(*where, identity, timeout_s=self.config.timeout_s,
+                                                members={"trainer": len(members),
+                                                         "inference": self.config.num_inference_ranks})
+                log.info("hosting weight-sync session %s at %s:%d (model digest %s)", self.session.id, *where,
+                         model_digest(identity.model or {})[:12])
+        with failing_together("joining the sync session", self._gather):
+            if me is not None and me > 0:
+                self.session = SyncSession.join(*where, identity, timeout_s=self.config.timeout_s)
 
     @property
     def is_leader(self) -> bool:
@@ -155,22 +219,28 @@ class TrainerWeightSync:
         reports = self.transport.control.collect(Report.METRICS, version, self.transport.inference_ranks)
         return [SyncMetrics.from_json(raw.decode()) for raw in reports.values()]
 
-    def close(self) -> None:
-        """Tell the engines to stop (leader) and release the transport.
+    def close(self, reason: Optional[str] = None) -> None:
+        """Tell the engines to stop (leader), then release the transport and the session; safe to call twice.
 
-        The leader hosts the rendezvous store, so it waits (up to `timeout_s`)
-        until every engine rank has read "stop" before the store goes away.
+        The engines exit 0 on the version they hold, printing `reason` (why the
+        trainer stopped, when it did not simply finish). The leader hosts the
+        rendezvous store, so it waits (up to `timeout_s`) until every engine
+        rank has read "stop" before the store goes away.
         """
         self.engines.close()  # driven engines' workers acknowledge "stop" as they leave
         if self.transport is not None:
             if self.is_leader:
                 try:
-                    self.transport.control.send(ControlMessage(ControlOp.STOP, self.version))
+                    payload = {"reason": reason} if reason else {}
+                    self.transport.control.send(ControlMessage(ControlOp.STOP, self.version, payload))
                     self.transport.control.collect(Report.STOPPED, self.version, self.transport.inference_ranks)
                 except Exception:  # noqa: BLE001 — closing after a failure must not mask it
                     log.warning("the engines did not all acknowledge 'stop'", exc_info=True)
             self.transport.close()
             self.transport = None
+        if self.session is not None:
+            self.session.close()
+            self.session = None
 
 
 AppHandler = Callable[[ControlMessage], None]
@@ -193,6 +263,8 @@ class InferenceWeightSync:
         num_trainer_stages: int,
         inference_rank: int,
         engine_group: Any = None,
+        hf_config: Any = None,
+        job_id: Optional[str] = None,
     ):
         if not 0 <= inference_rank < config.num_inference_ranks:
             raise ValueError(
@@ -200,19 +272,52 @@ class InferenceWeightSync:
             )
         self.config = config
         self.engine = engine
+        self.stop_reason: Optional[str] = None  # why the trainer stopped the session, when it said
         self.server = GenerationServer(engine, engine_group=engine_group, inflight_policy=config.inflight_policy,
                                        commit_timeout_s=config.timeout_s)
         # the same groups as the trainer's converter: the family's, plus each quantized weight with its scales
         keep_together = keep_together_of(get_family(config.require_family()),
                                          [m.name for m in engine.expected_tensors()])
         transport_cls = get_transport(config.transport)
-        self.transport = transport_cls.connect_inference(
-            config, num_trainer_stages=num_trainer_stages, inference_rank=inference_rank)
-        self.receiver = self.transport.make_receiver(engine, config, keep_together, commit=self.server.commit)
+        self.transport = None
+        backend = config.resolved_backend(torch.cuda.is_available())
+        identity = Identity(job=job_id or "", role="inference", member=inference_rank,
+                            expects=expectations(config, trainer_stages=num_trainer_stages, backend=backend),
+                            model=model_fields(hf_config) if hf_config is not None else None, session=config.run_id)
+        if hf_config is None and transport_cls.meets_at_store:
+            log.warning("[inference rank %d] no HF config given: the trainer cannot check that this engine's "
+                        "model-defining config fields equal its own", inference_rank)
+        self.session = (SyncSession.join(config.master_address, config.master_port, identity,
+                                         timeout_s=config.timeout_s) if transport_cls.meets_at_store else None)
+        try:
+            if self.session is not None:
+                self.session.wait_ready()
+            self.transport = transport_cls.connect_inference(
+                config, num_trainer_stages=num_trainer_stages, inference_rank=inference_rank, session=self.session)
+            self.receiver = self.transport.make_receiver(engine, config, keep_together, commit=self.server.commit)
+        except BaseException as e:
+            if self.session is not None and not isinstance(e, RendezvousError):
+                self.session.fail(f"{identity.describe()} failed while connecting: {type(e).__name__}: {e}")
+            self.close()
+            raise
 
     def next_control(self, timeout_s: float = IDLE_TIMEOUT_S) -> ControlMessage:
-        """Wait for the trainer's next control message and return it."""
-        return self.transport.control.next(timeout_s)
+        """Wait for the trainer's next control message and return it.
+
+        Raises TrainerGoneError when the trainer's rendezvous stops answering
+        (it exited without "stop") or nothing comes within `timeout_s`; no sync
+        is running then, and the engine holds its last committed version.
+        """
+        try:
+            return self.transport.control.next(timeout_s)
+        except PeerFailureError as e:
+            gone = e.__cause__ is not None
+            where = f"{self.config.master_address}:{self.config.master_port}"
+            raise TrainerGoneError(
+                (f"the trainer went away while this engine was idle: its rendezvous at {where} stopped answering "
+                 "(it exited without 'stop')" if gone else
+                 f"no message from the trainer within {timeout_s:g}s while this engine was idle")
+                + f"; no sync was running, the engine holds version {self.engine.version}") from e
 
     def apply(self, version: int) -> Optional[SyncMetrics]:
         """Receive `version`; return metrics, or None if the sync was aborted on every rank.
@@ -241,6 +346,7 @@ class InferenceWeightSync:
     def handle(self, message: ControlMessage, handlers: dict[str, AppHandler]) -> bool:
         """Act on one control message; return False once it was "stop" (acknowledged to the trainer)."""
         if message.op is ControlOp.STOP:
+            self.stop_reason = message.payload.get("reason")
             self.transport.control.report(Report.STOPPED, message.version, self.transport.rank,
                                           str(self.engine.version).encode())
             return False
@@ -255,6 +361,11 @@ class InferenceWeightSync:
         return True
 
     def close(self) -> None:
-        """Finish a background receive, then release the transport."""
+        """Finish a background receive, then release the transport and the session; safe to call twice."""
         self.server.close()
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        if self.session is not None:
+            self.session.close()
+            self.session = None

@@ -64,17 +64,3 @@ def run_side_by_side(jobs, timeout: float) -> list[list]:
         if error is not None:
             raise error
     return [f.result() for f in futures]
-
-
-def spec_wire(specs) -> list:
-    """Return `TensorSpec`s as JSON-able rows (name, shape, dtype name, role)."""
-    from megatron_sync.meta import dtype_name
-
-    return [[s.name, list(s.shape), dtype_name(s.dtype), s.role.value] for s in specs]
-
-
-def specs_from_wire(rows) -> list[TensorSpec]:
-    """Return the `TensorSpec`s of `spec_wire` rows."""
-    from megatron_sync.meta import dtype_from_name
-
-    return [TensorSpec(n, tuple(shape), dtype_from_name(d), Shard(r)) for n, shape, d, r in rows]

@@ -22,6 +22,8 @@ import pytest
 import torch
 import yaml
 
+from tests.support.dist import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -30,6 +32,7 @@ def _write_job(tmp_path, config: str, **verify) -> tuple[str, dict]:
         job = yaml.safe_load(f)
     job.setdefault("verify", {}).update(dump_dir=str(tmp_path / "dumps"), **verify)
     job["weight_sync"]["metrics_path"] = str(tmp_path / "metrics.jsonl")
+    job["weight_sync"]["master_port"] = free_port()  # the demo uses the file's port as written
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return str(path), job

@@ -18,9 +18,7 @@ import pytest
 import torch
 
 from tests.support.dist import free_port
-from tests.p2p_support import (
-    SENTINEL, run_side_by_side, spec_wire, specs_from_wire, untouched_outside_placements,
-)
+from tests.p2p_support import SENTINEL, run_side_by_side, untouched_outside_placements
 
 BACKENDS = ("torch", "mooncake")
 BUCKET = 16 * 1024
@@ -41,7 +39,7 @@ def _mover(backend, group, trainers, receivers):
         return MooncakeMover(group.board, protocol="tcp", timeout_s=group.timeout_s)
     peers = {("sender", s): s for s in range(trainers)}
     peers.update({("receiver", i): trainers + i for i in range(receivers)})
-    return TorchP2PMover(group._pg, peers, timeout_s=group.timeout_s)
+    return TorchP2PMover(group, peers)
 
 
 def _open(rank, world, port):
@@ -59,10 +57,11 @@ def _trainer(rank, world, case, port, receivers):
     from converters import get_converter
     from megatron_sync.gather import GatherMemoryTracker
     from megatron_sync.p2p.execute import send_share
-    from megatron_sync.p2p.layout import tensor_specs
+    from megatron_sync.p2p.layout import specs_to_wire, tensor_specs
     from megatron_sync.p2p.plan import build_transfer_plan, fleet_receivers, send_bytes_per_tensor
     from megatron_sync.p2p.replica import DistributedReplica
     from megatron_sync.parallel import ParallelLayout
+    from megatron_sync.stream import MegatronWeightStream
     from tests.support import models
     from tests.support.dist import init_megatron
 
@@ -74,14 +73,14 @@ def _trainer(rank, world, case, port, receivers):
     specs = tensor_specs(converter)
     fleet = fleet_receivers(specs, _engines(case["engines"], case["kv"]))
     tracker = GatherMemoryTracker()
-    replica = DistributedReplica(chunks, ParallelLayout.from_megatron(), converter, rank=rank,
-                                 cost=send_bytes_per_tensor(specs, fleet), gather_budget_bytes=GATHER_BUDGET,
-                                 tracker=tracker)
+    stream = MegatronWeightStream(chunks, ParallelLayout.from_megatron(), converter, gather_budget_bytes=GATHER_BUDGET)
+    replica = DistributedReplica(stream, rank=rank, cost=send_bytes_per_tensor(specs, fleet),
+                                 gather_budget_bytes=GATHER_BUDGET, tracker=tracker)
     replica.refresh()
     holders = replica.assignment.hf_holders()
     group = _open(rank, world + receivers, port)
     if rank == 0:
-        group.board.post("plan_inputs", json.dumps({"specs": spec_wire(specs), "holders": holders}).encode())
+        group.board.post("plan_inputs", json.dumps({"specs": specs_to_wire(specs), "holders": holders}).encode())
     plan = build_transfer_plan(specs, holders, fleet, BUCKET)
     _agree_on_plan(group, plan)
     sent = {}
@@ -101,6 +100,7 @@ def _trainer(rank, world, case, port, receivers):
 
 def _receiver(index, count, case, port, trainers):
     from megatron_sync.p2p.execute import receive_shards
+    from megatron_sync.p2p.layout import specs_from_wire
     from megatron_sync.p2p.plan import build_transfer_plan, fleet_receivers
 
     group = _open(trainers + index, trainers + count, port)

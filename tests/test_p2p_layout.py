@@ -107,12 +107,15 @@ def test_linear_expert_range_matches_vllms_expert_map(experts, ep):
 @pytest.mark.parametrize("family", BUILTIN_FAMILIES)
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_reference_layout_reproduces_reference_engine_shard_of(family, tp):
+    from megatron_sync.engines.base import LayoutEngine
     from megatron_sync.engines.reference import ReferenceEngine
 
     specs, cfg = _specs(family)
-    layout = ReferenceLayout(tp, num_kv_heads=cfg.num_key_value_heads)
     for rank in range(tp):
         engine = ReferenceEngine(cfg, tp_rank=rank, tp_size=tp, dtype=torch.bfloat16)
+        assert isinstance(engine, LayoutEngine)
+        layout = engine.memory_layout()  # what the engine publishes to the P2P transport
+        assert layout.to_wire() == ReferenceLayout(tp, num_kv_heads=cfg.num_key_value_heads).to_wire()
         dtypes = {m.name: m.dtype for m in engine.expected_tensors()}
         assert set(dtypes) == {s.name for s in specs}
         specs_here = [TensorSpec(s.name, s.shape, dtypes[s.name], s.role) for s in specs]

@@ -46,7 +46,7 @@ def _mover(backend, group, plan):
         return MooncakeMover(group.board, protocol="tcp", timeout_s=group.timeout_s)
     peers = {("sender", s): s for s in range(SENDERS)}
     peers.update({("receiver", i): SENDERS + i for i in range(len(plan.receivers))})
-    return TorchP2PMover(group._pg, peers, timeout_s=group.timeout_s)
+    return TorchP2PMover(group, peers)
 
 
 def _open_group(rank, world, port, timeout):
@@ -71,7 +71,8 @@ def _sync_once(rank, plan, specs, holders, mover, group, version, *, sender_faul
     layout = plan.receivers[index].layout
     staging = torch.full((layout.nbytes,), SENTINEL, dtype=torch.uint8)
     mover.expose(index, staging)
-    stats = receive_shards(plan, index, staging, mover, group.board, version=version, timeout_s=timeout_s or group.timeout_s)
+    stats = receive_shards(plan, index, staging, mover, group.board, version=version,
+                           timeout_s=timeout_s or group.timeout_s)
     by_name = {s.name: s for s in specs}
     wrong = [name for name, view in layout.shard_views(staging, by_name).items()
              if not torch.equal(view, next(p for p in layout.placements if p.name == name).region.of(seeded_full(by_name[name])))]
@@ -112,14 +113,14 @@ def test_every_receiver_gets_exactly_its_shards_over_both_backends(bucket):
 
 FAULTS = {  # fault -> (error every waiting receiver raises, words in it); silent goes last: it breaks gloo pairs
     "corrupt": ("CorruptBucketError", "does not match its checksum"),
-    "missing": ("PeerFailureError", "trainer rank 0: KeyError"),  # the sender fails; its error reaches them
+    "missing": ("SenderFailedError", "trainer rank 0: KeyError"),  # the sender fails; its error reaches them
     "silent": ("PeerFailureError", "within"),  # the sender never sends: a bounded wait
 }
 
 
 def _faulty_sender(rank, world, port, planned, backend):
     """One version per fault, in FAULTS order, on one group; trainer rank 0 misbehaves."""
-    from megatron_sync.errors import CorruptBucketError, PeerFailureError
+    from megatron_sync.errors import SyncError
 
     specs, _, holders, plan = planned
     group = _open_group(rank, world, port, timeout=60)
@@ -132,7 +133,7 @@ def _faulty_sender(rank, world, port, planned, backend):
         try:
             results[fault] = _sync_once(rank, plan, specs, holders, mover, group, version, sender_fault=fault,
                                         timeout_s=RECEIVE_TIMEOUT_S)
-        except (PeerFailureError, CorruptBucketError, KeyError) as e:
+        except (SyncError, KeyError) as e:
             results[fault] = {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
         _store_barrier(group, rank, world, f"end/{version}")  # a gloo op that timed out closes its pair
     if rank:
@@ -193,6 +194,9 @@ def test_mooncake_refuses_rdma_without_a_device_and_unregistered_sources():
         def fetch(self, key, timeout_s=None):
             return self[key]
 
+        def delete(self, key):
+            del self[key]
+
     with pytest.raises(RuntimeError, match="no RDMA device"):
         MooncakeMover(Posts(), protocol="rdma")
     _, _, _, plan = _plan()
@@ -233,7 +237,7 @@ def _nccl_worker(rank, world, port, planned):
     group = init_transport_group("127.0.0.1", port, world, rank, backend="nccl", timeout=60, group_name="p2p_nccl")
     peers = {("sender", s): s for s in range(SENDERS)}
     peers.update({("receiver", i): SENDERS + i for i in range(len(plan.receivers))})
-    mover = TorchP2PMover(group._pg, peers, device="cuda", timeout_s=60)
+    mover = TorchP2PMover(group, peers)
     if rank < SENDERS:
         replica = {s.name: seeded_full(s).cuda() for s in specs if holders[s.name] == rank}
         return send_share(plan, rank, replica, mover, group.board, version=1).nbytes

@@ -10,13 +10,11 @@ engine's shards equal what the trainer sent, bit for bit.
 
 from __future__ import annotations
 
-import datetime
 import json
 from typing import Any, Optional
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_sync.meta import TensorMeta
 from megatron_sync.transport import register_transport, transport_names
@@ -61,23 +59,24 @@ class StoreTransport(BucketTransport):
 
     name = "store"
 
-    def __init__(self, config, rank: int, num_stages: int) -> None:
+    def __init__(self, config, session, rank: int, num_stages: int) -> None:
         world = num_stages + config.num_inference_ranks
-        store = dist.TCPStore(config.master_address, config.master_port, world, rank == 0,
-                              timeout=datetime.timedelta(seconds=config.timeout_s))
-        self.board = StoreBoard(store, prefix="toy/", rank=rank, timeout_s=config.timeout_s)
+        # The drivers hand every transport the sync session both jobs were admitted to; its store is this
+        # toy's whole medium (keys under the session's id, so no other session's ranks can meet them).
+        self.board = StoreBoard(session.store, prefix=f"toy/{session.id}/", rank=rank, timeout_s=config.timeout_s)
         self.rank, self.world_size, self.num_stages = rank, world, num_stages
         self.control = StoreControlChannel(self.board)
         self._gathers = 0
         self._receives: dict[int, int] = {}
 
     @classmethod
-    def connect_trainer(cls, config, layout) -> "StoreTransport":
-        return cls(config, layout.pp_rank, layout.pp)
+    def connect_trainer(cls, config, layout, *, session) -> "StoreTransport":
+        return cls(config, session, layout.pp_rank, layout.pp)
 
     @classmethod
-    def connect_inference(cls, config, *, num_trainer_stages: int, inference_rank: int) -> "StoreTransport":
-        return cls(config, num_trainer_stages + inference_rank, num_trainer_stages)
+    def connect_inference(cls, config, *, num_trainer_stages: int, inference_rank: int,
+                          session) -> "StoreTransport":
+        return cls(config, session, num_trainer_stages + inference_rank, num_trainer_stages)
 
     @property
     def inference_ranks(self) -> range:

@@ -189,9 +189,9 @@ def _stream_through_sync(served: Served, trainer: TrainerProcess, policy: str) -
         trainer.connect(**settings(served.url, inflight_policy=policy))
         trainer.sync()
         v1 = trainer.sent()
-        generation = StreamingGeneration(served.url, PROMPTS[1], LONG_GENERATION)
+        trainer.load(22)  # the next version's weights are ready before the stream starts: its sync (and the
+        generation = StreamingGeneration(served.url, PROMPTS[1], LONG_GENERATION)  # pause) follows at once
         assert generation.first_tokens.wait(120), "no tokens streamed"
-        trainer.load(22)
         trainer.sync()
         synced_at = time.monotonic()
         v2 = trainer.sent()

@@ -27,6 +27,7 @@ from megatron_sync.meta import TensorMeta
 
 if TYPE_CHECKING:
     from megatron_sync.config import WeightSyncConfig
+    from megatron_sync.p2p.layout import EngineLayout
 
 
 @runtime_checkable
@@ -95,6 +96,19 @@ class Joining(Protocol):
 
     def wait(self, timeout_s: float) -> None:
         """Return once the engine's workers joined; raise (naming the engine) if they failed."""
+
+
+@runtime_checkable
+class LayoutEngine(EngineAdapter, Protocol):
+    """An engine rank whose memory layout is known from metadata: what a P2P transport needs.
+
+    Its layout says which region of every HF tensor each rank holds and where it lies
+    in the rank's staging memory, so trainer ranks can write exactly those bytes there
+    and the rank commits them with `load_shards(layout's shard views of the staging)`.
+    """
+
+    def memory_layout(self) -> "EngineLayout":
+        """Return the layout of this engine (all its TP ranks): `megatron_sync.p2p.layout`'s classes."""
 
 
 @runtime_checkable

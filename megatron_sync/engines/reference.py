@@ -54,6 +54,8 @@ from megatron_sync.meta import TensorMeta
 if TYPE_CHECKING:
     from transformers.cache_utils import Cache
 
+    from megatron_sync.p2p.layout import EngineLayout
+
 # This engine's slicing of each role: vocabulary tensors stay whole on every rank.
 ENGINE_SPLIT = {Shard.REPLICATED: Shard.REPLICATED, Shard.VOCAB: Shard.REPLICATED,
                 Shard.COLUMN: Shard.COLUMN, Shard.ROW: Shard.ROW, Shard.KV_HEADS: Shard.KV_HEADS}
@@ -179,6 +181,12 @@ class ReferenceEngine:
             raise ValueError(f"{name}: got dtype {full.dtype}, this engine loads it as {meta.dtype}; cast before sending")
         return self._cut(name, full)
 
+    def memory_layout(self) -> "EngineLayout":
+        """Return this engine's layout for the P2P transport: each HF tensor's shard under its own name."""
+        from megatron_sync.p2p.layout import ReferenceLayout  # p2p.layout reads ENGINE_SPLIT from here
+
+        return ReferenceLayout(self.tp_size, num_kv_heads=self._num_kv_heads())
+
     def local_shape(self, name: str) -> tuple[int, ...]:
         """Return the shape of this rank's shard of `name`."""
         self._split_of(name)
@@ -274,12 +282,15 @@ class ReferenceEngine:
                 f"num_attention_heads={cfg.num_attention_heads} does not divide by the engine's tp_size={tp}; "
                 "pick a tp_size that divides it"
             )
-        kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        kv = self._num_kv_heads()
         if self._has_kv_heads and kv % tp and tp % kv:
             raise ValueError(
                 f"num_key_value_heads={kv} and tp_size={tp}: one must divide the other "
                 "(heads are split, or replicated when tp_size exceeds them)"
             )
+
+    def _num_kv_heads(self) -> int:
+        return getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
 
     @property
     def _has_kv_heads(self) -> bool:

@@ -2,9 +2,11 @@
 
 Out of band, on the control channel, each sender posts one report per receiver once its last
 message to that receiver is written: the xxh3-64 of every range and the bytes the transport
-accepted, or the error that stopped it. A receiver waits (bounded) for the reports of all its
-senders, then for its own receives, and checks every range's checksum against its staging
-buffer. Committing the staged version is the all-ranks agreement's job, not this module's.
+accepted, or the error that stopped it (a sender that fails also sends filler in place of its
+unsent messages, so two-sided receives finish). A receiver waits (bounded) for its own
+receives, which fail at once when a two-sided sender dies, then for the reports of all its
+senders, and checks every range's checksum against its staging buffer. Committing the staged
+version is the all-ranks agreement's job, not this module's.
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ import json
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import xxhash
 
 from megatron_sync.p2p.movers import ByteMover, Control
 from megatron_sync.p2p.plan import Range, TransferPlan
-from megatron_sync.errors import CorruptBucketError, PeerFailureError
+from megatron_sync.errors import CorruptBucketError, PeerFailureError, SenderFailedError
 
 
 def checksum(data: torch.Tensor) -> int:
@@ -28,9 +30,10 @@ def checksum(data: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(data.detach().cpu().contiguous().numpy())
 
 
-def report_key(version: int, sender: int, receiver: int) -> str:
-    """Return the control key of `sender`'s report to `receiver` for `version`."""
-    return f"p2p/v{version}/report/{sender}/{receiver}"
+def report_key(version: int, sender: int, receiver: int, attempt: int = 0) -> str:
+    """Return the control key of `sender`'s report to `receiver` for `version` (its `attempt`-th sync:
+    a version that failed is sent again under the same number, and must not read the old reports)."""
+    return f"p2p/v{version}.{attempt}/report/{sender}/{receiver}"
 
 
 @dataclass
@@ -57,7 +60,7 @@ def pack(ranges: list[Range], replica: Mapping[str, torch.Tensor], buffer: torch
 
 
 def send_share(plan: TransferPlan, sender: int, replica: Mapping[str, torch.Tensor], mover: ByteMover,
-               control: Control, *, version: int) -> TransferStats:
+               control: Control, *, version: int, attempt: int = 0) -> TransferStats:
     """Send every message of `sender` in its queue order; post one report per receiver.
 
     On a failure, every receiver still waiting for this sender gets the error as its
@@ -90,46 +93,69 @@ def send_share(plan: TransferPlan, sender: int, replica: Mapping[str, torch.Tens
                 moved = mover.bytes_written.get(m.receiver, 0) - before.get(m.receiver, 0)
                 stats.bytes_per_peer[m.receiver] = moved
                 report = {"checksums": sums.pop(m.receiver), "bytes": moved}
-                control.post(report_key(version, sender, m.receiver), json.dumps(report).encode())
+                control.post(report_key(version, sender, m.receiver, attempt), json.dumps(report).encode())
     except Exception as exc:
-        _abandon(queue[done:], plan, mover, buffer)
         error = f"trainer rank {sender}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
-        for receiver in sums:
-            control.post(report_key(version, sender, receiver), json.dumps({"error": error}).encode())
+        _give_up(queue[done:], sorted(sums), plan, mover, control,
+                 lambda receiver: report_key(version, sender, receiver, attempt), error, buffer)
         raise
     stats.seconds = time.perf_counter() - start
     return stats
 
 
-def _abandon(messages, plan: TransferPlan, mover: ByteMover, buffer: torch.Tensor) -> None:
-    """Send filler for every message not written, so two-sided receivers finish their receives."""
+def fail_share(plan: TransferPlan, sender: int, mover: ByteMover, control: Control, *, version: int,
+               error: str, attempt: int = 0) -> None:
+    """Tell every receiver of `sender` that it failed before sending `version` (`error` says why).
+
+    Two-sided movers get filler in place of every message, so the receivers' posted
+    receives finish and the transport stays usable for the next version.
+    """
+    queue = plan.sender_queue(sender)
+    if queue:
+        buffer = mover.send_buffer(max(m.nbytes for m in queue))
+        _give_up(queue, sorted({m.receiver for m in queue}), plan, mover, control,
+                 lambda receiver: report_key(version, sender, receiver, attempt), error, buffer)
+
+
+def _give_up(messages, receivers, plan: TransferPlan, mover: ByteMover, control: Control,
+             key_of: Callable[[int], str], error: str, buffer: torch.Tensor) -> None:
+    """Send filler for `messages` (skipping receivers that are gone), then post `error` to `receivers`."""
+    gone: set[int] = set()
     for m in messages:
+        if m.receiver in gone:
+            continue
         try:
             mover.abandon(m, plan.ranges, buffer[:m.nbytes])
-        except Exception:  # noqa: BLE001 — the receiver is gone too; its report says why
+        except Exception:  # noqa: BLE001 — that receiver is gone; the others still wait for filler
+            gone.add(m.receiver)
+    for receiver in receivers:
+        try:
+            control.post(key_of(receiver), json.dumps({"error": error}).encode())
+        except Exception:  # noqa: BLE001 — the store is gone: every receiver fails on it by itself
             return
 
 
 def receive_shards(plan: TransferPlan, receiver: int, staging: torch.Tensor, mover: ByteMover,
-                   control: Control, *, version: int, timeout_s: float) -> TransferStats:
+                   control: Control, *, version: int, timeout_s: float, attempt: int = 0) -> TransferStats:
     """Receive this receiver's ranges into `staging`, verify each checksum; return what arrived.
 
-    Raises PeerFailureError when a sender reports an error or stays silent past `timeout_s`,
-    and CorruptBucketError naming the range when bytes differ from what was sent. Either
-    way every receive is finished or parked first, so nothing writes into `staging` later
-    unnoticed, and the caller keeps the previous version.
+    Waits (bounded by `timeout_s` in all) for the receives, then for every sender's
+    report. Raises PeerFailureError when a sender died or stays silent (a two-sided
+    transport is then unusable: receives may still be pending), SenderFailedError when
+    a sender reported its own failure, and CorruptBucketError naming the range when
+    bytes differ from what was sent. The caller keeps the previous version either way.
     """
     start = time.perf_counter()
     deadline = start + timeout_s
     messages = plan.incoming(receiver)
     pending = mover.expect(receiver, messages, plan.ranges, staging)
-    reports, failure = _collect_reports(control, version, receiver, sorted({m.sender for m in messages}), deadline)
     try:
         arrived = pending.wait(max(deadline - time.perf_counter(), 0.001))
     except PeerFailureError as e:
-        raise (failure or e) from e
-    if failure is not None:
-        raise failure
+        raise PeerFailureError(f"receiver {receiver}: version {version} did not arrive in full (a sender died, "
+                               f"or sent nothing within timeout_s={timeout_s:g}s): {e}") from e
+    reports = _collect_reports(control, version, attempt, receiver, sorted({m.sender for m in messages}),
+                               deadline, timeout_s)
     stats = TransferStats(bytes_per_peer=arrived or {s: r["bytes"] for s, r in reports.items()})
     stats.ranges = _verify(plan, receiver, staging, reports)
     expected = sum(len(m.ranges) for m in messages)
@@ -139,23 +165,22 @@ def receive_shards(plan: TransferPlan, receiver: int, staging: torch.Tensor, mov
     return stats
 
 
-def _collect_reports(control: Control, version: int, receiver: int, senders: list[int],
-                     deadline: float) -> tuple[dict[int, dict], PeerFailureError | None]:
-    """Return every sender's report, and the first failure (an error report, or silence past the deadline)."""
+def _collect_reports(control: Control, version: int, attempt: int, receiver: int, senders: list[int],
+                     deadline: float, timeout_s: float) -> dict[int, dict]:
+    """Return every sender's report (consumed: deleted from the store); raise on an error report or silence."""
     reports: dict[int, dict] = {}
-    failure = None
     for sender in senders:
+        key = report_key(version, sender, receiver, attempt)
         try:
-            reports[sender] = json.loads(control.fetch(report_key(version, sender, receiver),
-                                                       max(deadline - time.perf_counter(), 0.001)))
+            reports[sender] = json.loads(control.fetch(key, max(deadline - time.perf_counter(), 0.001)))
         except PeerFailureError as e:
-            failure = failure or PeerFailureError(f"receiver {receiver}: trainer rank {sender} sent no report "
-                                                  f"for version {version}: {e}")
-            continue
-        if "error" in reports[sender]:
-            failure = failure or PeerFailureError(
-                f"receiver {receiver}: a sender failed mid-transfer of version {version}: {reports[sender]['error']}")
-    return reports, failure
+            raise PeerFailureError(f"receiver {receiver}: trainer rank {sender} sent no report for version "
+                                   f"{version} within {timeout_s:g}s: {e}") from e
+        control.delete(key)
+    failed = [r["error"] for r in reports.values() if "error" in r]
+    if failed:
+        raise SenderFailedError(f"receiver {receiver}: a sender failed mid-transfer of version {version}: {failed[0]}")
+    return reports
 
 
 def _verify(plan: TransferPlan, receiver: int, staging: torch.Tensor, reports: dict[int, dict]) -> int:

@@ -26,7 +26,7 @@ import torch
 
 from converters.base import Shard
 from megatron_sync.engines.reference import ENGINE_SPLIT
-from megatron_sync.meta import TensorMeta
+from megatron_sync.meta import TensorMeta, dtype_from_name, dtype_name
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,16 @@ class TensorSpec(TensorMeta):
 def tensor_specs(converter: Any) -> list[TensorSpec]:
     """Return every HF tensor of a converter's checkpoint with its family's shard role, in its order."""
     return [TensorSpec(m.name, m.shape, m.dtype, converter.shard_role(m.name)) for m in converter.expected_metas()]
+
+
+def specs_to_wire(specs: Sequence[TensorSpec]) -> list[list]:
+    """Return `specs` as JSON-able rows: [name, shape, dtype name, shard role]."""
+    return [[s.name, list(s.shape), dtype_name(s.dtype), s.role.value] for s in specs]
+
+
+def specs_from_wire(rows: Sequence[Sequence]) -> list[TensorSpec]:
+    """Return the specs of `specs_to_wire` rows."""
+    return [TensorSpec(name, tuple(shape), dtype_from_name(dtype), Shard(role)) for name, shape, dtype, role in rows]
 
 
 @dataclass(frozen=True)
@@ -180,10 +190,14 @@ def _typed(staging: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, 
 class EngineLayout(Protocol):
     """How one engine (a group of TP ranks) shards and stores the HF tensors."""
 
+    kind: str
     tp_size: int
 
     def rank_layout(self, tensors: Sequence[TensorSpec], rank: int) -> RankLayout:
         """Return rank `rank`'s params and placements for the full tensors `tensors`."""
+
+    def to_wire(self) -> dict[str, Any]:
+        """Return the layout as JSON-able settings: {"kind": ..., and the constructor's arguments}."""
 
 
 class ReferenceLayout:
@@ -193,9 +207,14 @@ class ReferenceLayout:
     and VOCAB are whole (every rank computes full-vocabulary logits without a gather).
     """
 
+    kind = "reference"
+
     def __init__(self, tp_size: int, *, num_kv_heads: int):
         _check_tp(tp_size)
         self.tp_size, self.num_kv_heads = tp_size, num_kv_heads
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": self.kind, "tp_size": self.tp_size, "num_kv_heads": self.num_kv_heads}
 
     def region(self, spec: TensorSpec, rank: int) -> Region:
         """Return the region of `spec` that rank `rank` holds."""
@@ -323,11 +342,19 @@ class VllmLayout:
     engine's ranks by `linear_expert_range`; without it every rank holds each expert's TP chunk.
     """
 
+    kind = "vllm"
+
     def __init__(self, tp_size: int, *, num_kv_heads: int, expert_parallel: bool = False,
                  vocab_padding: int = 64, stacked: tuple[Stacked, ...] = VLLM_STACKED):
         _check_tp(tp_size)
         self.tp_size, self.num_kv_heads = tp_size, num_kv_heads
         self.expert_parallel, self.vocab_padding, self.stacked = expert_parallel, vocab_padding, stacked
+
+    def to_wire(self) -> dict[str, Any]:
+        if self.stacked is not VLLM_STACKED:
+            raise ValueError("a VllmLayout with its own stacked table has no wire form; publish VLLM_STACKED layouts")
+        return {"kind": self.kind, "tp_size": self.tp_size, "num_kv_heads": self.num_kv_heads,
+                "expert_parallel": self.expert_parallel, "vocab_padding": self.vocab_padding}
 
     def rank_layout(self, tensors: Sequence[TensorSpec], rank: int) -> RankLayout:
         """Return rank `rank`'s params (vLLM's, per rank) and where each HF region lands in them."""
@@ -407,3 +434,20 @@ def _experts_per_param(members) -> dict[str, int]:
         if m.expert is not None:
             experts.setdefault(m.param, set()).add(m.expert)
     return {param: len(found) for param, found in experts.items()}
+
+
+ENGINE_LAYOUTS: dict[str, type] = {"reference": ReferenceLayout, "vllm": VllmLayout}
+"""Engine layouts by the `kind` they publish (an inference rank sends its layout's `to_wire()`)."""
+
+
+def engine_layout_from_wire(wire: dict[str, Any]) -> EngineLayout:
+    """Return the engine layout `to_wire()` described; ValueError names an unknown kind or setting."""
+    settings = dict(wire)
+    kind = settings.pop("kind", None)
+    if kind not in ENGINE_LAYOUTS:
+        raise ValueError(f"engine layout kind {kind!r} is unknown; known kinds: {sorted(ENGINE_LAYOUTS)}")
+    tp_size = settings.pop("tp_size")
+    try:
+        return ENGINE_LAYOUTS[kind](tp_size, **settings)
+    except TypeError as e:
+        raise ValueError(f"engine layout {wire}: {e}") from None

@@ -2,8 +2,8 @@
 
 Two backends behind one small interface:
 
-- `TorchP2PMover`: torch.distributed point-to-point on a process group (gloo on CPU, NCCL on
-  GPU). Two-sided: the receiver posts one receive per range straight into its staging
+- `TorchP2PMover`: torch.distributed point-to-point on the transport group (gloo on CPU, NCCL
+  on GPU). Two-sided: the receiver posts one receive per range straight into its staging
   buffer (`expect`), the sender sends each range from its payload (`write`).
 - `MooncakeMover`: Mooncake Transfer Engine, one-sided. The receiver registers its staging
   buffer and publishes (session id, address, size) on the control channel (`expose`); the
@@ -17,25 +17,23 @@ and counts what it moved, per peer, at the transport.
 from __future__ import annotations
 
 import abc
-import datetime
 import json
 import time
 from typing import Mapping, Protocol, Sequence
 
 import torch
 
-from megatron_sync.p2p.plan import Message, Range
 from megatron_sync.errors import PeerFailureError
+from megatron_sync.p2p.plan import Message, Range
+from megatron_sync.transport.control import Board
+from megatron_sync.transport.group import Pending, TransportGroup
 
 
-class Control(Protocol):
-    """The out-of-band channel: small keyed values (TransportGroup.post / fetch have this shape)."""
+class Control(Board, Protocol):
+    """The out-of-band channel: a control board (the transport group's `StoreBoard`) that also deletes."""
 
-    def post(self, key: str, value: bytes) -> None:
-        """Publish `value` under `key`."""
-
-    def fetch(self, key: str, timeout_s: float | None = None) -> bytes:
-        """Return the value under `key`, waiting up to `timeout_s`; raise PeerFailureError after."""
+    def delete(self, key: str) -> None:
+        """Remove `key` once consumed."""
 
 
 class PendingReceives(Protocol):
@@ -58,6 +56,10 @@ class ByteMover(abc.ABC):
     def expect(self, receiver: int, messages: Sequence[Message], ranges: Sequence[Range],
                staging: torch.Tensor) -> PendingReceives:
         """Receiver: get ready for `messages` (two-sided movers post their receives here)."""
+
+    def staging_buffer(self, nbytes: int) -> torch.Tensor:
+        """Receiver: return a flat uint8 buffer of `nbytes` where this mover can deliver bytes (host memory)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
     @abc.abstractmethod
     def send_buffer(self, nbytes: int) -> torch.Tensor:
@@ -91,7 +93,7 @@ class ByteMover(abc.ABC):
 class _TorchReceives:
     """Posted receives; those that never complete are parked on the mover, so their buffers outlive them."""
 
-    def __init__(self, works: list[tuple[int, int, object]], parked: list):
+    def __init__(self, works: list[tuple[int, int, Pending]], parked: list):
         self._works, self._parked = works, parked
 
     def wait(self, timeout_s: float) -> dict[int, int]:
@@ -99,8 +101,8 @@ class _TorchReceives:
         got: dict[int, int] = {}
         for k, (sender, nbytes, work) in enumerate(self._works):
             try:
-                work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-            except RuntimeError as e:
+                work.wait(max(deadline - time.monotonic(), 0.001))
+            except PeerFailureError as e:
                 self._parked.extend(w for _, _, w in self._works[k:])
                 self._works = []
                 raise PeerFailureError(f"receiving {nbytes} bytes from trainer rank {sender} failed: {e}") from e
@@ -110,18 +112,18 @@ class _TorchReceives:
 
 
 class TorchP2PMover(ByteMover):
-    """Point-to-point over a torch.distributed backend (`ProcessGroupGloo` / `ProcessGroupNCCL`).
+    """Point-to-point over a transport group (`TransportGroup.send` / `recv`: gloo or NCCL).
 
-    `pg` is the backend object; `peer_ranks` maps ("sender", trainer rank) and ("receiver",
-    receiver index) to ranks of `pg`. Tensors live on `device` (CPU for gloo, CUDA for NCCL).
+    `peer_ranks` maps ("sender", trainer rank) and ("receiver", receiver index) to ranks of
+    the group. Tensors live on the group's device (CPU for gloo, CUDA for NCCL); every wait
+    is bounded by the group's timeout.
     """
 
     name = "torch"
 
-    def __init__(self, pg, peer_ranks: Mapping[tuple[str, int], int], *, device: torch.device | str = "cpu",
-                 timeout_s: float = 300.0, tag: int = 0):
-        self._pg, self._peers = pg, dict(peer_ranks)
-        self.device, self.timeout_s, self.tag = torch.device(device), timeout_s, tag
+    def __init__(self, group: TransportGroup, peer_ranks: Mapping[tuple[str, int], int], *, tag: int = 0):
+        self._group, self._peers = group, dict(peer_ranks)
+        self.device, self.timeout_s, self.tag = group.device, group.timeout_s, tag
         self._written: dict[int, int] = {}
         self._buffer: torch.Tensor | None = None
         self._parked: list = []  # receives a dead or silent sender never completed
@@ -135,9 +137,12 @@ class TorchP2PMover(ByteMover):
         for m in messages:
             for i in m.ranges:
                 r = ranges[i]
-                work = self._pg.recv([staging[r.dst:r.dst + r.nbytes]], self._peers[("sender", m.sender)], self.tag)
+                work = self._group.recv(staging[r.dst:r.dst + r.nbytes], self._peers[("sender", m.sender)], tag=self.tag)
                 works.append((m.sender, r.nbytes, work))
         return _TorchReceives(works, self._parked)
+
+    def staging_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def send_buffer(self, nbytes: int) -> torch.Tensor:
         if self._buffer is None or self._buffer.numel() < nbytes:
@@ -156,11 +161,11 @@ class TorchP2PMover(ByteMover):
         try:
             for i in message.ranges:
                 n = ranges[i].nbytes
-                works.append(self._pg.send([payload[at:at + n]], dst, self.tag))
+                works.append(self._group.send(payload[at:at + n], dst, tag=self.tag))
                 at += n
             for work in works:
-                work.wait(datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError as e:
+                work.wait()
+        except PeerFailureError as e:
             raise PeerFailureError(f"sending message {message.index} to receiver {message.receiver} failed: {e}") from e
 
     @property

@@ -9,24 +9,22 @@ ranks that hold its shards gather them onto the unit's assigned holder (`assign`
 - unsharded: the holder uses its own copy, nothing moves.
 
 Different replicas' gathers run at the same time on disjoint groups. The holder converts
-the full tensor at once and copies the HF outputs into host buffers allocated once, from
-metadata, at construction: the replica never holds more than the rank's assigned share.
+the full tensor at once (the weight stream's walk, with this module's gatherer) and copies
+the HF outputs into host buffers allocated once, from metadata, at construction: the
+replica never holds more than the rank's assigned share.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
-from megatron_sync.gather import GatherMemoryTracker, GatherUnit, merge_strided_shards, plan_gather_units
+from megatron_sync.gather import GatherMemoryTracker, GatherUnit, merge_strided_shards
 from megatron_sync.p2p.assign import ReplicaAssignment, ReplicaUnit, TrainerRank, assign_replica
 from megatron_sync.parallel import ParallelLayout
-from megatron_sync.source import walk_model_chunks
-
-DEFAULT_GATHER_BUDGET_BYTES = 256 * 2**20
+from megatron_sync.stream import DEFAULT_GATHER_BUDGET_BYTES, MegatronWeightStream
 
 
 def replica_units(units: list[GatherUnit], converter: Any, stage: int) -> list[ReplicaUnit]:
@@ -116,46 +114,41 @@ class AssignedGatherer:
 class DistributedReplica:
     """This trainer rank's share of the inference-format weights, kept in host memory.
 
-    Construction is collective over `group` (the trainer job, whose rank of this process
-    is `rank`): every rank lists its stage's units, all lists and rank coordinates are
-    all-gathered, and every rank computes the same `assignment`. `cost` (bytes sent per
-    HF tensor, from the transfer plan's layouts) balances sending instead of memory.
-    `refresh()` (collective over each stage) gathers and converts the current weights.
+    Built over the trainer's `MegatronWeightStream` (its chunks, layout, converter and
+    trainer group). Construction is collective over that group (its default: the whole
+    trainer job): every rank lists its stage's units, all lists and rank coordinates are
+    all-gathered, and every rank computes the same `assignment`. `rank` is this process's
+    global rank (the holders are global ranks). `cost` (bytes sent per HF tensor, from the
+    transfer plan's layouts) balances sending instead of memory. `refresh()` (collective
+    over each stage) walks the stream with this rank's assigned gathers.
     """
 
-    def __init__(self, chunks: list[torch.nn.Module], layout: ParallelLayout, converter: Any, *, rank: int,
-                 group: Any = None, cost: Mapping[str, int] | None = None,
+    def __init__(self, stream: MegatronWeightStream, *, rank: int, cost: Mapping[str, int] | None = None,
                  gather_budget_bytes: int = DEFAULT_GATHER_BUDGET_BYTES, tracker: GatherMemoryTracker | None = None):
-        self._chunks, self.layout, self.converter = chunks, layout, converter
-        self.me = TrainerRank.of(layout, rank)
-        self.tracker = tracker or GatherMemoryTracker()
-        units = self._units()
-        self._unit_names = [u.name for u in units]
-        self.assignment = _all_assign(self.me, replica_units(units, converter, layout.pp_rank), group, cost)
+        self.stream, self.layout, self.converter = stream, stream.layout, stream.converter
+        self.me = TrainerRank.of(self.layout, rank)
+        self.tracker = tracker or stream.tracker
+        units = stream.units()
+        self.assignment = _all_assign(self.me, replica_units(units, self.converter, self.layout.pp_rank),
+                                      stream.group, cost)
         ranks = {r.rank: r for r in self.assignment.ranks}
-        self._gatherer = AssignedGatherer(layout, self.me, ranks, self.assignment.holder_of(),
+        self._gatherer = AssignedGatherer(self.layout, self.me, ranks, self.assignment.holder_of(),
                                           budget_bytes=gather_budget_bytes, tracker=self.tracker)
-        self.tensors = self._allocate(units)
-        self.phase_seconds = {"gather": 0.0, "convert": 0.0}
-
-    def _units(self) -> list[GatherUnit]:
-        tensors = walk_model_chunks(self._chunks, self.layout, is_buffer=self.converter.is_buffer)
-        return [u for u in plan_gather_units(tensors, self.layout) if not self.converter.is_skipped(u.name)]
-
-    def _allocate(self, units: list[GatherUnit]) -> dict[str, torch.Tensor]:
-        """Allocate host buffers for exactly the HF tensors this rank holds (pinned when CUDA exists)."""
         holder = self.assignment.holder_of()
-        out = {}
-        for unit in units:
-            if holder[unit.name] == self.me.rank:
-                for m in self.converter.convert_meta(unit.name, unit.full_shape, unit.dtype):
-                    out[m.name] = torch.empty(m.shape, dtype=m.dtype, pin_memory=torch.cuda.is_available())
-        return out
+        self.metas = [m for u in units if holder[u.name] == self.me.rank
+                      for m in self.converter.convert_meta(u.name, u.full_shape, u.dtype)]
+        self.tensors = {m.name: torch.empty(m.shape, dtype=m.dtype, pin_memory=torch.cuda.is_available())
+                        for m in self.metas}  # allocated once: exactly this rank's share
 
     @property
     def held_bytes(self) -> int:
         """Return the bytes of host memory this rank's replica holds."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds the last `refresh` spent gathering and converting."""
+        return self.stream.phase_seconds
 
     def refresh(self) -> None:
         """Gather and convert the current weights into this rank's buffers (collective over the stage).
@@ -163,28 +156,8 @@ class DistributedReplica:
         A local conversion error is raised after the walk, so the stage's other ranks are
         never left waiting in a gather.
         """
-        units = self._units()
-        if [u.name for u in units] != self._unit_names:
-            raise RuntimeError("the model's parameters changed since the replica was planned; rebuild it")
-        self.phase_seconds = {"gather": 0.0, "convert": 0.0}
-        failure: Exception | None = None
-        gathered = self._gatherer.gather(units)
-        while True:
-            start = time.perf_counter()
-            item = next(gathered, None)
-            self.phase_seconds["gather"] += time.perf_counter() - start
-            if item is None:
-                break
-            if failure is None:
-                start = time.perf_counter()
-                try:
-                    for name, tensor in self.converter.convert(item[0].name, item[1]):
-                        self.tensors[name].copy_(tensor)
-                except Exception as exc:  # noqa: BLE001 — raised once the walk is complete
-                    failure = exc
-                self.phase_seconds["convert"] += time.perf_counter() - start
-        if failure is not None:
-            raise failure
+        for name, tensor in self.stream.walk(self._gatherer, self.metas):
+            self.tensors[name].copy_(tensor)
 
 
 def _all_assign(me: TrainerRank, units: list[ReplicaUnit], group: Any,

@@ -12,6 +12,7 @@ from typing import Union
 
 _REGISTRY: dict[str, Union[str, type]] = {
     "broadcast": "megatron_sync.transport.broadcast:BroadcastTransport",
+    "p2p": "megatron_sync.transport.p2p:P2PTransport",
     "sglang": "megatron_sync.engines.sglang.transport:SGLangTransport",
     "disk_delta": "megatron_sync.transport.disk_delta:DiskDeltaTransport",
 }

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from megatron_sync.engines.base import EngineAdapter
     from megatron_sync.parallel import ParallelLayout
     from megatron_sync.stream import HFWeightStream
+    from megatron_sync.transport.session import SyncSession
 
 Commit = Callable[[dict[str, torch.Tensor], int], None]
 """Make staged shards live as a version: `commit(shards, version)` (an engine's load, or a serving loop's)."""
@@ -70,6 +71,10 @@ class Transport(abc.ABC):
     """One endpoint of a transport. Subclasses register under `name` in `megatron_sync.transport`."""
 
     name: ClassVar[str]
+    meets_at_store: ClassVar[bool] = True
+    """True: the two jobs meet at weight_sync.master_address:master_port, where the drivers host and join a
+    sync session (the join handshake, `transport/session.py`) and pass it, ready, as `session=`. False: the
+    transport meets by its own means (disk_delta: files in the shared directory) and gets `session=None`."""
     rank: int
     world_size: int
     control: ControlChannel
@@ -83,13 +88,20 @@ class Transport(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def connect_trainer(cls, config: "WeightSyncConfig", layout: "ParallelLayout") -> "Transport":
-        """Return the endpoint of a joining trainer rank."""
+    def connect_trainer(cls, config: "WeightSyncConfig", layout: "ParallelLayout", *,
+                        session: Optional["SyncSession"] = None) -> "Transport":
+        """Return the endpoint of a joining trainer rank.
+
+        `session` (when `meets_at_store`) is the ready sync session both jobs
+        were admitted to (the drivers host and join it): build the transport's
+        rendezvous on `session.store` under a prefix carrying `session.id`
+        (`group.transport_group_over` does this for a process group).
+        """
 
     @classmethod
     @abc.abstractmethod
     def connect_inference(cls, config: "WeightSyncConfig", *, num_trainer_stages: int,
-                          inference_rank: int) -> "Transport":
+                          inference_rank: int, session: Optional["SyncSession"] = None) -> "Transport":
         """Return the endpoint of inference rank `inference_rank` (0-based among inference ranks)."""
 
     # ---- what every endpoint offers ----
@@ -186,6 +198,10 @@ class BucketTransport(Transport):
     """A transport that moves the plan's buckets from stage sources to every inference rank."""
 
     num_stages: int
+
+    max_buckets_in_flight: ClassVar[int] = 2
+    """Buckets a sender may have on the wire at once (a transport whose receivers must take
+    buckets strictly one after another says 1)."""
 
     @abc.abstractmethod
     def exchange_metadata(self, stage_metas: Optional[list[TensorMeta]]) -> list[list[TensorMeta]]:

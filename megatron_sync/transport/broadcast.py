@@ -20,20 +20,25 @@ from megatron_sync.meta import TensorMeta
 from megatron_sync.plan import BucketPlan
 from megatron_sync.transport.base import BucketHeader, BucketTransport, PendingBucket
 from megatron_sync.transport.control import StoreControlChannel
-from megatron_sync.transport.group import Pending, TransportGroup, init_transport_group
+from megatron_sync.transport.group import Pending, TransportGroup, transport_group_over
 
 if TYPE_CHECKING:
     from megatron_sync.config import WeightSyncConfig
     from megatron_sync.parallel import ParallelLayout
+    from megatron_sync.transport.session import SyncSession
 
 GROUP_NAME = "megatron_sync"
 
 
-def connect_group(config: "WeightSyncConfig", world_size: int, rank: int) -> TransportGroup:
-    """Return the transport group of `world_size` ranks at the config's rendezvous, as `rank`."""
+def connect_group(config: "WeightSyncConfig", session: Optional["SyncSession"], world_size: int,
+                  rank: int) -> TransportGroup:
+    """Return the transport group of `world_size` ranks over the session's store, as `rank`."""
+    if session is None:
+        raise ValueError("the broadcast transport meets at the drivers' sync session: pass session= "
+                         "(TrainerWeightSync / InferenceWeightSync do)")
     backend = config.resolved_backend(torch.cuda.is_available())
-    return init_transport_group(config.master_address, config.master_port, world_size, rank,
-                                backend=backend, timeout=config.timeout_s, group_name=GROUP_NAME)
+    return transport_group_over(session, world_size, rank, backend=backend, timeout=config.timeout_s,
+                                group_name=GROUP_NAME)
 
 
 class BroadcastTransport(BucketTransport):
@@ -42,15 +47,17 @@ class BroadcastTransport(BucketTransport):
     name = "broadcast"
 
     @classmethod
-    def connect_trainer(cls, config: "WeightSyncConfig", layout: "ParallelLayout") -> "BroadcastTransport":
+    def connect_trainer(cls, config: "WeightSyncConfig", layout: "ParallelLayout", *,
+                        session: Optional["SyncSession"] = None) -> "BroadcastTransport":
         world = layout.pp + config.num_inference_ranks
-        return cls(connect_group(config, world, rank=layout.pp_rank), layout.pp)
+        return cls(connect_group(config, session, world, rank=layout.pp_rank), layout.pp)
 
     @classmethod
     def connect_inference(cls, config: "WeightSyncConfig", *, num_trainer_stages: int,
-                          inference_rank: int) -> "BroadcastTransport":
+                          inference_rank: int, session: Optional["SyncSession"] = None) -> "BroadcastTransport":
         world = num_trainer_stages + config.num_inference_ranks
-        return cls(connect_group(config, world, rank=num_trainer_stages + inference_rank), num_trainer_stages)
+        return cls(connect_group(config, session, world, rank=num_trainer_stages + inference_rank),
+                   num_trainer_stages)
 
     def __init__(self, group: TransportGroup, num_stages: int) -> None:
         if not 0 < num_stages < group.world_size:

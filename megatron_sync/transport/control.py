@@ -23,7 +23,7 @@ class ControlOp(str, enum.Enum):
     """What a control message asks of the inference ranks."""
 
     SYNC = "sync"  # receive and commit `version`
-    STOP = "stop"  # acknowledge and leave; the engine keeps the version it holds
+    STOP = "stop"  # acknowledge and leave; the engine keeps the version it holds (payload: optional reason)
     APP = "app"  # an application message: `payload` goes to the application's handler
 
 
@@ -36,7 +36,8 @@ class Report(str, enum.Enum):
 
 @dataclass(frozen=True)
 class ControlMessage:
-    """One message from the leader; `payload` (JSON-serialisable) only for APP messages."""
+    """One message from the leader; `payload` (JSON-serialisable): an APP message's content, or a STOP's
+    `{"reason": ...}` when the trainer stopped for a reason other than finishing."""
 
     op: ControlOp
     version: int = 0

@@ -85,6 +85,7 @@ class DiskDeltaTransport(Transport):
     """One endpoint: a stage source (a writer) or an inference rank (a reader on its host's applier)."""
 
     name = "disk_delta"
+    meets_at_store = False  # the jobs meet through files in delta_dir/control (no network between them)
 
     def __init__(self, config: "WeightSyncConfig", *, rank: int, num_stages: int, control: ControlChannel,
                  version_offset: int, gather: Optional[sessions.FileGather] = None,
@@ -99,7 +100,8 @@ class DiskDeltaTransport(Transport):
     # ---- connecting
 
     @classmethod
-    def connect_trainer(cls, config: "WeightSyncConfig", layout: "ParallelLayout") -> "DiskDeltaTransport":
+    def connect_trainer(cls, config: "WeightSyncConfig", layout: "ParallelLayout", *,
+                        session: Any = None) -> "DiskDeltaTransport":
         from megatron_sync.delta.writer import DeltaWriter
 
         # Every stage source reads the same number: no writer of this run has published yet.
@@ -126,7 +128,7 @@ class DiskDeltaTransport(Transport):
 
     @classmethod
     def connect_inference(cls, config: "WeightSyncConfig", *, num_trainer_stages: int,
-                          inference_rank: int) -> "DiskDeltaTransport":
+                          inference_rank: int, session: Any = None) -> "DiskDeltaTransport":
         rank = num_trainer_stages + inference_rank
         session = sessions.join_session(
             control_dir(config.delta_dir), inference_rank=inference_rank, num_stages=num_trainer_stages,

@@ -2,9 +2,10 @@
 
 The group joins the ranks a transport needs (for broadcast: the P stage
 source ranks, group ranks 0..P-1, then the N inference ranks P..P+N-1). It is
-built from a TCPStore rendezvous under a PrefixStore, so separately launched
-jobs can join it, and it never touches (or is registered as) the training
-job's default group: collectives are called on the backend object itself, and
+built over the store of a sync session (`session.py`: the rendezvous and its
+join handshake) under a prefix unique to the session, so separately launched
+jobs can join it and nobody else can, and it never touches (or is registered
+as) the training job's default group: collectives are called on the backend object itself, and
 each is bounded by `timeout_s`. The store also carries small control data
 (`post` / `fetch`), which the control channel builds on.
 """
@@ -20,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_sync.errors import PeerFailureError, SyncError
+from megatron_sync.transport.rendezvous import Identity
+from megatron_sync.transport.session import SyncSession
 
 
 class StoreBoard:
@@ -59,6 +62,13 @@ class StoreBoard:
         except (RuntimeError, dist.DistStoreError) as e:
             raise self._failure(f"waiting for {key!r}", e) from e
 
+    def delete(self, key: str) -> None:
+        """Remove `key` (a consumed value), so per-version keys do not pile up in the store."""
+        try:
+            self._store.delete_key(self._prefix + key)
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise self._failure(f"deleting {key!r}", e) from e
+
     def close(self) -> None:
         self._store = None
 
@@ -74,6 +84,11 @@ class TransportGroup:
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.board = StoreBoard(store, prefix=f"{group_name}/post/", rank=rank, timeout_s=timeout_s,
                                 failure=self._fail)
+        self._owned_session: Any = None
+
+    def owns(self, session: Any) -> None:
+        """Close `session` with this group (a bare group that hosted or joined its own)."""
+        self._owned_session = session
 
     def _fail(self, op: str, error: BaseException) -> PeerFailureError:
         return PeerFailureError(
@@ -93,6 +108,20 @@ class TransportGroup:
         if not async_op:
             pending.wait()
         return pending
+
+    def send(self, tensor: torch.Tensor, dst: int, *, tag: int = 0) -> "Pending":
+        """Start sending `tensor` to group rank `dst`; return the in-flight handle (bounded `wait`)."""
+        try:
+            return Pending(self, f"send to rank {dst}", self._pg.send([tensor], dst, tag))
+        except RuntimeError as e:
+            raise self._fail(f"send to rank {dst}", e) from e
+
+    def recv(self, tensor: torch.Tensor, src: int, *, tag: int = 0) -> "Pending":
+        """Start receiving into `tensor` from group rank `src`; return the in-flight handle (bounded `wait`)."""
+        try:
+            return Pending(self, f"receive from rank {src}", self._pg.recv([tensor], src, tag))
+        except RuntimeError as e:
+            raise self._fail(f"receive from rank {src}", e) from e
 
     def _all_gather(self, mine: torch.Tensor) -> list[torch.Tensor]:
         """Return every rank's `mine` (same shape on every rank), indexed by rank."""
@@ -140,6 +169,9 @@ class TransportGroup:
             self._pg = None
             self._store = None
             self.board.close()
+        if self._owned_session is not None:
+            self._owned_session.close()
+            self._owned_session = None
 
 
 class Pending:
@@ -162,11 +194,12 @@ class Pending:
         if self.done_at is None:
             self.done_at = time.perf_counter()
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: Optional[float] = None) -> None:
+        """Block until done, at most `timeout_s` (None: the group's timeout); PeerFailureError after."""
         if self._work is None:
             return
         try:
-            self._work.wait(datetime.timedelta(seconds=self._group.timeout_s))
+            self._work.wait(datetime.timedelta(seconds=self._group.timeout_s if timeout_s is None else timeout_s))
         except RuntimeError as e:
             raise self._group._fail(self._op, e) from e
         finally:
@@ -180,24 +213,48 @@ class Pending:
 def init_transport_group(master_address: str, master_port: int, world_size: int, rank: int, *,
                          backend: str = "gloo", timeout: float = 300.0,
                          group_name: str = "megatron_sync") -> TransportGroup:
-    """Return the transport group after a TCP rendezvous (rank 0 hosts the store).
+    """Return a bare transport group of `world_size` ranks after a rendezvous hosted by rank 0.
+
+    For code that forms a group without the drivers (tests, benchmarks): the
+    ranks still meet through a sync session (`session.SyncSession`), so a rank
+    beyond `world_size`, a second group on the same port, a port in use or a
+    port held by something silent are refused or reported by name rather than
+    absorbed into the group. The drivers host and join the session themselves,
+    with the jobs' full identities, and call `transport_group_over`.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+    me = Identity(job="", role="member", member=rank, expects={"world_size": world_size})
+    if rank == 0:
+        session = SyncSession.host(master_address, master_port, me, members={"member": world_size}, timeout_s=timeout)
+    else:
+        session = SyncSession.join(master_address, master_port, me, timeout_s=timeout)
+    try:
+        session.wait_ready()
+        group = transport_group_over(session, world_size, rank, backend=backend, timeout=timeout,
+                                     group_name=group_name)
+    except BaseException:
+        session.close()
+        raise
+    group.owns(session)
+    return group
+
+
+def transport_group_over(session: SyncSession, world_size: int, rank: int, *, backend: str = "gloo",
+                         timeout: float = 300.0, group_name: str = "megatron_sync") -> TransportGroup:
+    """Return the transport group over a ready sync session's store (keys under the session's own prefix).
 
     Works across separately launched jobs and alongside an existing default
-    group: the backend is constructed straight from a PrefixStore(group_name),
-    the way SGLang's `init_custom_process_group` does, and not registered with
-    torch.distributed's world.
+    group: the backend is constructed straight from a PrefixStore, the way
+    SGLang's `init_custom_process_group` does, and not registered with
+    torch.distributed's world. The prefix carries the session id, so ranks of
+    another session can never land in this group.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
     delta = datetime.timedelta(seconds=timeout)
-    try:
-        store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout=delta)
-    except (RuntimeError, dist.DistStoreError) as e:
-        raise PeerFailureError(
-            f"[transport rank {rank}] rendezvous at {master_address}:{master_port} for "
-            f"{world_size} ranks did not complete within {timeout:g}s: {e}"
-        ) from e
-    prefixed = dist.PrefixStore(group_name, store)
+    name = f"{group_name}/{session.id}"
+    prefixed = dist.PrefixStore(name, session.store)
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, delta)
     elif backend == "nccl":
@@ -208,5 +265,5 @@ def init_transport_group(master_address: str, master_port: int, world_size: int,
         pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     else:
         raise ValueError(f"backend={backend!r} is not valid; use 'gloo' or 'nccl'")
-    return TransportGroup(pg, store, rank=rank, world_size=world_size, backend=backend,
-                          timeout_s=timeout, group_name=group_name)
+    return TransportGroup(pg, session.store, rank=rank, world_size=world_size, backend=backend,
+                          timeout_s=timeout, group_name=name)

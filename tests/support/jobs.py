@@ -11,17 +11,27 @@ first (a test that registers its own family or transport). `case["quantization_c
 goes into both jobs' HF config (the trainer quantizes, the engine dequantizes);
 with `case["record_unquantized"]` the trainer also returns, per version, the
 same gather and conversion without quantization (the reference quantizers' input).
+With `case["record_failures"]` a job returns what failed instead of raising: the
+trainer goes on after a sync every rank agreed to abort (the next step syncs
+the same version number again) and stops at any other error; an engine rank
+stops at its first error and returns the shards it holds then.
+`run_pair(..., outcomes=True)` returns every rank's outcome, so a test can kill
+ranks on purpose. `case["keep_tensors"] = False` returns versions and metrics
+only (benchmarks).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
 
-from tests.support.dist import free_port, run_distributed
+from tests.support.dist import free_port, run_distributed, run_ranks
 
 EVAL_TOKENS = torch.randint(0, 200, (2, 10), generator=torch.Generator().manual_seed(7))
 
@@ -70,6 +80,7 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     """Train and sync; return {"sent": [{name: tensor} per version] (leader), "logits": [...]}."""
     _setup(case)
     from megatron_sync.callback import WeightSyncCallback
+    from megatron_sync.p2p.replica import DistributedReplica
     from megatron_sync.parallel import ParallelLayout
     from tests.support import models
     from tests.support.dist import init_megatron
@@ -82,22 +93,71 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     layout = ParallelLayout.from_megatron()
     ddp = wrap_in_ddp(chunks)
     optimizer = make_optimizer(ddp, lr=1e-3)
-    sent, logits, unquantized = [], [], []
+    sent, logits, unquantized, metrics, received, failures = [], [], [], [], [], []
     with WeightSyncCallback.from_config(sync_config(case), ddp, hf_config=case_hf_config(case),
                                         layout=layout) as callback:
+        syncer = callback.syncer
         for version in range(1, case["versions"] + 1):
             if version > 1:
                 tokens = torch.randint(0, spec.vocab_size, (2, 12), generator=torch.Generator().manual_seed(version))
                 train_step(ddp, optimizer, tokens, layout)
-            callback.syncer.sync()
-            logits.append(models.megatron_logits(chunks, EVAL_TOKENS))
+            started = time.monotonic()
+            try:
+                metrics.append(syncer.sync().to_json())
+            except Exception as e:  # noqa: BLE001 — recorded for the test, or raised
+                if not case.get("record_failures"):
+                    raise
+                failures.append({"step": version, "aborted": _aborted(e), "text": traceback.format_exc(),
+                                 "seconds": time.monotonic() - started})
+                if _aborted(e):
+                    continue
+                break
+            _hold_after(case, version)
+            if case.get("keep_tensors", True):
+                logits.append(models.megatron_logits(chunks, EVAL_TOKENS))
+                sent.append(_sent_here(syncer))
             if case.get("record_unquantized"):
                 unquantized.append(_unquantized_hf_tensors(chunks, layout, case))
-            sender = callback.syncer.sender
-            if callback.syncer.is_leader:
-                sent.append({e.name: sender.replica.view(e.name).clone()
-                             for b in sender.replica.buckets for e in b.entries})
-    return {"sent": sent, "logits": logits, "unquantized": unquantized}
+            if case.get("receiver_metrics") and syncer.is_leader:
+                received.append([m.to_json() for m in syncer.receiver_metrics(syncer.version)])
+        replica = getattr(syncer.sender, "replica", None)
+    out = {"sent": sent, "logits": logits, "unquantized": unquantized, "metrics": metrics, "received": received,
+           "failures": failures}
+    if isinstance(replica, DistributedReplica):  # P2P: this rank's share of the replica
+        out["replica"] = {"held": replica.held_bytes, "assigned": replica.assignment.bytes_per_rank()[replica.me.rank]}
+    return out
+
+
+def _aborted(error: Exception) -> bool:
+    """True when every trainer rank agrees the sync was aborted (the transport stays usable)."""
+    from megatron_sync.errors import AgreedFailure
+
+    return isinstance(error, AgreedFailure) and all(m.startswith("SyncAbortedError") for _, m in error.failures)
+
+
+def _sent_here(syncer) -> dict[str, torch.Tensor]:
+    """Return what this rank sent in the last sync: its P2P share, or (broadcast leader) its stage's buckets."""
+    from megatron_sync.p2p.replica import DistributedReplica
+
+    replica = syncer.sender.replica
+    if isinstance(replica, DistributedReplica):
+        return {name: t.clone() for name, t in replica.tensors.items()}
+    if not syncer.is_leader:
+        return {}
+    return {e.name: replica.view(e.name).clone() for b in replica.buckets for e in b.entries}
+
+
+def _hold_after(case: dict, version: int) -> None:
+    """`case["hold"] = {"after_version": v, "until_file": path}`: after syncing v, wait until the test
+    creates `path` (a test that does something between two syncs)."""
+    hold = case.get("hold")
+    if not hold or version != hold["after_version"]:
+        return
+    deadline = time.monotonic() + case.get("timeout_s", 60.0) * 2
+    while not os.path.exists(hold["until_file"]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{hold['until_file']} did not appear")
+        time.sleep(0.1)
 
 
 def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
@@ -109,28 +169,43 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     config = sync_config(case)
     me = join(config, case_hf_config(case))
     isync = InferenceWeightSync(config, me.engine, num_trainer_stages=case["layout"].get("pp", 1),
-                                inference_rank=me.rank, engine_group=me.group)
-    held = []
+                                inference_rank=me.rank, engine_group=me.group, hf_config=me.hf_config,
+                                job_id=me.job_id)
+    held, failure, started = [], None, time.monotonic()
     try:
-        while isync.handle(isync.next_control(timeout_s=case.get("timeout_s", 60.0) * 2), {}):
+        while True:
+            message = isync.next_control(timeout_s=case.get("timeout_s", 60.0) * 2)
+            started = time.monotonic()
+            if not isync.handle(message, {}):
+                break
             held.append({"version": me.engine.version, "shards": me.engine.snapshot(),
-                         "logits": me.engine.logits(EVAL_TOKENS)})
+                         "logits": me.engine.logits(EVAL_TOKENS)} if case.get("keep_tensors", True)
+                        else {"version": me.engine.version})
+    except Exception as e:  # noqa: BLE001 — recorded for the test, or raised
+        if not case.get("record_failures"):
+            raise
+        failure = {"type": type(e).__name__, "text": traceback.format_exc(), "seconds": time.monotonic() - started,
+                   "version": me.engine.version, "shards": me.engine.snapshot()}
     finally:
         isync.close()
-    return {"held": held}
+    return {"held": held, "failure": failure}
 
 
 def run_pair(case: dict, timeout: float = 240.0, *, trainer: Callable = trainer_job,
-             engine: Callable = engine_job) -> tuple[list, list]:
+             engine: Callable = engine_job, outcomes: bool = False) -> tuple[Any, Any]:
     """Run the trainer job and the inference job of `case` concurrently; return both jobs' per-rank results.
 
     `trainer` / `engine` replace the job functions (module-level, with the same signatures).
+    With `outcomes` every rank runs to its end whatever the others do, and each job's
+    `{rank: (status, value)}` of `run_ranks` is returned (a killed rank reads "exited").
     """
     case = {"port": free_port(), "engines": 1, "engine_tp": 2, "layout": {}, "versions": 2, **case}
     trainer_world = _world(case["layout"])
+    run = (lambda fn, world: run_ranks(fn, world, case, timeout=timeout)) if outcomes else \
+        (lambda fn, world: run_distributed(fn, world, case, timeout=timeout))
     with ThreadPoolExecutor(max_workers=2) as pool:
-        trainers = pool.submit(run_distributed, trainer, trainer_world, case, timeout=timeout)
-        engines = pool.submit(run_distributed, engine, case["engines"] * case["engine_tp"], case, timeout=timeout)
+        trainers = pool.submit(run, trainer, trainer_world)
+        engines = pool.submit(run, engine, case["engines"] * case["engine_tp"])
         return trainers.result(), engines.result()
 
 

@@ -236,12 +236,15 @@ def _layer_specs(spec: ModelSpec, config, vp_stage, pp_rank):
     return block
 
 
-def build_model_chunks(spec: ModelSpec, *, vpp: int | None = None) -> list:
+def build_model_chunks(spec: ModelSpec, *, vpp: int | None = None, pg_collection=None) -> list:
     """Build this rank's GPTModel chunk(s) under the already initialized ``parallel_state``.
 
     ``vpp`` defaults to parallel_state's virtual pipeline size; if given it must agree.
     Chunks are in eval mode, float32, on CPU, with the vocabulary padded per
-    ``padded_vocab_size`` and pre/post_process set per PP/VPP stage.
+    ``padded_vocab_size`` and pre/post_process set per PP/VPP stage. A
+    ``pg_collection`` (megatron-core's ProcessGroupCollection) builds the model
+    over its groups instead (one stage; its TP size), e.g. a second layout in
+    the same processes.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -253,7 +256,7 @@ def build_model_chunks(spec: ModelSpec, *, vpp: int | None = None) -> list:
     if vpp is not None and state_vpp is not None and vpp != state_vpp:
         raise ValueError(f"vpp={vpp} disagrees with parallel_state's virtual pipeline size {state_vpp}")
     vpp = vpp if vpp is not None else state_vpp
-    tp = ps.get_tensor_model_parallel_world_size()
+    tp = ps.get_tensor_model_parallel_world_size() if pg_collection is None else pg_collection.tp.size()
     config = megatron_config(
         spec, tp=tp, pp=ps.get_pipeline_model_parallel_world_size(), vpp=vpp,
         ep=ps.get_expert_model_parallel_world_size(),
@@ -274,6 +277,7 @@ def build_model_chunks(spec: ModelSpec, *, vpp: int | None = None) -> list:
             position_embedding_type="rope",
             rotary_base=spec.rope_theta,
             vp_stage=stage,
+            pg_collection=pg_collection,
         )
         model.megatron_sync_spec = spec  # lets megatron_logits trim the padded vocabulary
         chunks.append(model.eval())

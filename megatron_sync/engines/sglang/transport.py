@@ -116,6 +116,8 @@ class SGLangTransport(BucketTransport):
     """Rank 0 of SGLang's update group: sends plan buckets to the SGLang servers of `weight_sync.engines`."""
 
     name = "sglang"
+    max_buckets_in_flight = 1  # each bucket's HTTP announcements and broadcast finish before the next's
+    meets_at_store = False  # SGLang's update group has its own rendezvous at master_address:master_port
 
     def __init__(self, group: TransportGroup, process_group: Any, urls: list[str], timeout_s: float) -> None:
         self.group, self._process_group, self.urls, self.timeout_s = group, process_group, urls, timeout_s
@@ -125,7 +127,8 @@ class SGLangTransport(BucketTransport):
         self._lock = threading.Lock()
 
     @classmethod
-    def connect_trainer(cls, config: "WeightSyncConfig", layout: "ParallelLayout") -> "SGLangTransport":
+    def connect_trainer(cls, config: "WeightSyncConfig", layout: "ParallelLayout", *,
+                        session: Any = None) -> "SGLangTransport":
         """Return rank 0 of the update group (the engines' joins, started by their clients, run meanwhile)."""
         if layout.pp != 1:
             raise ValueError(f"transport 'sglang' takes one trainer pipeline stage (SGLang receives from update "
@@ -142,7 +145,7 @@ class SGLangTransport(BucketTransport):
 
     @classmethod
     def connect_inference(cls, config: "WeightSyncConfig", *, num_trainer_stages: int,
-                          inference_rank: int) -> "SGLangTransport":
+                          inference_rank: int, session: Any = None) -> "SGLangTransport":
         raise ValueError("transport 'sglang' has no megatron-sync inference ranks: SGLang's own ranks receive, "
                          "driven over HTTP by the trainer (weight_sync.engines)")
 

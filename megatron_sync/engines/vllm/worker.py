@@ -76,7 +76,8 @@ class MegatronSyncTransferEngine(WeightTransferEngine[JoinInfo, UpdateInfo]):
             config = init_info.config()
             self.adapter.configure(config.family, dtype_from_name(config.dtype))
             self._sync = InferenceWeightSync(config, self.adapter, num_trainer_stages=init_info.num_trainer_stages,
-                                             inference_rank=init_info.first_inference_rank + self.worker_rank)
+                                             inference_rank=init_info.first_inference_rank + self.worker_rank,
+                                             hf_config=self.vllm_config.model_config.hf_config)
         except Exception as e:  # noqa: BLE001 — see the module doc
             self._leave_group()
             self._refuse("/init_weight_transfer_engine", e)

@@ -1,0 +1,103 @@
+"""The demo refuses a bad job file before it launches anything, naming the key; no setting is replaced."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+import yaml
+
+from megatron_sync.config import WeightSyncConfig
+from tests.support.dist import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _job(tmp_path, edit) -> str:
+    with open(os.path.join(ROOT, "configs", "demo_qwen3_moe_ep2.yaml")) as f:
+        job = yaml.safe_load(f)
+    job["weight_sync"]["master_port"] = free_port()
+    edit(job)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return str(path)
+
+
+BAD_FILES = [
+    (lambda j: j["model"].update(hiden_size=64), "unknown keys ['hiden_size'] in 'model:'"),
+    (lambda j: j["train"].update(steps="three"), "train.steps='three' must be int"),
+    (lambda j: j["train"].update(stpes=3), "unknown keys ['stpes'] in 'train:'"),
+    (lambda j: j["model"].update(num_heads=True), "model.num_heads=True must be int"),
+    (lambda j: (j["trainer"].update(ep=4, world_size=4), j["model"].update(num_experts=6)),
+     "trainer.ep=4 must divide model.num_experts=6"),
+    (lambda j: j["weight_sync"].update(engine_tp_size=3, num_inference_ranks=3),
+     "weight_sync.engine_tp_size=3 must divide model.num_heads=4"),
+    (lambda j: j["model"].update(family="qwen4"), "model: "),
+    (lambda j: j["model"].pop("family"), "the 'model:' section must name a 'family'"),
+    (lambda j: j["weight_sync"].update(family="llama"), "weight_sync.family='llama' but model.family is 'qwen3_moe'"),
+    (lambda j: j["weight_sync"].update(timeout_s=-1), "weight_sync: timeout_s must be a number > 0"),
+    (lambda j: j.update(trainr={}), "unknown sections ['trainr']"),
+]
+
+
+@pytest.mark.parametrize("edit, words", BAD_FILES, ids=[w[:40] for _, w in BAD_FILES])
+def test_a_bad_job_file_is_refused_before_launch_naming_the_key(tmp_path, capsys, edit, words):
+    from examples.demo import main
+
+    start = time.monotonic()
+    code = main(["--config", _job(tmp_path, edit)])
+    out = capsys.readouterr().out
+    assert code == 2 and words in out, out
+    assert "job pid" not in out  # nothing was launched
+    assert time.monotonic() - start < 30
+
+
+def test_the_demo_keeps_the_files_port_and_refuses_one_in_use(tmp_path, capsys):
+    from examples.demo import main
+
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        code = main(["--config", _job(tmp_path, lambda j: j["weight_sync"].update(master_port=port))])
+    out = capsys.readouterr().out
+    assert code == 2, out
+    assert f"weight_sync.master_port {port} is in use on this machine" in out and "job pid" not in out
+
+
+def test_no_family_is_filled_in_and_the_trainer_says_where_to_set_it(tmp_path):
+    from megatron_sync.sync import build_converter
+
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump({"weight_sync": {"hf_config_path": "config.json"}}))
+    config = WeightSyncConfig.from_yaml(str(path))
+    assert config.family is None
+    with pytest.raises(ValueError, match=r"weight_sync.family is not set: name the model family being trained"):
+        build_converter(config, hf_config={"model_type": "qwen3"})
+    assert WeightSyncConfig.from_yaml(str(path), defaults={"sync_on_start": True}).sync_on_start
+
+
+def test_serve_reads_the_family_from_the_model_it_serves_or_says_where_to_set_it():
+    from megatron_sync.serve import with_model_family
+    from tests.support.models import ModelSpec, hf_config
+
+    assert with_model_family(WeightSyncConfig(), hf_config(ModelSpec("qwen3_moe"))).family == "qwen3_moe"
+    assert with_model_family(WeightSyncConfig(family="qwen3"), None).family == "qwen3"
+
+    class Unknown:
+        model_type = "gpt_neox"
+
+    with pytest.raises(ValueError, match=r"gpt_neox.*set weight_sync.family \(or --weight-sync-family\)"):
+        with_model_family(WeightSyncConfig(), Unknown())
+
+
+@pytest.mark.parametrize("run_id, ok", [("run-7.a_b", True), (None, True), ("", False), ("a/b", False),
+                                        ("x" * 65, False)])
+def test_run_id_is_a_plain_name(run_id, ok):
+    if ok:
+        assert WeightSyncConfig(run_id=run_id).run_id == run_id
+    else:
+        with pytest.raises(ValueError, match="run_id="):
+            WeightSyncConfig(run_id=run_id)

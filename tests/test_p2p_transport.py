@@ -1,0 +1,232 @@
+"""The P2P transport through the unchanged drivers (`TrainerWeightSync` / `InferenceWeightSync`).
+
+A Megatron trainer job and a separately launched reference-engine job meet at the rendezvous
+with `transport: p2p`; every trainer rank joins and sends its own share. Checked on both byte
+movers (torch.distributed over gloo, Mooncake over TCP):
+
+- every engine shard of version 1 equals, bit for bit, the single-rank conversion of the same
+  seeded weights sliced the engine's way; version 2 (after a training step) equals the
+  trainer ranks' shares put together, sliced the same way; the engine's logits equal the
+  trainer's Megatron forward;
+- the bytes each inference rank received, measured at the transport and reported in its
+  SyncMetrics, equal its shard bytes (ratio 1.00), and what the trainer ranks sent adds up
+  to the same; each trainer rank's replica holds exactly its assigned share, no rank a whole
+  stage, and every HF tensor is held by exactly one rank;
+- failure: a sender that fails (but lives) aborts the version on every rank and the next sync
+  goes ahead; a sender killed mid-transfer gives every surviving rank a clear error within
+  timeout_s, and the engines keep the previous version's exact shards.
+
+Most layout combinations (TP=2, EP=2, TP=2+EP=2, PP=2 into TP=1, TP=2 with replicated KV heads,
+two engines) run in tests/test_p2p_end_to_end.py, which drives the P2P pieces directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from megatron_sync.transport import register_transport
+from megatron_sync.transport.p2p import P2PTransport
+
+LOGITS_ATOL = 1e-4  # float32, different kernels and reduction order
+SEED = 3  # tests.support.jobs.trainer_job's reference weights
+KILLED_RANK = 1
+KILL_EXIT_CODE = 17
+
+
+class _FaultyP2P(P2PTransport):
+    """P2P whose trainer rank 1 fails to prepare its second sync, then dies while sending its fourth."""
+
+    name = "p2p_faulty"
+
+    @classmethod
+    def make_sender(cls, transport, stream, config, keep_together):
+        sender = super().make_sender(transport, stream, config, keep_together)
+        if transport.rank == KILLED_RANK:
+            refresh, syncs = sender.replica.refresh, [0]
+
+            def failing_second_refresh():
+                syncs[0] += 1
+                if syncs[0] == 2:
+                    raise RuntimeError("injected conversion failure on trainer rank 1")
+                refresh()
+
+            sender.replica.refresh = failing_second_refresh
+            # syncs 1 and 3 write every message, sync 2 none: die on the second write of sync 4
+            transport.mover = _DieOnWrite(transport.mover, 2 * sender.messages + 2)
+        return sender
+
+
+class _DieOnWrite:
+    """A byte mover that ends its process on its `nth` write (after `nth - 1` went out)."""
+
+    def __init__(self, mover, nth: int) -> None:
+        self._mover, self._left = mover, nth
+
+    def __getattr__(self, name):
+        return getattr(self._mover, name)
+
+    def write(self, message, ranges, payload) -> None:
+        self._left -= 1
+        if self._left == 0:
+            os._exit(KILL_EXIT_CODE)
+        self._mover.write(message, ranges, payload)
+
+
+register_transport("p2p_faulty", _FaultyP2P)  # at import: every spawned job imports this module
+
+
+def _case(backend: str, **case) -> dict:
+    case.setdefault("weight_sync", {})
+    case["weight_sync"] = {"transport": "p2p", "p2p_backend": backend, "p2p_local_hostname": "127.0.0.1",
+                           "bucket_size_mb": 0.02, "gather_budget_mb": 0.05, **case["weight_sync"]}
+    return case
+
+
+def _reference_shards(case: dict, tp_rank: int) -> dict[str, torch.Tensor]:
+    """Return the engine's shards of a single-rank conversion of the trainer's seeded weights."""
+    from converters import get_converter
+    from tests.support import models
+
+    spec = models.ModelSpec(**case["spec"])
+    converter = get_converter(spec.family, models.hf_config(spec), dtype=torch.float32)
+    full = {}
+    for name, tensor in models.reference_weights(spec, seed=SEED).items():
+        full.update(converter.convert(name, tensor))
+    slicer = _slicer(case, tp_rank)
+    return {name: slicer.shard_of(name, t) for name, t in full.items()}
+
+
+def _slicer(case: dict, tp_rank: int):
+    from megatron_sync.engines.reference import ReferenceEngine
+    from tests.support.models import ModelSpec, hf_config
+
+    return ReferenceEngine(hf_config(ModelSpec(**case["spec"])), tp_rank=tp_rank, tp_size=case["engine_tp"])
+
+
+def _shard_bytes(shards: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in shards.values())
+
+
+CASES = [
+    pytest.param("torch", dict(spec={"family": "qwen3_moe", "num_kv_heads": 1}, layout={"ep": 2}, engine_tp=2,
+                               versions=2), id="ep2-into-tp2-replicated-kv-torch"),
+    # One version: a CPU training step of MoE under TP>1 needs sequence parallelism (TE norms).
+    pytest.param("mooncake", dict(spec={"family": "qwen3_moe"}, layout={"tp": 2, "ep": 2}, engines=2, engine_tp=1,
+                                  versions=1), id="tp2-ep2-into-two-engines-mooncake"),
+]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("backend,case", CASES)
+def test_p2p_syncs_exact_shards_and_only_shard_bytes_through_the_drivers(backend, case):
+    if backend == "mooncake":
+        pytest.importorskip("mooncake.engine")
+    from tests.support.jobs import run_pair
+
+    case = _case(backend, **case, receiver_metrics=True)
+    versions = list(range(1, case["versions"] + 1))
+    trainers, engines = run_pair(case, timeout=360)
+
+    # What was sent: the trainer ranks' shares, disjoint, together the whole checkpoint.
+    sent = [{} for _ in versions]
+    for t in trainers:
+        for version, share in enumerate(t["sent"]):
+            assert not set(share) & set(sent[version]), "two trainer ranks hold the same tensor"
+            sent[version].update(share)
+    reference = [_reference_shards(case, r) for r in range(case["engine_tp"])]
+    assert set(sent[0]) == set(reference[0])
+    if len(versions) > 1:
+        assert any(not torch.equal(sent[0][n], sent[1][n]) for n in sent[0]), "the training step changed nothing"
+
+    shard_bytes = []
+    for rank, engine in enumerate(engines):
+        tp_rank = rank % case["engine_tp"]
+        slicer = _slicer(case, tp_rank)
+        assert [h["version"] for h in engine["held"]] == versions
+        v1 = engine["held"][0]["shards"]
+        assert set(v1) == set(reference[tp_rank])
+        wrong = [n for n in v1 if not torch.equal(v1[n], reference[tp_rank][n])]
+        assert not wrong, f"inference rank {rank}, version 1: {wrong[:5]}"
+        for version, held in zip(versions[1:], engine["held"][1:]):
+            wrong = [n for n, shard in held["shards"].items() if not torch.equal(shard, slicer.shard_of(n, sent[version - 1][n]))]
+            assert not wrong, f"inference rank {rank}, version {version}: {wrong[:5]}"
+        for version, held in enumerate(engine["held"]):
+            diff = (held["logits"] - trainers[0]["logits"][version]).abs().max().item()
+            assert diff < LOGITS_ATOL, (rank, version, diff)
+        shard_bytes.append(_shard_bytes(v1))
+
+    # Bytes at the transport: each inference rank got exactly its shards; senders sent the sum.
+    for version, reports in enumerate(trainers[0]["received"], start=1):
+        received = {m["rank"]: m["bytes"] for m in map(json.loads, reports)}
+        ratios = {r: received[len(trainers) + r] / shard_bytes[r] for r in range(len(engines))}
+        assert all(ratio == 1.0 for ratio in ratios.values()), (version, ratios)
+        sent_bytes = sum(json.loads(t["metrics"][version - 1])["bytes"] for t in trainers)
+        assert sent_bytes == sum(shard_bytes), (version, sent_bytes, shard_bytes)
+    # The distributed replica: each rank holds its assigned share, none holds everything.
+    total = sum(t["replica"]["assigned"] for t in trainers)
+    for rank, t in enumerate(trainers):
+        assert t["replica"]["held"] == t["replica"]["assigned"] > 0, (rank, t["replica"])
+        assert t["replica"]["held"] < total
+    print(f"\n[{case['layout']} -> {case.get('engines', 1)} engine(s) TP={case['engine_tp']}, {backend}] "
+          f"replica bytes per trainer rank {[t['replica']['held'] for t in trainers]}; received per inference "
+          f"rank {[json.loads(m)['bytes'] for m in trainers[0]['received'][0]]} = shard bytes {shard_bytes}")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
+def test_a_failed_sender_aborts_everywhere_then_a_killed_one_leaves_engines_on_the_previous_version():
+    from tests.support.jobs import run_pair
+
+    timeout_s = 10.0
+    case = _case("torch", spec={"family": "qwen3_moe", "num_kv_heads": 1}, layout={"ep": 2}, engine_tp=2,
+                 versions=4, imports=[__name__], record_failures=True, timeout_s=timeout_s,
+                 weight_sync={"transport": "p2p_faulty"})
+    trainers, engines = run_pair(case, timeout=360, outcomes=True)
+
+    assert trainers[KILLED_RANK] == ("exited", KILL_EXIT_CODE), trainers[KILLED_RANK]
+    status, survivor = trainers[0]
+    assert status == "ok", survivor
+    aborted, dead = survivor["failures"]
+    # Step 2: rank 1 failed to convert; every rank agreed to abort; step 3 synced the same version number.
+    assert aborted["step"] == 2 and aborted["aborted"], aborted
+    assert "injected conversion failure on trainer rank 1" in aborted["text"]
+    assert len(survivor["metrics"]) == 2  # versions 1 and 2 (at step 3) went through
+    # Step 4 (version 3): rank 1 died mid-transfer; the survivor names the dead peer in time.
+    assert dead["step"] == 4 and not dead["aborted"] and "PeerFailureError" in dead["text"], dead["text"][-3000:]
+    assert dead["seconds"] < timeout_s + 10, dead["seconds"]
+    for rank, (status, engine) in engines.items():
+        assert status == "ok", engine
+        assert [h["version"] for h in engine["held"]] == [1, 1, 2]  # the aborted sync left version 1 live
+        failure = engine["failure"]
+        assert failure is not None and "PeerFailureError" in failure["text"], (rank, failure)
+        assert failure["seconds"] < timeout_s + 5, (rank, failure["seconds"])
+        assert failure["version"] == 2
+        before = engine["held"][-1]["shards"]
+        assert set(failure["shards"]) == set(before)
+        changed = [n for n in before if not torch.equal(failure["shards"][n], before[n])]
+        assert not changed, f"inference rank {rank} changed {changed[:5]} in a failed sync"
+    last = [dead["text"].strip().splitlines()[-1]] + [e["failure"]["text"].strip().splitlines()[-1]
+                                                     for _, e in engines.values()]
+    print(f"\nsurvivor trainer rank 0 failed after {dead['seconds']:.1f}s; engines after "
+          f"{[round(e['failure']['seconds'], 1) for _, e in engines.values()]}s (timeout_s={timeout_s:g}):\n  "
+          + "\n  ".join(line[:300] for line in last))
+
+
+def test_p2p_settings_are_validated_and_named():
+    from megatron_sync.config import P2P_BACKENDS, WeightSyncConfig
+    from megatron_sync.transport.p2p import MOVERS
+
+    assert set(MOVERS) == set(P2P_BACKENDS)
+    config = WeightSyncConfig(transport="p2p", p2p_backend="mooncake", p2p_protocol="rdma", p2p_device_name="mlx5_0")
+    assert (config.p2p_backend, config.p2p_protocol) == ("mooncake", "rdma")
+    for bad, words in [({"p2p_backend": "nixl"}, "p2p_backend='nixl' is not valid"),
+                       ({"p2p_protocol": "udp"}, "p2p_protocol='udp' is not valid"),
+                       ({"p2p_local_hostname": ""}, "p2p_local_hostname must be"),
+                       ({"engines": ["vllm=http://h:8000"]}, "engines driven over HTTP")]:
+        with pytest.raises(ValueError, match=words):
+            WeightSyncConfig(transport="p2p", **bad)

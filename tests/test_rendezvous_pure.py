@@ -1,0 +1,170 @@
+"""The join handshake as pure decisions, and the model digest's field list (tables, no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_sync.config import WeightSyncConfig
+from megatron_sync.model_digest import defining_field_names, model_digest, model_fields
+from megatron_sync.transport.rendezvous import Admission, Identity, expectations
+
+CONFIG = WeightSyncConfig(family="qwen3", num_inference_ranks=2, engine_tp_size=2, dtype="float32")
+QWEN3 = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 250,
+         "tie_word_embeddings": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
+
+
+def _trainer(**expects) -> Identity:
+    return Identity(job="T", role="trainer", member=0, session="S",
+                    expects={**expectations(CONFIG, trainer_stages=1, backend="gloo"), **expects},
+                    model=model_fields(QWEN3))
+
+
+def _engine(member: int = 0, job: str = "E", model: dict | None = None, **expects) -> Identity:
+    return Identity(job=job, role="inference", member=member,
+                    expects={**expectations(CONFIG, trainer_stages=1, backend="gloo"), **expects},
+                    model=model_fields({**QWEN3, **(model or {})}))
+
+
+def _admission(trainer: Identity | None = None) -> Admission:
+    return Admission("S", trainer or _trainer(), {"trainer": 1, "inference": 2})
+
+
+# ---- what a disagreement says ----
+
+DISAGREEMENTS = [
+    ({"num_inference_ranks": 1}, "trainer expects 2 inference ranks, this inference job has 1"),
+    ({"trainer_stages": 1, "_trainer": {"trainer_stages": 2}}, "trainer has 2 pipeline stages, this inference job expects 1"),
+    ({"engine_tp_size": 1}, "trainer expects engines of 2 ranks (engine_tp_size), this inference job has 1"),
+    ({"transport": "p2p"}, "trainer uses transport 'broadcast', this inference job uses 'p2p'"),
+    ({"backend": "nccl"}, "trainer uses backend 'gloo', this inference job uses 'nccl'"),
+    ({"dtype": "bfloat16"}, "trainer sends dtype 'float32', this inference job computes in 'bfloat16'"),
+    ({"family": "llama"}, "trainer converts model family 'qwen3', this inference job serves 'llama'"),
+    ({"bucket_size_mb": 64.0}, "trainer cuts buckets of 512.0 MiB, this inference job expects 64.0"),
+]
+
+
+@pytest.mark.parametrize("change, words", DISAGREEMENTS, ids=[w.split(",")[0] for _, w in DISAGREEMENTS])
+def test_a_layout_disagreement_is_refused_naming_both_values_and_fails_the_session(change, words):
+    change = dict(change)
+    admission = _admission(_trainer(**change.pop("_trainer", {})))
+    decision = admission.decide(_engine(**change))
+    assert not decision.accepted and decision.fatal
+    assert words in decision.reason, decision.reason
+    assert "set " in decision.reason and "alike on both jobs" in decision.reason
+    assert admission.failure == decision.reason and not admission.complete
+
+
+MODEL_CHANGES = [
+    ({"rope_theta": 10000.0}, "rope_parameters.rope_theta: trainer 1000000.0, this inference job 10000.0"),
+    ({"hidden_size": 128, "head_dim": 32}, "hidden_size: trainer 64, this inference job 128"),
+    ({"vocab_size": 256}, "vocab_size: trainer 250, this inference job 256"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings: trainer False, this inference job True"),
+    ({"rms_norm_eps": 1e-5}, "rms_norm_eps: trainer 1e-06, this inference job 1e-05"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "quantization_config.quant_method: trainer None, this inference job 'fp8'"),
+]
+
+
+@pytest.mark.parametrize("change, words", MODEL_CHANGES, ids=[next(iter(c)) for c, _ in MODEL_CHANGES])
+def test_a_model_that_differs_in_a_defining_field_is_refused_naming_the_field(change, words):
+    decision = _admission().decide(_engine(model=change))
+    assert not decision.accepted and decision.fatal
+    assert f"the models differ in {words}" in decision.reason, decision.reason
+
+
+# ---- who is admitted ----
+
+def test_a_whole_job_is_admitted_and_completes_the_session():
+    admission = _admission()
+    assert [admission.decide(_engine(m)).accepted for m in (1, 0)] == [True, True]
+    assert admission.complete and admission.failure is None
+    assert admission.admitted == {"trainer": {0: "T"}, "inference": {0: "E", 1: "E"}}
+
+
+def test_a_second_job_is_refused_by_session_name_and_the_first_is_undisturbed():
+    admission = _admission()
+    assert admission.decide(_engine(0, job="E")).accepted
+    second = [admission.decide(_engine(m, job="E2")) for m in (0, 1)]
+    assert all(not d.accepted and not d.fatal for d in second)
+    assert "session 'S' already has inference job 'E' (1 of 2 inference ranks joined)" in second[0].reason
+    assert "this inference job 'E2' is refused" in second[0].reason
+    assert admission.decide(_engine(1, job="E")).accepted and admission.complete and admission.failure is None
+    late = admission.decide(_engine(0, job="E3", num_inference_ranks=1))  # a late, different job: also refused
+    assert not late.fatal and "already has inference job 'E' (2 of 2" in late.reason
+
+
+REFUSALS = [  # (joiner, words, fatal)
+    (_engine(2), "session 'S' needs 2 inference ranks (0..1); this is inference rank 2", True),
+    (Identity(job="E", role="critic", member=0), "session 'S' has no 'critic' ranks", False),
+    (Identity(job="E", role="inference", member=0, session="other"),
+     "this job asked for session 'other', but the rendezvous runs session 'S'; give both jobs the same "
+     "weight_sync.run_id", False),
+    (Identity(job="E", role="inference", member=1, failure="ValueError: engine_tp_size=3 does not divide 4 heads"),
+     "inference rank 1 of job 'E' failed while starting: ValueError: engine_tp_size=3 does not divide 4 heads", True),
+]
+
+
+@pytest.mark.parametrize("joiner, words, fatal", REFUSALS, ids=["beyond-count", "role", "session", "failure"])
+def test_refusals_name_the_reason(joiner, words, fatal):
+    admission = _admission()
+    decision = admission.decide(joiner)
+    assert not decision.accepted and decision.fatal == fatal
+    assert words in decision.reason, decision.reason
+    assert (admission.failure is not None) == fatal
+
+
+def test_once_failed_every_later_joiner_is_told_why():
+    admission = _admission()
+    admission.decide(_engine(0, num_inference_ranks=1))
+    later = admission.decide(_engine(1))
+    assert not later.accepted and later.reason.startswith("session 'S' has failed: inference rank 0 of job 'E'")
+
+
+def test_a_failure_report_from_a_second_job_does_not_fail_the_session():
+    admission = _admission()
+    assert admission.decide(_engine(0)).accepted
+    report = admission.decide(Identity(job="E2", role="inference", member=0, failure="boom"))
+    assert not report.fatal and admission.failure is None
+
+
+def test_a_taken_rank_is_refused():
+    admission = _admission()
+    assert admission.decide(_engine(0)).accepted
+    again = admission.decide(_engine(0))
+    assert not again.accepted and "inference rank 0 of session 'S' was already taken by job 'E'" in again.reason
+
+
+def test_identity_and_decision_travel_as_json():
+    engine = _engine(1)
+    assert Identity.from_json(engine.to_json()) == engine
+
+
+# ---- the model digest ----
+
+@pytest.mark.parametrize("change", [
+    {"rope_theta": 10000.0}, {"hidden_size": 128}, {"vocab_size": 256}, {"tie_word_embeddings": True},
+    {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+    {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+    {"rms_norm_eps": 1e-5}, {"num_key_value_heads": 4}, {"model_type": "qwen2"},
+], ids=lambda c: next(iter(c)))
+def test_a_defining_field_changes_the_digest(change):
+    assert model_digest(model_fields({**QWEN3, **change})) != model_digest(model_fields(QWEN3))
+
+
+@pytest.mark.parametrize("change", [
+    {"_name_or_path": "/models/other"}, {"transformers_version": "4.0.0"}, {"use_cache": False},
+    {"bos_token_id": 7}, {"architectures": ["Qwen3ForCausalLM"]}, {"torch_dtype": "bfloat16"},
+    {"max_position_embeddings": 4096},
+], ids=lambda c: next(iter(c)))
+def test_bookkeeping_fields_do_not_change_the_digest(change):
+    assert model_digest(model_fields({**QWEN3, **change})) == model_digest(model_fields(QWEN3))
+
+
+def test_a_config_json_and_the_loaded_config_give_the_same_fields():
+    from transformers import AutoConfig
+
+    loaded = AutoConfig.for_model(**QWEN3)
+    assert model_fields(QWEN3) == model_fields(loaded)
+    assert model_fields(QWEN3)["rope_parameters.rope_theta"] == 1000000.0  # old-style key, new-style field
+    assert {name.split(".")[0] for name in model_fields(loaded)} <= set(defining_field_names())
