@@ -1,18 +1,15 @@
-"""Benchmark: sync time against the sum of its phases and against raw broadcasts of the same bytes.
+"""Benchmark: the pipelined sync against raw broadcasts of the same bytes and a naive baseline.
 
-Topology per model size: a Megatron trainer with EP=2 (2 gloo processes, one
-pipeline stage, so one stage source) and one reference engine with TP=2
-(2 processes). Both are separate `run_distributed` jobs, started concurrently,
-that meet on a 3-rank broadcast transport group (trainer rank 0 = transport
-rank 0, engine ranks = transport ranks 1..2). For each bucket size the same
-processes run a warm-up sync, `--syncs` measured syncs, then `--syncs` raw
-runs: the very same buckets (the sender's host-replica bytes) broadcast
-through the same transport with no gather, convert, checksum, apply or commit.
+Per model (small / medium / large, dense Qwen3 and Qwen3-MoE) and bucket size,
+in one run and interleaved (see `sync_workers.py`): the sync, the raw
+transport of the same buckets, and a naive baseline (gather the whole stage on
+one rank, convert, send tensor by tensor). Reports per-phase times, sync ÷ raw,
+naive ÷ raw, sync ÷ slowest phase, CPU seconds (all processes; robust to load
+from other jobs), peak memory of sender and receivers against their bounds, and
+draws the timeline of one sync (bench/timeline.png). Nothing asserts on time.
 
-Prints figures only; nothing asserts on time.
-
-    python bench/bench_sync.py                          # small, medium, large; buckets 1/4/16/64 MiB
-    python bench/bench_sync.py --sizes small --bucket-mb 4,16 --syncs 2
+    python bench/bench_sync.py                                      # = make bench
+    python bench/bench_sync.py --models moe-large --bucket-mb 16,64 --reps 5
 """
 
 from __future__ import annotations
@@ -24,182 +21,119 @@ import platform
 import statistics
 import sys
 import time
-import warnings
 
 import torch
 
-from tests.support.dist import free_port, run_distributed
-from tests.support.models import ModelSpec
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling modules, also in spawned workers
 
-SIZES = {
-    # ~4.6 MB of bf16 weights (one bucket from 16 MiB up)
-    "small": ModelSpec(family="qwen3_moe", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                       head_dim=32, ffn_hidden_size=256, vocab_size=2000, num_experts=8,
-                       moe_topk=2, moe_ffn_hidden_size=128),
-    # ~95 MB of bf16 weights: 3x wider, twice the layers and experts
-    "medium": ModelSpec(family="qwen3_moe", hidden_size=384, num_layers=8, num_heads=8, num_kv_heads=4,
-                        head_dim=48, ffn_hidden_size=768, vocab_size=8000, num_experts=16,
-                        moe_topk=2, moe_ffn_hidden_size=256),
-    # ~354 MB of bf16 weights; about a minute for all bucket sizes on 2 busy cores
-    "large": ModelSpec(family="qwen3_moe", hidden_size=512, num_layers=12, num_heads=8, num_kv_heads=4,
-                       head_dim=64, ffn_hidden_size=1024, vocab_size=16000, num_experts=32,
-                       moe_topk=2, moe_ffn_hidden_size=256),
+from sync_workers import ENGINE_TP, KINDS, engine_main, trainer_main  # noqa: E402
+from timeline_plot import draw_timeline  # noqa: E402
+
+from tests.support.dist import free_port, run_distributed  # noqa: E402
+from tests.support.models import ModelSpec  # noqa: E402
+
+_MOE = dict(family="qwen3_moe", moe_topk=2)
+MODELS = {
+    # name: (spec, trainer layout). MoE trainers use EP=2, dense ones TP=2; the engine always TP=2.
+    "moe-small": (ModelSpec(**_MOE, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+                            ffn_hidden_size=256, vocab_size=2000, num_experts=8, moe_ffn_hidden_size=128),
+                  {"ep": 2}),  # 4.6 MB of bf16 weights
+    "moe-medium": (ModelSpec(**_MOE, hidden_size=384, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=48,
+                             ffn_hidden_size=768, vocab_size=8000, num_experts=16, moe_ffn_hidden_size=256),
+                   {"ep": 2}),  # 95 MB
+    "moe-large": (ModelSpec(**_MOE, hidden_size=512, num_layers=12, num_heads=8, num_kv_heads=4, head_dim=64,
+                            ffn_hidden_size=1024, vocab_size=16000, num_experts=32, moe_ffn_hidden_size=256),
+                  {"ep": 2}),  # 354 MB, 1263 tensors
+    "dense-small": (ModelSpec(family="qwen3", hidden_size=192, num_layers=4, num_heads=4, num_kv_heads=2,
+                              head_dim=48, ffn_hidden_size=512, vocab_size=2000), {"tp": 2}),  # 4.8 MB
+    "dense-medium": (ModelSpec(family="qwen3", hidden_size=640, num_layers=8, num_heads=10, num_kv_heads=2,
+                               head_dim=64, ffn_hidden_size=1920, vocab_size=8000), {"tp": 2}),  # 95 MB
+    "dense-large": (ModelSpec(family="qwen3", hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=4,
+                              head_dim=64, ffn_hidden_size=3072, vocab_size=16000), {"tp": 2}),  # 355 MB
 }
-TRAINER_EP, ENGINE_TP = 2, 2
-NUM_STAGES = 1  # PP=1: trainer rank 0 is the only stage source
-TRANSPORT_WORLD = NUM_STAGES + ENGINE_TP
-DTYPE = torch.bfloat16  # what the engine computes in; the converter casts to it
-GATHER_BUDGET_BYTES = 256 * 2**20  # the library's default gather budget
-SHOWN_PHASES = ("gather", "convert", "pack", "transfer", "apply", "commit")  # metrics.PHASES less total
+MB = 1e6
 
 
-# ---------------------------------------------------------------- worker processes
-
-
-def _transport(rank: int, cfg: dict):
-    from megatron_sync.transport.group import init_transport_group
-    from megatron_sync.transport.broadcast import BroadcastTransport
-
-    group = init_transport_group("127.0.0.1", cfg["port"], TRANSPORT_WORLD, rank,
-                                 timeout=cfg["timeout_s"], group_name="bench")
-    return BroadcastTransport(group, NUM_STAGES)
-
-
-def _metrics_row(m) -> dict:
-    return {"version": m.version, "phases": dict(m.phases), "bytes": m.bytes,
-            "overlap_s": m.overlap_s, "num_buckets": m.num_buckets}
-
-
-def _trainer_main(rank: int, world_size: int, spec: ModelSpec, cfg: dict) -> dict:
-    """Build the EP=2 Megatron model, then sync it once per version for every bucket size."""
-    warnings.filterwarnings("ignore")  # megatron's "Apex / TE not installed" notes, once per process
-    from converters import get_converter
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.sender import WeightSender
-    from megatron_sync.stream import MegatronWeightStream
-    from tests.support import models
-    from tests.support.dist import init_megatron
-
-    init_megatron(ep=TRAINER_EP)
-    chunks = models.build_model_chunks(spec)
-    models.load_reference_weights(chunks, models.reference_weights(spec, seed=7), spec)
-    layout = ParallelLayout.from_megatron()
-    converter = get_converter(spec.family, models.hf_config(spec), dtype=DTYPE)
-    stream = MegatronWeightStream(chunks, layout, converter, gather_budget_bytes=GATHER_BUDGET_BYTES)
-    transport = _transport(0, cfg) if stream.is_source else None
-    results: dict = {}
-    try:
-        version = 0
-        for mb in cfg["bucket_mb"]:
-            sender = WeightSender.connect(stream, transport, bucket_size_bytes=int(mb * 2**20))
-            version, rows = _measured_syncs(sender.sync, version, cfg)
-            raw = []
-            if transport is not None:
-                raw = [_raw_broadcast_s(transport, sender.plan, sender.replica.data) for _ in range(cfg["syncs"])]
-            results[mb] = {"syncs": rows, "raw_s": raw}
-    finally:
-        if transport is not None:
-            transport.close()
-    return results if stream.is_source else {}
-
-
-def _measured_syncs(run_sync, version: int, cfg: dict) -> tuple[int, list]:
-    """Run warm-up then measured syncs (`run_sync(version)` returns SyncMetrics); return the
-    last version and the measured rows. Sender and engines call it in lockstep."""
-    rows = []
-    for i in range(cfg["warmup"] + cfg["syncs"]):
-        version += 1
-        metrics = run_sync(version)
-        if i >= cfg["warmup"]:
-            rows.append(_metrics_row(metrics))
-    return version, rows
-
-
-def _engine_main(rank: int, world_size: int, spec: ModelSpec, cfg: dict) -> dict:
-    """Build one TP rank of the reference engine and receive every version the trainer sends."""
-    warnings.filterwarnings("ignore")
-    from megatron_sync.engines.reference import ReferenceEngine
-    from megatron_sync.receiver import WeightReceiver
-    from tests.support import models
-
-    engine = ReferenceEngine(models.hf_config(spec), tp_rank=rank, tp_size=world_size, dtype=DTYPE)
-    transport = _transport(NUM_STAGES + rank, cfg)
-    results: dict = {}
-    try:
-        version = 0
-        for mb in cfg["bucket_mb"]:
-            receiver = WeightReceiver(engine, transport, bucket_size_bytes=int(mb * 2**20))
-            version, rows = _measured_syncs(receiver.receive, version, cfg)
-            scratch = [transport.alloc(receiver.plan.max_bucket_bytes) for _ in range(2)]
-            raw = [_raw_broadcast_s(transport, receiver.plan, None, scratch) for _ in range(cfg["syncs"])]
-            results[mb] = {"syncs": rows, "raw_s": raw}
-    finally:
-        transport.close()
-    return results
-
-
-def _raw_broadcast_s(transport, plan, payload_of, scratch=None) -> float:
-    """Return seconds to move the plan's buckets as bare broadcasts (header + payload, no work between).
-
-    The source keeps one bucket in flight, as the sender does; receivers keep
-    the next receive posted on a second buffer, as the receiver does.
-    """
-    from megatron_sync.transport.base import BucketHeader
-
-    buckets = plan.buckets
-    transport.agree(None)  # start together
-    start = time.perf_counter()
-    if transport.is_source:
-        for b in buckets:
-            transport.send_bucket(BucketHeader(0, b.index, b.nbytes, 0), b, payload_of(b.index)).wait()
-    else:
-        pending = transport.recv_bucket(buckets[0], scratch[0])
-        for k in range(len(buckets)):
-            pending.wait()
-            if k + 1 < len(buckets):
-                pending = transport.recv_bucket(buckets[k + 1], scratch[(k + 1) % 2])
-    return time.perf_counter() - start
-
-
-# ---------------------------------------------------------------- driver
-
-
-def run_size(spec: ModelSpec, cfg: dict) -> tuple[dict, list[dict]]:
-    """Run the trainer and engine jobs concurrently; return (source results, per-engine-rank results)."""
+def run_model(name: str, cfg: dict) -> tuple[list[dict], list[dict]]:
+    """Run the trainer and engine jobs concurrently; return (per-trainer-rank, per-engine-rank) results."""
+    spec, layout_kw = MODELS[name]
     cfg = {**cfg, "port": free_port()}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        trainer = pool.submit(run_distributed, _trainer_main, TRAINER_EP, spec, cfg, timeout=cfg["job_timeout_s"])
-        engine = pool.submit(run_distributed, _engine_main, ENGINE_TP, spec, cfg, timeout=cfg["job_timeout_s"])
+        trainer = pool.submit(run_distributed, trainer_main, 2, spec, layout_kw, cfg, timeout=cfg["job_timeout_s"])
+        engine = pool.submit(run_distributed, engine_main, ENGINE_TP, spec, layout_kw, cfg,
+                             timeout=cfg["job_timeout_s"])
         # Whichever fails first is the informative one; the other then times out on the transport.
         done, _ = concurrent.futures.wait([trainer, engine], return_when=concurrent.futures.FIRST_EXCEPTION)
         for future in done:
             if future.exception() is not None:
                 raise future.exception()
-        return trainer.result()[0], engine.result()
+        return trainer.result(), engine.result()
+
+
+# ---------------------------------------------------------------- summaries (pure)
 
 
 def _median(values) -> float:
-    return statistics.median(values) if values else 0.0
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
 
 
-def _phase_medians(rows: list[dict]) -> dict:
-    """Return the median of every phase, of the sum of the non-total phases, and of the overlap."""
-    phases = [p for p in rows[0]["phases"] if p != "total"]
-    out = {p: _median([r["phases"][p] for r in rows]) for p in (*phases, "total")}
-    out["sum"] = _median([sum(r["phases"][p] for p in phases) for r in rows])
-    out["overlap"] = _median([r["overlap_s"] for r in rows])
+def _phases(rows: list[dict]) -> dict[str, float]:
+    return {p: _median([r["phases"][p] for r in rows]) for p in rows[0]["phases"]}
+
+
+def summarize(name: str, mb: float, trainers: list[dict], engines: list[dict]) -> dict:
+    """Return one result row (medians over the rounds) for a model and bucket size."""
+    source, other = trainers[0][mb], trainers[1][mb]
+    recv = [e[mb] for e in engines]
+    reps = len(source["rows"]["sync"])
+
+    def wall(kind: str) -> float:  # a measurement ends when its slowest transport rank is done
+        return _median([max([source["rows"][kind][i]["wall_s"]] + [e["rows"][kind][i]["wall_s"] for e in recv])
+                        for i in range(reps)])
+
+    def cpu(kind: str) -> float:  # CPU seconds of all four processes
+        return _median([sum(r["rows"][kind][i]["cpu_s"] for r in (source, other, *recv)) for i in range(reps)])
+
+    def cpu_of(kind: str) -> list[float]:  # per process: trainer 0, trainer 1, engine ranks
+        return [_median([r["cpu_s"] for r in side["rows"][kind]]) for side in (source, other, *recv)]
+
+    send = _phases(source["rows"]["sync"])
+    engine = {p: statistics.fmean(_phases(e["rows"]["sync"])[p] for e in recv) for p in send}
+    engine_work = max(_median([r["phases"]["checksum"] + r["phases"]["apply"] for r in e["rows"]["sync"]])
+                      for e in recv)
+    out = {"model": name, "bucket_mb": mb, "buckets": source["rows"]["sync"][0]["num_buckets"],
+           "nbytes": source["rows"]["sync"][0]["bytes"], "send": send, "engine": engine,
+           "other_gather": _median([r["phases"]["gather"] for r in other["rows"]["sync"]]),
+           "overlap": _median([r["overlap_s"] for r in source["rows"]["sync"]]),
+           **{f"{k}_s": wall(k) for k in KINDS}, **{f"{k}_cpu": cpu(k) for k in KINDS},
+           "cpu_by_rank": {k: cpu_of(k) for k in KINDS},
+           "info": {**source["info"], **{f"engine_{k}": v for k, v in recv[0]["info"].items()}}}
+    out["stages"] = {
+        "gather (trainer 0, thread)": send["gather"],
+        "convert+pack+checksum (trainer 0)": send["convert"] + send["pack"] + send["checksum"],
+        "verify+stage+load (engine)": engine_work,
+        "wire (raw run)": out["raw_s"],
+    }
+    out["memory"] = _memory(source, recv)
+    out["median_sync"] = min(range(reps), key=lambda i: abs(source["rows"]["sync"][i]["wall_s"]
+                                                             - _median([r["wall_s"] for r in source["rows"]["sync"]])))
     return out
 
 
-def summarize(name: str, mb: float, source: dict, engines: list[dict]) -> dict:
-    """Return one result row: medians over the measured syncs (engine figures: mean of the TP ranks)."""
-    sent = source[mb]["syncs"]
-    per_engine = [_phase_medians(e[mb]["syncs"]) for e in engines]
-    recv = {k: statistics.fmean(p[k] for p in per_engine) for k in per_engine[0]}
-    # A raw run ends when its last rank is done.
-    raw = _median([max(rs) for rs in zip(source[mb]["raw_s"], *(e[mb]["raw_s"] for e in engines))])
-    return {"model": name, "bucket_mb": mb, "buckets": sent[0]["num_buckets"], "nbytes": sent[0]["bytes"],
-            "send": _phase_medians(sent), "recv": recv, "raw_s": raw}
+def _memory(source: dict, recv: list[dict]) -> dict:
+    def growth(rows):
+        return _median([r["rss_growth"] for r in rows])
+
+    return {
+        "sender_rss": growth(source["rows"]["sync"]), "sender_gathered": _median(
+            [r["gathered_peak"] for r in source["rows"]["sync"]]),
+        "sender_device": _median([r["device_growth"] for r in source["rows"]["sync"]]),
+        "engine_rss": max(growth(e["rows"]["sync"]) for e in recv),
+        "engine_device": max(_median([r["device_growth"] for r in e["rows"]["sync"]]) for e in recv),
+        "naive_sender_rss": growth(source["rows"]["naive"]),
+        "naive_engine_rss": max(growth(e["rows"]["naive"]) for e in recv),
+    }
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -208,37 +142,78 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in lines)
 
 
+PHASE_COLUMNS = ("gather", "convert", "pack", "checksum", "transfer", "apply", "commit", "total")
+
+
 def format_phases(rows: list[dict]) -> str:
-    """Return the per-phase table: sender (stage source) and engine ranks, seconds."""
-    header = ["model", "bucketMiB", "n", "role", *SHOWN_PHASES, "sum", "total", "total-sum", "overlap"]
+    """Per-phase seconds of the sync: trainer 0 (the stage source), trainer 1, engine (mean of its ranks)."""
+    header = ["model", "MiB", "n", "role", *PHASE_COLUMNS, "overlap"]
     lines = []
     for r in rows:
-        for role in ("send", "recv"):
-            m = r[role]
-            lines.append([r["model"], f"{r['bucket_mb']:g}", str(r["buckets"]),
-                          "sender" if role == "send" else "engine",
-                          *(f"{m.get(p, 0.0):.3f}" for p in SHOWN_PHASES),
-                          *(f"{m[k]:.3f}" for k in ("sum", "total")),
-                          f"{m['total'] - m['sum']:.3f}", f"{m['overlap']:.3f}" if role == "send" else "-"])
+        for role, m in (("trainer0", r["send"]), ("engine", r["engine"])):
+            lines.append([r["model"], f"{r['bucket_mb']:g}", str(r["buckets"]), role,
+                          *(f"{m[p]:.3f}" for p in PHASE_COLUMNS),
+                          f"{r['overlap']:.3f}" if role == "trainer0" else "-"])
+        lines.append([r["model"], f"{r['bucket_mb']:g}", str(r["buckets"]), "trainer1",
+                      f"{r['other_gather']:.3f}", *("-" for _ in PHASE_COLUMNS[1:]), "-"])
     return _table(header, lines)
 
 
 def format_totals(rows: list[dict]) -> str:
-    """Return the sync-against-raw table: total, sum of phases and raw broadcast time for the same bytes."""
-    header = ["model", "bucketMiB", "n", "MB", "total_s", "phase_sum_s", "overlap_s", "GB/s",
-              "raw_s", "raw_GB/s", "total/raw"]
+    """Sync, raw and naive: wall seconds, ratios to raw, sync ÷ slowest phase, CPU-seconds ratios."""
+    header = ["model", "MiB", "n", "MB", "sync_s", "raw_s", "naive_s", "sync/raw", "naive/raw",
+              "sync/slowest", "slowest phase", "cpu sync/raw", "cpu naive/raw"]
     lines = []
     for r in rows:
-        s = r["send"]
-        lines.append([r["model"], f"{r['bucket_mb']:g}", str(r["buckets"]), f"{r['nbytes'] / 1e6:.1f}",
-                      f"{s['total']:.3f}", f"{s['sum']:.3f}", f"{s['overlap']:.3f}",
-                      f"{r['nbytes'] / s['total'] / 1e9:.3f}", f"{r['raw_s']:.3f}",
-                      f"{r['nbytes'] / r['raw_s'] / 1e9:.3f}", f"{s['total'] / r['raw_s']:.1f}"])
+        slowest = max(r["stages"], key=r["stages"].get)
+        lines.append([r["model"], f"{r['bucket_mb']:g}", str(r["buckets"]), f"{r['nbytes'] / MB:.1f}",
+                      f"{r['sync_s']:.3f}", f"{r['raw_s']:.3f}", f"{r['naive_s']:.3f}",
+                      f"{r['sync_s'] / r['raw_s']:.2f}", f"{r['naive_s'] / r['raw_s']:.2f}",
+                      f"{r['sync_s'] / r['stages'][slowest]:.2f}", slowest,
+                      f"{r['sync_cpu'] / r['raw_cpu']:.2f}", f"{r['naive_cpu'] / r['raw_cpu']:.2f}"])
     return _table(header, lines)
 
 
+def format_cpu(rows: list[dict]) -> str:
+    """CPU-seconds per process (all its threads) for sync, raw and naive: where the work goes."""
+    header = ["model", "MiB", "kind", "trainer0", "trainer1", "engine0", "engine1", "all"]
+    lines = []
+    for r in rows:
+        for kind in KINDS:
+            per = r["cpu_by_rank"][kind]
+            lines.append([r["model"], f"{r['bucket_mb']:g}", kind, *(f"{c:.3f}" for c in per), f"{sum(per):.3f}"])
+    return _table(header, lines)
+
+
+def format_memory(rows: list[dict]) -> str:
+    """Peak memory during a warm sync (growth over the RSS at its start) against the bounds, MB."""
+    header = ["model", "MiB", "sender held", "sender peak+", "gathered peak", "bound: budget+largest",
+              "engine held", "engine peak+", "bound: bucket+largest", "device", "naive sender peak+",
+              "naive engine peak+"]
+    lines = []
+    for r in rows:
+        info, mem = r["info"], r["memory"]
+        device = "n/a (CPU)" if mem["sender_device"] != mem["sender_device"] else (
+            f"{mem['sender_device'] / MB:.0f}/{mem['engine_device'] / MB:.0f}")
+        lines.append([r["model"], f"{r['bucket_mb']:g}", f"{info['replica_bytes'] / MB:.0f}",
+                      f"{mem['sender_rss'] / MB:.0f}", f"{mem['sender_gathered'] / MB:.0f}",
+                      f"{(info['gather_budget'] + info['largest_gathered']) / MB:.0f}",
+                      f"{info['engine_buffer_bytes'] / MB:.0f}", f"{mem['engine_rss'] / MB:.0f}",
+                      f"{(info['max_bucket'] + info['largest_tensor']) / MB:.0f}", device,
+                      f"{mem['naive_sender_rss'] / MB:.0f}", f"{mem['naive_engine_rss'] / MB:.0f}"])
+    return _table(header, lines)
+
+
+def timeline_ranks(trainers: list[dict], engines: list[dict], mb: float, rep: int) -> list:
+    """Return [(rank label, events)] of measured sync `rep` at bucket size `mb`."""
+    ranks = [("trainer 0", trainers[0][mb]["rows"]["sync"][rep]["timeline"]),
+             ("trainer 1", trainers[1][mb]["rows"]["sync"][rep]["timeline"])]
+    ranks += [(f"engine {i}", e[mb]["rows"]["sync"][rep]["timeline"]) for i, e in enumerate(engines)]
+    return ranks
+
+
 def machine_description() -> str:
-    """Return cores, CPU model, RAM, torch version and load average, one per line."""
+    """Return cores, CPU model, RAM, versions and load average, one per line."""
     cpu = "unknown"
     with open("/proc/cpuinfo") as f:
         for line in f:
@@ -247,39 +222,42 @@ def machine_description() -> str:
                 break
     with open("/proc/meminfo") as f:
         mem_kb = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     return "\n".join([
         f"nproc (usable cores): {len(os.sched_getaffinity(0))}  (os.cpu_count {os.cpu_count()})",
         f"CPU: {cpu}",
         f"RAM: {mem_kb / 2**20:.1f} GiB",
         f"python {platform.python_version()}, torch {torch.__version__}, {platform.platform()}",
-        f"load average (1/5/15 min): {load}",
+        f"load average (1/5/15 min): {load_average()}",
     ])
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="small,medium,large",
-                        help=f"comma-separated model sizes from {sorted(SIZES)} (default: small,medium,large)")
-    parser.add_argument("--bucket-mb", default="1,4,16,64",
-                        help="comma-separated bucket sizes in MiB (default: 1,4,16,64)")
-    parser.add_argument("--syncs", type=int, default=3, help="measured syncs per bucket size (default: 3)")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured syncs first (default: 1)")
-    parser.add_argument("--timeout", type=float, default=900.0,
-                        help="seconds one model size may take, all bucket sizes together (default: 900)")
+    parser.add_argument("--models", default="moe-small,moe-medium,moe-large,dense-small,dense-medium,dense-large",
+                        help=f"comma-separated models from {list(MODELS)}")
+    parser.add_argument("--bucket-mb", default="4,16,64", help="comma-separated bucket sizes in MiB")
+    parser.add_argument("--reps", type=int, default=3, help="interleaved rounds (sync, raw, naive) per bucket size")
+    parser.add_argument("--gather-budget-mb", type=float, default=64.0,
+                        help="trainer gather budget (MiB; default 64: smaller batches pipeline better)")
+    parser.add_argument("--checksum", default="auto", help="weight_sync.checksum for the sync (default auto)")
+    parser.add_argument("--timeline", default="moe-large", help="model whose fastest bucket size is drawn")
+    parser.add_argument("--timeline-png", default=os.path.join(os.path.dirname(__file__), "timeline.png"))
+    parser.add_argument("--timeout", type=float, default=1500.0, help="seconds one model may take")
     args = parser.parse_args(argv)
-    args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    unknown = [s for s in args.sizes if s not in SIZES]
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in args.models if m not in MODELS]
     if unknown:
-        parser.error(f"--sizes: unknown {unknown}; choose from {sorted(SIZES)}")
+        parser.error(f"--models: unknown {unknown}; choose from {list(MODELS)}")
     try:
         args.bucket_mb = [float(x) for x in args.bucket_mb.split(",") if x.strip()]
     except ValueError:
         parser.error(f"--bucket-mb must be comma-separated numbers, got {args.bucket_mb!r}")
-    if not args.bucket_mb or min(args.bucket_mb) <= 0:
-        parser.error("--bucket-mb needs at least one positive size")
-    if args.syncs < 1 or args.warmup < 0:
-        parser.error("--syncs must be >= 1 and --warmup >= 0")
+    if not args.bucket_mb or min(args.bucket_mb) <= 0 or args.reps < 1:
+        parser.error("--bucket-mb needs positive sizes and --reps >= 1")
     return args
 
 
@@ -287,24 +265,45 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     print("command: python " + " ".join(sys.argv))
     print(machine_description())
-    print(f"topology: trainer EP={TRAINER_EP} (1 stage) -> broadcast over gloo -> 1 engine TP={ENGINE_TP}; "
-          f"{DTYPE}; {args.warmup} warm-up + {args.syncs} measured syncs and {args.syncs} raw runs "
-          "per bucket size; medians\n", flush=True)
-    cfg = {"bucket_mb": args.bucket_mb, "syncs": args.syncs, "warmup": args.warmup,
-           "timeout_s": 120.0, "job_timeout_s": args.timeout}
-    rows = []
-    for name in args.sizes:
-        start = time.monotonic()
-        source, engines = run_size(SIZES[name], cfg)
-        rows.extend(summarize(name, mb, source, engines) for mb in args.bucket_mb)
-        print(f"{name}: {time.monotonic() - start:.0f}s wall (processes, model build, all bucket sizes)", flush=True)
-    print("\nPer phase (s, medians; engine = mean of its TP ranks). transfer = time blocked on broadcasts;"
-          "\nsum = all phases but total; overlap = broadcast time hidden behind producing the next bucket.\n")
+    print(f"trainer 2 processes (MoE: EP=2, dense: TP=2; 1 stage) -> broadcast over gloo -> 1 engine TP=2; "
+          f"bf16; per bucket size 2 warm-up syncs, then {args.reps} rounds of sync / raw / naive (order "
+          f"alternating); medians; gather budget {args.gather_budget_mb:g} MiB; checksum {args.checksum}; "
+          "1 torch thread per process\n", flush=True)
+    cfg = {"bucket_mb": args.bucket_mb, "reps": args.reps, "checksum": args.checksum, "timeout_s": 300.0,
+           "gather_budget_bytes": int(args.gather_budget_mb * 2**20), "job_timeout_s": args.timeout}
+    rows, drawn = [], None
+    for name in args.models:
+        start, load_before = time.monotonic(), load_average()
+        trainers, engines = run_model(name, cfg)
+        model_rows = [summarize(name, mb, trainers, engines) for mb in args.bucket_mb]
+        rows.extend(model_rows)
+        print(f"{name}: {time.monotonic() - start:.0f}s wall; load average before {load_before}, "
+              f"after {load_average()}", flush=True)
+        if name == args.timeline:
+            best = min(model_rows, key=lambda r: r["sync_s"])
+            drawn = (best, timeline_ranks(trainers, engines, best["bucket_mb"], best["median_sync"]))
+    print("\nPer phase of the sync (s, medians). trainer0 = the stage source: gather = busy time of its gather"
+          "\nthread, transfer = blocked on the wire, overlap = broadcast time hidden behind producing buckets;"
+          "\ntrainer1 = the other trainer rank's walk (its sends of experts / TP shards); engine = mean of TP ranks,"
+          "\nchecksum = verifying, apply = staging + load. Phases run concurrently, so they add up to more than total.\n")
     print(format_phases(rows))
-    print("\nSync against raw transport (s, medians). total and phase_sum are the sender's; raw = the same"
-          "\nbuckets broadcast with nothing else, until the slowest rank has them; GB/s = bytes / time.\n")
+    print("\nSync against raw transport and the naive baseline (s, medians; a measurement ends when the slowest"
+          "\ntransport rank is done). slowest = the slowest pipeline stage (a phase of one rank, or the raw wire);"
+          "\ncpu = CPU-seconds of all four processes (all threads), the load-robust comparison.\n")
     print(format_totals(rows))
-    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print("\nCPU-seconds per process (medians; all threads, gloo's included).\n")
+    print(format_cpu(rows))
+    print("\nMemory (MB). held = buffers kept between syncs (sender: host replica = the stage's bf16 weights;"
+          "\nengine: 2 receive buffers + 2 staging sets of its shards). peak+ = peak RSS during a warm sync minus"
+          "\nRSS at its start (transient). gathered peak = the gather tracker's peak. device: GPU peak growth.\n")
+    print(format_memory(rows))
+    if drawn is not None:
+        best, ranks = drawn
+        title = (f"{best['model']}, {best['bucket_mb']:g} MiB buckets ({best['buckets']}): one sync, "
+                 f"{best['sync_s']:.2f} s (raw {best['raw_s']:.2f} s)")
+        draw_timeline(args.timeline_png, ranks, title)
+        print(f"\ntimeline of one {best['model']} sync at {best['bucket_mb']:g} MiB: {args.timeline_png}")
+    print(f"load average at end: {load_average()}")
 
 
 if __name__ == "__main__":

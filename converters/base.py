@@ -31,7 +31,7 @@ from converters.errors import (
     UnmappedParameterError,
 )
 from converters.hf_config import HFConfig
-from converters.layout import rename
+from converters.layout import REARRANGING_TRANSFORMS, rename
 from converters.patterns import Pattern, compile_pattern
 from converters.quant import DEFAULT_UNQUANTIZED, QuantPlan, output_groups
 from converters.quant.plan import output_weight
@@ -192,6 +192,7 @@ class Converter:
         self._skip_patterns = tuple(compile_pattern(s) for s in self.skip)
         self.buffer_patterns: tuple[str, ...] = family.buffers
         self._hf_dtypes = {h: r.dtype or dtype for r in family.rules for h in r.hf}
+        self._rule_of: dict[str, tuple[Rule, dict[str, int]]] = {}
         self._expected = self._expected_layout()
         self.quant, self._stored = self._quantized_layout()
 
@@ -300,26 +301,37 @@ class Converter:
         return any(compile_pattern(b).match(megatron_name) is not None for b in self.buffer_patterns)
 
     def _find_rule(self, megatron_name: str) -> tuple[Rule, dict[str, int]]:
+        found = self._rule_of.get(megatron_name)  # every sync converts the same names: match each once
+        if found is not None:
+            return found
         for rule in self.family.rules:
             captures = rule.megatron_pattern.match(megatron_name)
             if captures is not None:
+                self._rule_of[megatron_name] = rule, captures
                 return rule, captures
         raise UnmappedParameterError(
             f"no rule for {megatron_name!r} in family {self.family.name!r}; add a Rule to "
             f"converters/{self.family.name}.py or list it in skip=(...{megatron_name!r}...)"
         )
 
-    def convert(self, megatron_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def convert(self, megatron_name: str, tensor: torch.Tensor,
+                into: Callable[[str], torch.Tensor | None] | None = None) -> list[tuple[str, torch.Tensor]]:
         """Return the HF checkpoint (name, tensor) pairs for one full Megatron tensor; [] if it is skipped.
 
         Outputs are contiguous and in the rule's dtype; they may share storage with `tensor`. A weight
         the quantization_config selects comes out as its quantized tensors, computed from the whole
         tensor (so a block never straddles training shards), its scales right after its values.
+        `into(hf_name)` may return a destination for an unquantized output (its final shape and
+        dtype, e.g. its slot in a bucket): the output is then written there in one copy (layout and
+        cast together) and the destination is returned in its place.
         """
-        return [out for name, t in self._convert_unquantized(megatron_name, tensor)
+        plain = None if into is None else (lambda name: into(name) if self.quant.scheme_of(name) is None else None)
+        return [out for name, t in self._convert_unquantized(megatron_name, tensor, plain)
                 for out in self.quant.quantize(name, t)]
 
-    def _convert_unquantized(self, megatron_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def _convert_unquantized(self, megatron_name: str, tensor: torch.Tensor,
+                             into: Callable[[str], torch.Tensor | None] | None = None
+                             ) -> list[tuple[str, torch.Tensor]]:
         if self.is_skipped(megatron_name):
             return []
         rule, captures = self._find_rule(megatron_name)
@@ -329,8 +341,26 @@ class Converter:
         for pattern, out in zip(rule.hf_patterns, outputs):
             hf_name = pattern.format(**captures)
             self._check_produced(hf_name, tuple(out.shape), megatron_name)
-            converted.append((hf_name, out.to(rule.dtype or self.dtype).contiguous()))
+            dtype = rule.dtype or self.dtype
+            dest = into(hf_name) if into is not None else None
+            if dest is not None and dest.shape == out.shape and dest.dtype == dtype:
+                dest.copy_(out, non_blocking=True)
+                converted.append((hf_name, dest))
+            else:
+                converted.append((hf_name, out.to(dtype).contiguous()))
         return converted
+
+    def gather_dtype(self, megatron_name: str, dtype: torch.dtype) -> torch.dtype:
+        """Return the dtype a Megatron tensor of `dtype` may be gathered in without changing what `convert`
+        produces: its rule's output dtype when the rule only moves elements and that dtype is narrower
+        (fp32 parameters sent as bf16 move half the bytes; a quantized weight is quantized from that
+        dtype either way), else `dtype`."""
+        if self.is_skipped(megatron_name):
+            return dtype
+        rule, _ = self._find_rule(megatron_name)
+        out = rule.dtype or self.dtype
+        narrower = out.is_floating_point and dtype.is_floating_point and out.itemsize < dtype.itemsize
+        return out if narrower and rule.transform in REARRANGING_TRANSFORMS else dtype
 
     def convert_meta(self, megatron_name: str, shape: Iterable[int], dtype: torch.dtype) -> list[TensorMeta]:
         """Return the metadata `convert` would produce for a tensor of this shape and dtype, without data."""

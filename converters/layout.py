@@ -127,3 +127,9 @@ def gate_up(tensor, cfg):
 def vocab(tensor, cfg):
     """Padded vocabulary rows are trimmed to the HF vocab_size."""
     return (trim_vocab(tensor, vocab_size=cfg["vocab_size"]),)
+
+
+REARRANGING_TRANSFORMS = frozenset({rename, qkv, gate_up, vocab})
+"""Rule transforms that only move elements (split, reorder, trim): casting their input to the output
+dtype first yields the very bits that casting their outputs would, so a tensor may be gathered in the
+(narrower) output dtype. A transform that computes (a quantizer) must not be listed."""

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from megatron_sync.bucket import CHECKSUMS
 from megatron_sync.engines.fleet import parse_engine
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.transport import transport_names
@@ -23,6 +24,7 @@ _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 INFLIGHT_POLICIES = ("abort", "wait", "recompute", "keep")
 P2P_BACKENDS = ("torch", "mooncake")  # megatron_sync.transport.p2p.MOVERS
 P2P_PROTOCOLS = ("tcp", "rdma")
+CHECKSUM_CHOICES = ("auto", *CHECKSUMS)
 DEFAULT_GATHER_BUDGET_MB = 1024.0
 
 
@@ -154,6 +156,13 @@ class WeightSyncConfig:
     """p2p_backend "mooncake": the address this process's transfer engine advertises to its peers;
     None: this host's name (socket.gethostname()). Use "127.0.0.1" when every rank runs on one host."""
 
+    checksum: str = "auto"
+    """Integrity check of every bucket: "xxh3" (host bytes, memory speed), "crc32" (host bytes,
+    ~2 GB/s), "fletcher" (computed by torch where the bytes are, so on the GPU for NCCL buckets),
+    "none" (trust the transport: NCCL over NVLink/InfiniBand has link-level CRC), or "auto":
+    xxh3 for host buckets (gloo), fletcher for device buckets (NCCL). The sender computes it while
+    the bucket is on the wire; a mismatch aborts the sync on every rank. All ranks must agree."""
+
     def __post_init__(self) -> None:
         _check_bool("enabled", self.enabled)
         _check_int("every_n_steps", self.every_n_steps, minimum=1)
@@ -185,6 +194,7 @@ class WeightSyncConfig:
         if self.metrics_path is not None and not isinstance(self.metrics_path, str):
             raise ValueError("metrics_path must be a file path string or null")
         _check_choice("inflight_policy", self.inflight_policy, INFLIGHT_POLICIES)
+        _check_choice("checksum", self.checksum, CHECKSUM_CHOICES)
         if self.run_id is not None and (not isinstance(self.run_id, str) or not _RUN_ID.fullmatch(self.run_id)):
             raise ValueError(f"run_id={self.run_id!r} is not valid: use 1-64 letters, digits, '.', '_' or '-' "
                              "(or null to let the trainer name the session)")

@@ -1,13 +1,44 @@
-"""Per-sync measurements: phase times, bytes, throughput, overlap; JSON lines and a table."""
+"""Per-sync measurements: phase times, bytes, throughput, overlap, an optional timeline; JSON lines and a table."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-PHASES = ("gather", "convert", "pack", "transfer", "apply", "commit", "total")
+PHASES = ("gather", "convert", "pack", "checksum", "transfer", "apply", "commit", "total")
+
+TIMELINE_PHASES = ("gather", "convert", "pack", "checksum", "wire", "verify", "stage", "load", "commit")
+"""Event kinds of a `Timeline`: what one rank did, per unit or bucket, from start to end."""
+
+
+class Timeline:
+    """Start/end events of one rank during one sync: (phase, item, start, end), seconds.
+
+    Times are `time.perf_counter()` (CLOCK_MONOTONIC on Linux: comparable
+    between processes of one host); `wall_origin` / `perf_origin` map them to
+    wall-clock time for other hosts. `item` is a bucket index, or a gather-unit
+    index for gather / convert, or -1. Appending is thread-safe (the sender's
+    gather runs in its own thread) and costs one tuple per event.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, float, float]] = []
+        self.wall_origin, self.perf_origin = time.time(), time.perf_counter()
+        self._lock = threading.Lock()
+
+    def add(self, phase: str, item: int, start: float, end: float) -> None:
+        """Record that `phase` ran for `item` from `start` to `end` (perf_counter seconds)."""
+        assert phase in TIMELINE_PHASES, phase
+        with self._lock:
+            self.events.append((phase, item, start, end))
+
+    def to_wire(self) -> dict:
+        """Return a JSON-serialisable form (wall-clock times)."""
+        shift = self.wall_origin - self.perf_origin
+        return {"events": [[p, i, round(s + shift, 6), round(e + shift, 6)] for p, i, s, e in self.events]}
 
 
 @dataclass
@@ -28,11 +59,18 @@ class SyncMetrics:
     bytes: int = 0
     overlap_s: float = 0.0
     num_buckets: int = 0
+    timeline: Optional[Timeline] = None
+    """Per-bucket start/end events, when the sender or receiver was asked to record them."""
 
     def add(self, phase: str, seconds: float) -> None:
         """Add `seconds` to `phase`."""
         assert phase in self.phases, phase
         self.phases[phase] += seconds
+
+    def event(self, phase: str, item: int, start: float, end: float) -> None:
+        """Add a timeline event (no-op unless a timeline is being recorded)."""
+        if self.timeline is not None:
+            self.timeline.add(phase, item, start, end)
 
     @property
     def gbps(self) -> float:
@@ -53,8 +91,10 @@ class SyncMetrics:
     def from_json(cls, line: str) -> "SyncMetrics":
         """Return the metrics that `to_json()` described (for rows gathered from other ranks)."""
         d = json.loads(line)
+        phases = {p: 0.0 for p in PHASES}
+        phases.update(d["phases_s"])
         return cls(
-            d["version"], role=d["role"], rank=d["rank"], phases=dict(d["phases_s"]),
+            d["version"], role=d["role"], rank=d["rank"], phases=phases,
             bytes=d["bytes"], overlap_s=d["overlap_s"], num_buckets=d["num_buckets"],
         )
 
@@ -66,10 +106,12 @@ class SyncMetrics:
 
 
 class PhaseTimer:
-    """Context manager: on exit, adds the elapsed wall time to a phase of a SyncMetrics."""
+    """Context manager: on exit, adds the elapsed wall time to a phase of a SyncMetrics, and
+    records a timeline event `event=(phase, item)` when the metrics keep a timeline."""
 
-    def __init__(self, metrics: Optional[SyncMetrics], phase: str) -> None:
-        self.metrics, self.phase = metrics, phase
+    def __init__(self, metrics: Optional[SyncMetrics], phase: str,
+                 event: Optional[tuple[str, int]] = None) -> None:
+        self.metrics, self.phase, self._event = metrics, phase, event
         self.elapsed = 0.0
 
     def __enter__(self) -> "PhaseTimer":
@@ -77,9 +119,12 @@ class PhaseTimer:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.elapsed = time.perf_counter() - self._start
+        end = time.perf_counter()
+        self.elapsed = end - self._start
         if self.metrics is not None:
             self.metrics.add(self.phase, self.elapsed)
+            if self._event is not None:
+                self.metrics.event(*self._event, self._start, end)
 
 
 def format_table(rows: Iterable[SyncMetrics]) -> str:

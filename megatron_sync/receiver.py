@@ -1,11 +1,21 @@
 """Inference side of a sync: receive buckets, verify, stage shards, agree, then load.
 
-The engine only ever sees a complete, verified version: shards are staged as
-copies (never views into the reused receive buffers), every transport rank
-reports ok/error, and `engine.load_shards` runs only if all are ok. Any failure
-(a corrupt bucket, a sender error, a peer that died) leaves the engine on its
-previous version and raises the same SyncAbortedError (or PeerFailureError) on
-every surviving rank.
+The engine only ever sees a complete, verified version: every transport rank
+reports ok/error, and the commit (`engine.load_shards`) runs only if all are
+ok. Any failure (a corrupt bucket, a sender error, a peer that died) leaves the
+engine on its previous version and raises the same SyncAbortedError (or
+PeerFailureError) on every surviving rank.
+
+Copies: bucket k+1 arrives in one of two receive buffers while bucket k is
+verified and this rank's slices of it are copied (once) into a staging set.
+There are two staging sets, allocated on the first sync and reused: a version
+is staged into the set the engine is not running from, so the other set still
+holds the live version's shards. That set is the rollback source when a load
+fails on another rank: a rollback costs one load, and no sync copies a
+snapshot (only the first sync, before any set is live, asks the engine for
+one). Memory: 2 receive buffers of the largest bucket + 2 x this rank's shard
+bytes, held between syncs (before issue 12: the same peak, transient: one
+staging copy plus one snapshot during the load).
 """
 
 from __future__ import annotations
@@ -15,41 +25,101 @@ from typing import Optional
 
 import torch
 
-from megatron_sync.bucket import checksum, unpack
+from megatron_sync.bucket import checksum, resolve_checksum, unpack
 from megatron_sync.engines.base import EngineAdapter
 from megatron_sync.errors import CorruptBucketError, PeerFailureError
-from megatron_sync.metrics import PhaseTimer, SyncMetrics
+from megatron_sync.metrics import PhaseTimer, SyncMetrics, Timeline
 from megatron_sync.plan import BucketPlan, KeepTogether, handshake_plan
 from megatron_sync.transport.base import ABORTED_NBYTES, BucketHeader, BucketTransport, Commit, Receiver
 from megatron_sync.transport.commit import AgreedCommit
+
+
+class StagingSets:
+    """Two sets of this rank's shards; a version is staged into the one the engine is not running from."""
+
+    def __init__(self) -> None:
+        self._sets: list[dict[str, torch.Tensor]] = [{}, {}]
+        self._versions: list[Optional[int]] = [None, None]
+        self._live: Optional[int] = None  # the set whose contents the engine runs on
+
+    @property
+    def target(self) -> int:
+        """Index of the set the next version is staged into."""
+        return 0 if self._live is None else 1 - self._live
+
+    def begin(self) -> dict[str, torch.Tensor]:
+        """Return the target set, now holding no complete version."""
+        self._versions[self.target] = None
+        return self._sets[self.target]
+
+    def stage(self, name: str, shard: torch.Tensor) -> None:
+        """Copy `shard` into its tensor of the target set (allocated on first use)."""
+        staged = self._sets[self.target]
+        slot = staged.get(name)
+        if slot is None or slot.shape != shard.shape or slot.dtype != shard.dtype or slot.device != shard.device:
+            slot = staged[name] = torch.empty(shard.shape, dtype=shard.dtype, device=shard.device)
+        slot.copy_(shard)
+
+    def staged(self) -> dict[str, torch.Tensor]:
+        return self._sets[self.target]
+
+    def live_shards(self, engine_version: int) -> Optional[dict[str, torch.Tensor]]:
+        """Return the set holding the engine's live shards, if the engine runs on what we last committed."""
+        if self._live is not None and self._versions[self._live] == engine_version:
+            return self._sets[self._live]
+        return None
+
+    def committed(self, version: int) -> None:
+        """The target set is now live as `version`."""
+        target = self.target
+        self._versions[target], self._live = version, target
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by both sets."""
+        return sum(t.numel() * t.element_size() for s in self._sets for t in s.values())
 
 
 class WeightReceiver(Receiver):
     """Receives every sync into one engine rank over a bucket transport.
 
     Construction is collective: it runs the plan handshake with the stage
-    sources (PlanMismatchError on every rank if plans or coverage disagree).
-    `commit(staged_shards, version)` makes an agreed version live; it defaults
-    to `engine.load_shards` (a serving loop passes its own, which applies the
-    version at a generation step boundary). With `rollback` (default) the live
-    shards are copied (`engine.snapshot()`) before each load; if the load then
-    fails on another rank, this rank loads the copy back, so no engine is left
-    holding a mix of versions (the price is one extra copy of this rank's
-    shards during the load).
+    sources (PlanMismatchError on every rank if plans, checksum choices or
+    coverage disagree). `commit(staged_shards, version)` makes an agreed version
+    live; it defaults to `engine.load_shards` (a serving loop passes its own,
+    which applies the version at a generation step boundary). With `rollback`
+    (default), if the load fails on another rank, this rank loads its previous
+    shards back (from the other staging set, or from `engine.snapshot()` taken
+    before the load when no set holds them yet), so no engine is left holding a
+    mix of versions. The shards handed to `commit` stay untouched until two
+    syncs later (an engine may keep them by reference).
     """
 
     def __init__(self, engine: EngineAdapter, transport: BucketTransport, *,
                  bucket_size_bytes: int, keep_together: KeepTogether = (),
                  metrics_path: Optional[str] = None, commit: Optional[Commit] = None,
-                 rollback: bool = True) -> None:
+                 rollback: bool = True, checksum: str = "auto", timeline: bool = False) -> None:
         self.engine, self.transport = engine, transport
-        self._agreed = AgreedCommit(transport, engine, commit, rollback=rollback)
+        self.staging = StagingSets()
+        self._agreed = AgreedCommit(transport, engine, commit, rollback=rollback, live_shards=self.staging.live_shards)
         self.metrics_path = metrics_path
+        self.record_timeline = timeline
         self.history: list[SyncMetrics] = []
+        self.checksum = resolve_checksum(checksum, transport.device)
         self.plan = handshake_plan(transport, None, bucket_size_bytes, keep_together,
-                                   expected=engine.expected_tensors())
+                                   expected=engine.expected_tensors(), checksum=self.checksum)
         # Two receive buffers: bucket k+1 arrives while bucket k is verified and staged.
         self._buffers = [transport.alloc(self.plan.max_bucket_bytes) for _ in range(2)]
+
+    @property
+    def snapshots_taken(self) -> int:
+        """How many `engine.snapshot()` copies were made (the first sync only, normally)."""
+        return self._agreed.snapshots_taken
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes this receiver holds between syncs: receive buffers plus both staging sets."""
+        return sum(b.numel() for b in self._buffers) + self.staging.nbytes
 
     @property
     def commit(self) -> Commit:
@@ -62,38 +132,41 @@ class WeightReceiver(Receiver):
 
     def receive(self, version: int) -> SyncMetrics:
         """Receive, verify and (if every rank agrees) load `version`; return its metrics."""
-        metrics = SyncMetrics(version, role="receiver", rank=self.transport.rank)
+        metrics = SyncMetrics(version, role="receiver", rank=self.transport.rank,
+                              timeline=Timeline() if self.record_timeline else None)
         with PhaseTimer(metrics, "total"):
-            staging: dict[str, torch.Tensor] = {}
-            try:
-                error = self._receive_all(version, staging, metrics)
-                self._agreed(version, error, staging, metrics)
-            finally:
-                staging.clear()  # on failure: drop the new version; the engine keeps the old one
+            staged = self.staging.begin()
+            error = self._receive_all(version, metrics)
+            self._agreed(version, error, staged, metrics)
+            self.staging.committed(version)
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
         return metrics
 
-    def _receive_all(self, version: int, staging: dict[str, torch.Tensor],
-                     metrics: SyncMetrics) -> Optional[str]:
+    def _receive_all(self, version: int, metrics: SyncMetrics) -> Optional[str]:
         """Receive every bucket (always all, to stay in lockstep); return the first error or None."""
         buckets = self.plan.buckets
         error: Optional[str] = None
+        posted_at = time.perf_counter()
         pending = self.transport.recv_bucket(buckets[0], self._buffers[0]) if buckets else None
         for k, bucket in enumerate(buckets):
             wait_start = time.perf_counter()
             header, data = pending.wait()
-            metrics.add("transfer", time.perf_counter() - wait_start)
+            wait_end = time.perf_counter()
+            metrics.add("transfer", wait_end - wait_start)
+            metrics.event("wire", bucket.index, posted_at, pending.done_at or wait_end)
             if k + 1 < len(buckets):
+                posted_at = time.perf_counter()
                 pending = self.transport.recv_bucket(buckets[k + 1], self._buffers[(k + 1) % 2])
             metrics.bytes += bucket.nbytes
             metrics.num_buckets += 1
             if error is not None:
                 continue
             try:
-                with PhaseTimer(metrics, "apply"):  # checksum verification + staging this rank's slices
+                with PhaseTimer(metrics, "checksum", ("verify", bucket.index)):
                     self._verify(version, bucket, header, data)
-                    self._stage(bucket, data, staging)
+                with PhaseTimer(metrics, "apply", ("stage", bucket.index)):  # this rank's slices, one copy
+                    self._stage(bucket, data)
             except PeerFailureError:
                 raise
             except Exception as e:  # noqa: BLE001 — agreed on, then raised on every rank
@@ -109,13 +182,14 @@ class WeightReceiver(Receiver):
                 f"{where}: header says version {header.version} bucket {header.index} "
                 f"{header.nbytes} bytes, expected version {version} bucket {bucket.index} {bucket.nbytes} bytes"
             )
-        got = checksum(data)
+        if self.checksum == "none":
+            return
+        got = checksum(data[: bucket.nbytes], self.checksum)
         if got != header.checksum:
             raise CorruptBucketError(
-                f"{where}: crc32 {got:#010x} != sender's {header.checksum:#010x}; bucket rejected"
+                f"{where}: {self.checksum} {got:#x} != sender's {header.checksum:#x}; bucket rejected"
             )
 
-    def _stage(self, bucket: BucketPlan, data: torch.Tensor, staging: dict[str, torch.Tensor]) -> None:
+    def _stage(self, bucket: BucketPlan, data: torch.Tensor) -> None:
         for name, full in unpack(data, bucket).items():
-            # clone: the receive buffer is reused by the next bucket
-            staging[name] = self.engine.shard_of(name, full).clone(memory_format=torch.contiguous_format)
+            self.staging.stage(name, self.engine.shard_of(name, full))  # a copy: the buffer is reused

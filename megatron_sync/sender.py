@@ -1,30 +1,42 @@
-"""Trainer side of a sync: walk the HF stream, pack the host replica, send buckets, commit.
+"""Trainer side of a sync: walk the HF stream into the host replica, send buckets, commit.
 
-Double buffering: a bucket is sent (asynchronously) as soon as its last
-tensor is packed, and the stream keeps producing the next bucket while the
-broadcast runs; the sender only waits for bucket k when bucket k+1 is ready
-to go (or at the end). Stages send in stage order; a stage source also takes
-part in the other stages' broadcasts (that is what a broadcast is), issuing the
-earlier stages' receives up front so they too overlap its own production.
+Pipeline on a stage source (three things run at once):
+
+- the stream's gather thread gathers unit k+1 (within the gather budget);
+- this thread converts unit k straight into its slot in its bucket
+  (`HostReplica.slot`: no separate pack copy) and, when a bucket is complete,
+  issues its broadcast, then checksums it *while it is on the wire* (the
+  header with the checksum follows the payload);
+- the transport moves up to `max_in_flight` buckets; the sender waits for the
+  oldest only when one more would exceed that.
+
+On the NCCL path buckets are produced and broadcast in device memory; the host
+replica is filled from them on a side stream (see `replica.py`). Stages send
+in stage order; a stage source also takes part in the other stages'
+broadcasts, issuing the earlier stages' receives up front so they too overlap
+its own production.
 """
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
 from typing import Callable, Optional
 
 import torch
 
 from megatron_sync.agreement import describe
+from megatron_sync.bucket import checksum, resolve_checksum
 from megatron_sync.errors import SyncError
-from megatron_sync.metrics import PhaseTimer, SyncMetrics
+from megatron_sync.metrics import PhaseTimer, SyncMetrics, Timeline
 from megatron_sync.plan import BucketPlan, KeepTogether, SyncPlan, handshake_plan
 from megatron_sync.replica import HostReplica
 from megatron_sync.stream import HFWeightStream
 from megatron_sync.transport.base import ABORTED_NBYTES, BucketHeader, BucketTransport, Sender, Waitable
 from megatron_sync.transport.commit import sender_rounds
 
-BucketHook = Callable[[int, torch.Tensor], None]
+WireHook = Callable[[int, torch.Tensor], Optional[torch.Tensor]]
 
 
 class WeightSender(Sender):
@@ -32,54 +44,92 @@ class WeightSender(Sender):
 
     On a stage source, `transport` and `plan` are required. On other trainer
     ranks they are None and `sync` only drives the stream (its gathers are
-    collectives the source needs).
+    collectives the source needs). `checksum` is a `weight_sync.checksum`
+    choice ("auto" resolves by where the transport keeps bucket bytes);
+    `timeline=True` records per-bucket events in each sync's metrics.
     """
 
     def __init__(self, stream: HFWeightStream, transport: Optional[BucketTransport], plan: Optional[SyncPlan],
-                 metrics_path: Optional[str] = None, *, after_checksum: Optional[BucketHook] = None) -> None:
+                 metrics_path: Optional[str] = None, *, checksum: str = "auto", timeline: bool = False,
+                 max_in_flight: int = 2, corrupt_wire: Optional[WireHook] = None) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight={max_in_flight} must be >= 1")
         self.stream, self.transport, self.plan = stream, transport, plan
         self.metrics_path = metrics_path
         self.history: list[SyncMetrics] = []
-        # Test hook: called with (bucket index, bucket bytes) after the checksum is taken.
-        self._after_checksum = after_checksum
+        self.record_timeline = timeline
+        self.max_in_flight = min(max_in_flight, transport.max_buckets_in_flight) if transport else max_in_flight
+        # Test hook: returns other bytes to put on the wire for (bucket index, bucket bytes); the
+        # checksum still covers the bucket's own bytes, as if the wire had corrupted them.
+        self._corrupt_wire = corrupt_wire
         self.replica: Optional[HostReplica] = None
+        self.checksum = "none"
         if stream.is_source:
             if transport is None or plan is None:
                 raise ValueError(f"stage {stream.stage}'s source rank needs a transport and a plan")
             assert transport.rank == stream.stage, (transport.rank, stream.stage)
-            self.replica = HostReplica(plan, stream.stage)
+            self.checksum = resolve_checksum(checksum, transport.device)
+            device = transport.device if transport.device.type == "cuda" else None
+            self.replica = HostReplica(plan, stream.stage, device=device)
 
     @classmethod
     def connect(cls, stream: HFWeightStream, transport: Optional[BucketTransport], *, bucket_size_bytes: int,
-                keep_together: KeepTogether = (), **kwargs) -> "WeightSender":
+                keep_together: KeepTogether = (), checksum: str = "auto", **kwargs) -> "WeightSender":
         """Return a sender after the start-up plan handshake (sources only; collective on the group)."""
         plan = None
         if stream.is_source:
-            plan = handshake_plan(transport, stream.metadata(), bucket_size_bytes, keep_together)
-        return cls(stream, transport, plan, **kwargs)
+            plan = handshake_plan(transport, stream.metadata(), bucket_size_bytes, keep_together,
+                                  checksum=resolve_checksum(checksum, transport.device))
+        return cls(stream, transport, plan, checksum=checksum, **kwargs)
 
     def sync(self, version: int) -> SyncMetrics:
         """Send `version` and return its metrics once every rank committed it.
 
         Raises SyncAbortedError (same failures on every rank) or PeerFailureError.
         """
-        metrics = SyncMetrics(version, role="sender", rank=self.transport.rank if self.transport else -1)
+        metrics = SyncMetrics(version, role="sender", rank=self.transport.rank if self.transport else -1,
+                              timeline=Timeline() if self.record_timeline else None)
+        self._pulled = 0.0  # time this thread spent waiting for the stream (gather + convert, or a fake's work)
         with PhaseTimer(metrics, "total"):
             if self.replica is None:
-                with PhaseTimer(metrics, "gather"):
-                    for _ in self.stream:
-                        pass
+                for _ in self._pull(self.stream.walk(record=metrics.event)):
+                    pass
             else:
                 self._sync_source(version, metrics)
-            _split_convert_time(self.stream, metrics)
+            # Busy time inside the stream (gather runs in the stream's own thread); a stream that does
+            # not report it is charged the time spent pulling it.
+            reported = self.stream.phase_seconds
+            metrics.add("convert", reported.get("convert", 0.0))
+            metrics.add("gather", reported.get("gather", max(0.0, self._pulled - reported.get("convert", 0.0))))
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
         return metrics
 
+    def _pull(self, items):
+        """Yield from the stream's `items`, adding the time spent waiting for each to `self._pulled`."""
+        iterator = iter(items)
+        try:
+            while True:
+                start = time.perf_counter()
+                try:
+                    item = next(iterator)
+                except StopIteration:
+                    return
+                finally:
+                    self._pulled += time.perf_counter() - start
+                yield item
+        finally:
+            close = getattr(iterator, "close", None)  # a generator: closing it finishes the stream's gathers
+            if close is not None:
+                close()
+
     def _sync_source(self, version: int, metrics: SyncMetrics) -> None:
         stage = self.stream.stage
-        scratch = self.transport.alloc(self.plan.max_bucket_bytes)
-        earlier = [self.transport.recv_bucket(b, scratch) for b in self.plan.buckets if b.stage < stage]
+        others = [b for b in self.plan.buckets if b.stage != stage]
+        scratch = [self.transport.alloc(self.plan.max_bucket_bytes) for _ in range(2)] if others else []
+        # Earlier stages' buckets go out first; this rank takes part in their broadcasts (in a tree it
+        # forwards them) from a thread while this thread already produces its own buckets.
+        self._earlier = _Relay(self.transport, [b for b in others if b.stage < stage], scratch)
         error = None
         try:
             self._send_own_stage(version, metrics)
@@ -87,43 +137,50 @@ class WeightSender(Sender):
             raise
         except Exception as e:  # noqa: BLE001 — agreed failure: tell every rank instead of leaving them waiting
             error = f"stage {stage} sender: {describe(e, limit=3)}"
+            self._earlier.join()
             self._send_aborted(version)
+        finally:
+            self._earlier.join()
         with PhaseTimer(metrics, "transfer"):
-            for pending in earlier:
-                pending.wait()
-            for b in self.plan.buckets:
-                if b.stage > stage:
-                    self.transport.recv_bucket(b, scratch).wait()
-        with PhaseTimer(metrics, "commit"):
+            _Relay(self.transport, [b for b in others if b.stage > stage], scratch).join()
+        with PhaseTimer(metrics, "commit", ("commit", -1)):
             sender_rounds(self.transport, version, error)
 
     def _send_own_stage(self, version: int, metrics: SyncMetrics) -> None:
         own = self.replica.buckets
         self.replica.begin(version)
         self._sent = 0  # own buckets issued so far (read by _send_aborted)
-        in_flight: Optional[_InFlight] = None
-        items = iter(self.stream)
+        self._seal_error: Optional[str] = None
+        in_flight: collections.deque[_InFlight] = collections.deque()
+        items = self._pull(self.stream.walk(into=self.replica.slot, record=metrics.event))
+
+        def issue_ready() -> None:
+            # Own broadcasts follow the earlier stages' on the group, so they start once those are done.
+            while (self._sent < len(own) and self.replica.is_complete(own[self._sent].index)
+                   and self._earlier.done()):
+                if len(in_flight) >= self.max_in_flight:
+                    self._finish(in_flight.popleft(), metrics)
+                in_flight.append(self._issue(version, own[self._sent], metrics))
+                self._sent += 1
+
         try:
-            while True:
-                with PhaseTimer(metrics, "gather"):
-                    item = next(items, None)
-                if in_flight is not None:
-                    in_flight.poll()
-                if item is None:
-                    break
-                with PhaseTimer(metrics, "pack"):
-                    self.replica.pack(*item)
-                while self._sent < len(own) and self.replica.is_complete(own[self._sent].index):
-                    if in_flight is not None:
-                        self._finish(in_flight, metrics)
-                    in_flight = self._issue(version, own[self._sent], metrics)
-                    self._sent += 1
+            for name, tensor in items:
+                with PhaseTimer(metrics, "pack"):  # nothing to copy when it was converted into its slot
+                    self.replica.pack(name, tensor)
+                for sent in in_flight:
+                    sent.poll()
+                issue_ready()
+            with PhaseTimer(metrics, "transfer"):
+                self._earlier.join()
+            issue_ready()
         except BaseException:
             _drain(items)
             raise
         finally:
-            if in_flight is not None:
-                self._finish(in_flight, metrics)
+            while in_flight:
+                self._finish(in_flight.popleft(), metrics)
+        if self._seal_error is not None:
+            raise RuntimeError(self._seal_error)
         missing = self.replica.missing()
         if missing:
             raise ValueError(
@@ -133,35 +190,48 @@ class WeightSender(Sender):
         self.replica.finish()
 
     def _issue(self, version: int, bucket: BucketPlan, metrics: SyncMetrics) -> "_InFlight":
-        with PhaseTimer(metrics, "pack"):
-            crc = self.replica.checksum(bucket.index)
-            data = self.replica.data(bucket.index)
-            if self._after_checksum is not None:
-                self._after_checksum(bucket.index, data)
-        header = BucketHeader(version, bucket.index, bucket.nbytes, crc)
+        """Start the bucket's broadcast; its checksum is computed while the payload travels."""
+        self.replica.fill_host(bucket.index)  # device buckets: host copy on a side stream
+        payload = self.replica.payload(bucket.index)
+        wire = payload
+        if self._corrupt_wire is not None:
+            wire = self._corrupt_wire(bucket.index, payload)
+            wire = payload if wire is None else wire
+        sealed = [0.0]
+
+        def seal() -> BucketHeader:
+            with PhaseTimer(metrics, "checksum", ("checksum", bucket.index)) as timer:
+                try:
+                    value = checksum(payload, self.checksum)
+                except Exception as e:  # noqa: BLE001 — receivers drop the bucket; the sync fails everywhere
+                    self._seal_error = self._seal_error or f"checksum of bucket {bucket.index}: {describe(e, limit=3)}"
+                    return BucketHeader(version, bucket.index, ABORTED_NBYTES, 0)
+            sealed[0] = timer.elapsed
+            return BucketHeader(version, bucket.index, bucket.nbytes, value)
+
         metrics.bytes += bucket.nbytes
         metrics.num_buckets += 1
-        with PhaseTimer(metrics, "transfer"):  # issuing the (asynchronous) broadcasts
-            return _InFlight(self.transport.send_bucket(header, bucket, data))
+        issued_at = time.perf_counter()
+        pending = self.transport.send_bucket(bucket, wire, seal)
+        metrics.add("transfer", time.perf_counter() - issued_at - sealed[0])  # posting the broadcasts
+        return _InFlight(bucket.index, pending, issued_at)
 
     def _finish(self, in_flight: "_InFlight", metrics: SyncMetrics) -> None:
         wait_start = time.perf_counter()
         in_flight.pending.wait()
-        metrics.add("transfer", time.perf_counter() - wait_start)
-        metrics.overlap_s += min(wait_start, in_flight.done_at or wait_start) - in_flight.issued_at
+        wait_end = time.perf_counter()
+        metrics.add("transfer", wait_end - wait_start)
+        in_flight.poll()
+        done_at = in_flight.done_at or wait_end
+        metrics.overlap_s += min(wait_start, done_at) - in_flight.issued_at
+        metrics.event("wire", in_flight.index, in_flight.issued_at, done_at)
+        self.replica.release(in_flight.index)
 
     def _send_aborted(self, version: int) -> None:
         """Send this stage's unsent buckets with an ABORTED header so receivers stay in lockstep."""
         for bucket in self.replica.buckets[self._sent:]:
             header = BucketHeader(version, bucket.index, ABORTED_NBYTES, 0)
-            self.transport.send_bucket(header, bucket, self.replica.data(bucket.index)).wait()
-
-
-def _split_convert_time(stream: HFWeightStream, metrics: SyncMetrics) -> None:
-    """Move the stream's own conversion time out of "gather", where pulling the stream counted it."""
-    seconds = stream.phase_seconds.get("convert", 0.0)
-    metrics.phases["convert"] += seconds
-    metrics.phases["gather"] = max(0.0, metrics.phases["gather"] - seconds)
+            self.transport.send_bucket(bucket, self.replica.payload(bucket.index), lambda h=header: h).wait()
 
 
 def _drain(items) -> None:
@@ -173,14 +243,55 @@ def _drain(items) -> None:
         pass
 
 
-class _InFlight:
-    """A sent bucket and when it was issued / first seen complete (for the overlap metric)."""
+class _Relay:
+    """Takes part in other stages' bucket broadcasts, in order, in a background thread.
 
-    def __init__(self, pending: Waitable) -> None:
-        self.pending = pending
-        self.issued_at = time.perf_counter()
+    Each receive has its own buffer until it completes (two, alternating): in a
+    tree broadcast this rank forwards what it receives, so a buffer must not be
+    reused while a broadcast still reads from it.
+    """
+
+    def __init__(self, transport: BucketTransport, buckets: list[BucketPlan], buffers: list[torch.Tensor]) -> None:
+        self._transport, self._buckets, self._buffers = transport, buckets, buffers
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        if buckets:
+            self._thread = threading.Thread(target=self._run, name="megatron-sync-relay", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            previous = None
+            for k, bucket in enumerate(self._buckets):
+                current = self._transport.recv_bucket(bucket, self._buffers[k % 2])
+                if previous is not None:
+                    previous.wait()
+                previous = current
+            if previous is not None:
+                previous.wait()
+        except BaseException as e:  # noqa: BLE001 — raised by join()
+            self._error = e
+
+    def done(self) -> bool:
+        """True once every receive completed (or failed; `join` raises then)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def join(self) -> None:
+        """Wait for every receive; raise the first error (a dead peer)."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+class _InFlight:
+    """A sent bucket, when it was issued and when it was first seen complete (overlap, timeline)."""
+
+    def __init__(self, index: int, pending: Waitable, issued_at: float) -> None:
+        self.index, self.pending, self.issued_at = index, pending, issued_at
         self.done_at: Optional[float] = None
 
     def poll(self) -> None:
         if self.done_at is None and self.pending.is_completed():
-            self.done_at = time.perf_counter()
+            self.done_at = self.pending.done_at or time.perf_counter()

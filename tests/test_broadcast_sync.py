@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from megatron_sync.errors import PeerFailureError, SyncError
+from megatron_sync.errors import PeerFailureError, PlanMismatchError, SyncAbortedError, SyncError
 from megatron_sync.metrics import SyncMetrics, format_table
 from megatron_sync.receiver import WeightReceiver
 from megatron_sync.sender import WeightSender
@@ -55,13 +55,22 @@ def _rank_main(rank: int, sc: dict) -> list:
         transport.close()
 
 
-def _run_sender(rank: int, transport, bucket: int, sc: dict) -> list:
-    def flip(index: int, data: torch.Tensor) -> None:
-        if [stream.version, index] == list(sc.get("corrupt", ())):
-            data[data.numel() // 2] ^= 0xFF
+def _wire_corruption(stream: FakeStream, corrupt: tuple):
+    """Return a sender hook that puts a copy of bucket `corrupt[1]` of version `corrupt[0]` with one
+    flipped byte on the wire (the checksum covers the real bytes, as if the wire had flipped it)."""
+    def flip(index: int, data: torch.Tensor):
+        if [stream.version, index] != list(corrupt):
+            return None
+        flipped = data.clone()
+        flipped[flipped.numel() // 2] ^= 0xFF
+        return flipped
+    return flip
 
+
+def _run_sender(rank: int, transport, bucket: int, sc: dict) -> list:
     stream = FakeStream(rank, STAGES[rank], fail_at=tuple(sc.get("fail_at", ())) if rank == 1 else None)
-    sender = WeightSender.connect(stream, transport, bucket_size_bytes=bucket, after_checksum=flip,
+    sender = WeightSender.connect(stream, transport, bucket_size_bytes=bucket,
+                                  corrupt_wire=_wire_corruption(stream, sc.get("corrupt", ())),
                                   metrics_path=sc.get("metrics_path") if rank == 0 else None)
     log = []
     for v in sc["versions"]:
@@ -138,7 +147,7 @@ def test_dead_receiver_makes_sender_raise_peer_failure_and_survivor_keeps_versio
     timeout = 6.0
     die_after = len(ALL_METAS) + 3  # dies while staging version 2
     out = _run({"versions": [1, 2], "die": {3: die_after}, "timeout": timeout})
-    assert out[3][0] == "exited" and out[3][1] == 17
+    assert out[3][0] == "exited" and out[3][1] == 17, out
     for rank in range(P):
         status, log = out[rank]
         assert status == "ok", log
@@ -173,3 +182,71 @@ def test_a_load_failing_on_one_rank_rolls_the_other_ranks_back():
         versions_held = [entry[2:4] for entry in out[rank][1]]
         assert versions_held == [(1, True), (1, True), (3, True)], (rank, versions_held)
         assert "fake load failure at version 2" in out[rank][1][1][4]
+
+
+CHECKSUMS = ("xxh3", "crc32", "fletcher", "none")
+
+
+def _integrity_main(rank: int, sc: dict) -> list:
+    """Per checksum choice: one clean version, then one whose bucket 1 has a byte flipped on the wire;
+    finally a rank that checks differently from the others is refused at start-up."""
+    group = init_transport_group("127.0.0.1", sc["port"], P + N, rank, timeout=20.0, group_name="test")
+    transport = BroadcastTransport(group, P)
+    stream = FakeStream(rank, STAGES[rank]) if rank < P else None
+    engine = FakeEngine(ALL_METAS, rank - P, TP) if rank >= P else None
+    log, version = [], 0
+    try:
+        for algorithm in CHECKSUMS:
+            if rank < P:
+                side = WeightSender.connect(stream, transport, bucket_size_bytes=BUCKET_BYTES, checksum=algorithm,
+                                            corrupt_wire=_wire_corruption(stream, (version + 2, 1)))
+            else:
+                side = WeightReceiver(engine, transport, bucket_size_bytes=BUCKET_BYTES, checksum=algorithm)
+            for _ in range(2):
+                version += 1
+                try:
+                    if rank < P:
+                        stream.version = version
+                        side.sync(version)
+                    else:
+                        side.receive(version)
+                    outcome = "ok"
+                except SyncAbortedError as e:
+                    outcome = "CorruptBucketError" if "CorruptBucketError" in str(e) else str(e)
+                log.append((algorithm, version, outcome, engine and engine.version, engine and _engine_matches(engine)))
+        mine = "crc32" if rank == P + N - 1 else "xxh3"
+        try:
+            if rank < P:
+                WeightSender.connect(stream, transport, bucket_size_bytes=BUCKET_BYTES, checksum=mine)
+            else:
+                WeightReceiver(engine, transport, bucket_size_bytes=BUCKET_BYTES, checksum=mine)
+            log.append(("mismatch", "accepted"))
+        except PlanMismatchError as e:
+            log.append(("mismatch", str(e)))
+    finally:
+        transport.close()
+    return log
+
+
+def test_every_checksum_choice_catches_a_flipped_byte_and_none_trusts_the_wire():
+    out = run_ranks(_integrity_main, P + N, {"port": free_port()}, timeout=90.0, init_group=False)
+    for rank, (status, log) in out.items():
+        assert status == "ok", (rank, status, log)
+    logs = {rank: log for rank, (_, log) in out.items()}
+    for i, algorithm in enumerate(CHECKSUMS):
+        clean, corrupt = 2 * i + 1, 2 * i + 2
+        for rank in range(P + N):
+            entries = {v: entry for (a, v, *entry) in logs[rank][:-1] if a == algorithm}
+            assert entries[clean][0] == "ok", (algorithm, rank, entries)
+            assert entries[corrupt][0] == ("ok" if algorithm == "none" else "CorruptBucketError"), (algorithm, rank)
+        for rank in range(P, P + N):
+            entries = {v: entry for (a, v, *entry) in logs[rank][:-1] if a == algorithm}
+            assert entries[clean][1:] == [clean, True], (algorithm, rank)  # bit-exact shards
+            if algorithm != "none":
+                assert entries[corrupt][1:] == [clean, True], (algorithm, rank)  # kept the previous version
+        if algorithm == "none":  # nothing checked: the flipped byte reached an engine
+            assert any(not {v: e for (a, v, *e) in logs[r][:-1] if a == algorithm}[corrupt][2]
+                       for r in range(P, P + N))
+    for rank in range(P + N):
+        kind, message = logs[rank][-1]
+        assert kind == "mismatch" and "check buckets differently" in message and "-> crc32" in message, message

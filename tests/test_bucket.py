@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_sync.bucket import checksum, flatten, unpack
+from megatron_sync.bucket import CHECKSUMS, checksum, fletcher_checksum, flatten, resolve_checksum, unpack
 from megatron_sync.meta import TensorMeta
 from megatron_sync.plan import build_plan
 from megatron_sync.replica import HostReplica
@@ -94,16 +94,62 @@ def test_pack_twice_is_an_error():
         replica.pack("w.f32", _tensors()["w.f32"])
 
 
-def test_checksum_detects_a_flipped_byte():
+@pytest.mark.parametrize("algorithm", [a for a in CHECKSUMS if a != "none"])
+def test_checksum_detects_a_flipped_byte(algorithm):
     plan = build_plan([METAS], 1 << 20)
     (bucket,) = plan.buckets
     data = flatten([(e, _tensors()[e.name]) for e in bucket.entries], bucket.nbytes)
-    before = checksum(data)
-    assert before == checksum(data.clone())
+    before = checksum(data, algorithm)
+    assert before == checksum(data.clone(), algorithm)
+    assert -(2**63) <= before < 2**63  # travels in an int64 header
     for position in (0, bucket.nbytes // 2, bucket.nbytes - 1):
         corrupted = data.clone()
         corrupted[position] ^= 0x01
-        assert checksum(corrupted) != before
+        assert checksum(corrupted, algorithm) != before, position
+    swapped = data.clone()
+    swapped[0], swapped[1] = data[1].item(), data[0].item()
+    if data[0] != data[1]:
+        assert checksum(swapped, algorithm) != before
+
+
+def test_none_checks_nothing():
+    data = torch.arange(256, dtype=torch.uint8)
+    assert checksum(data, "none") == checksum(data.flip(0), "none") == 0
+
+
+@pytest.mark.parametrize("nbytes", [1, 7, 65536, 65537, 3 * 2**20 + 5])
+def test_fletcher_matches_its_definition(nbytes, monkeypatch):
+    import megatron_sync.bucket as bucket_module
+
+    monkeypatch.setattr(bucket_module, "_FLETCHER_CHUNK", 1 << 20)  # several chunks, a partial last block
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    x = data.to(torch.int64)
+    p = 2**31 - 1
+    a = int(x.sum()) % p
+    b = int((x * torch.arange(1, nbytes + 1, dtype=torch.int64)).sum()) % p
+    assert fletcher_checksum(data) == (a << 32 | b)
+
+
+def test_auto_resolves_by_where_buckets_live():
+    assert resolve_checksum("auto", torch.device("cpu")) == "xxh3"
+    assert resolve_checksum("auto", torch.device("cuda", 0)) == "fletcher"
+    assert resolve_checksum("crc32", torch.device("cuda", 0)) == "crc32"
+    with pytest.raises(ValueError, match="checksum='md5' is not valid"):
+        resolve_checksum("md5", torch.device("cpu"))
+
+
+def test_converting_into_the_slot_needs_no_pack_copy():
+    plan = build_plan([METAS], 1 << 20)
+    replica = HostReplica(plan, 0)
+    replica.begin(1)
+    for name, t in _tensors().items():
+        slot = replica.slot(name)
+        slot.copy_(t)
+        replica.pack(name, slot)  # recognised as already in place
+    replica.finish()
+    expected = flatten([(e, _tensors()[e.name]) for e in plan.buckets[0].entries], plan.buckets[0].nbytes)
+    assert torch.equal(replica.data(0), expected)
+    assert replica.slot("not.planned") is None
 
 
 @pytest.mark.gpu
@@ -116,6 +162,34 @@ def test_pinned_replica_packs_device_tensors_exactly():
     for name, t in _tensors().items():
         replica.pack(name, t.cuda())
     cpu = flatten([(e, _tensors()[e.name]) for e in plan.buckets[0].entries], plan.buckets[0].nbytes)
-    assert replica.checksum(0) == checksum(cpu)
+    assert checksum(replica.data(0)) == checksum(cpu)
     assert torch.equal(replica.data(0), cpu)
-    assert checksum(replica.data(0).cuda()) == checksum(cpu)
+    for algorithm in CHECKSUMS:
+        assert checksum(replica.data(0).cuda(), algorithm) == checksum(cpu, algorithm), algorithm
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_buckets_fill_the_host_replica_on_a_side_stream():
+    """NCCL path: converted into device buckets, sent from there; the host copy lands off the critical path."""
+    metas = METAS * 1
+    plan = build_plan([metas], 64)  # several buckets, so the pool's buffers are reused
+    replica = HostReplica(plan, 0, device=torch.device("cuda", 0))
+    for version in (1, 2):
+        replica.begin(version)
+        tensors = _tensors(version)
+        for name, t in tensors.items():
+            slot = replica.slot(name)
+            assert slot.is_cuda
+            slot.copy_(t.cuda())
+            bucket = replica.pack(name, slot)
+            if replica.is_complete(bucket.index):
+                payload = replica.payload(bucket.index)
+                assert payload.is_cuda and payload.numel() == bucket.nbytes
+                device_sum = checksum(payload, "fletcher")
+                replica.fill_host(bucket.index)
+                replica.release(bucket.index)
+                assert checksum(replica.data(bucket.index), "fletcher") == device_sum
+        replica.finish()
+        for name, t in tensors.items():
+            assert torch.equal(_bits(replica.view(name)), _bits(t)), (version, name)

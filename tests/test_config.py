@@ -30,6 +30,7 @@ def test_defaults_are_valid_and_keyword_only():
     ({"inflight_policy": "pause"}, "inflight_policy"),
     ({"enabled": "yes"}, "enabled"),
     ({"every_n_steps": 1.5}, "every_n_steps"),
+    ({"checksum": "md5"}, r"checksum='md5' is not valid; use one of \['auto', 'xxh3', 'crc32', 'fletcher', 'none'\]"),
 ])
 def test_validation_names_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -91,3 +92,12 @@ def test_every_field_has_a_flag():
     parser = add_weight_sync_args(argparse.ArgumentParser())
     ns = parser.parse_args([])
     assert all(hasattr(ns, f"weight_sync_{name}") for name in field_names())
+
+
+def test_checksum_choices_are_the_bucket_module_table_plus_auto():
+    from megatron_sync.bucket import CHECKSUMS
+    from megatron_sync.config import CHECKSUM_CHOICES
+
+    assert CHECKSUM_CHOICES == ("auto", *CHECKSUMS)
+    assert WeightSyncConfig().checksum == "auto"
+    assert WeightSyncConfig(checksum="none").checksum == "none"

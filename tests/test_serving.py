@@ -72,6 +72,9 @@ class _VersionedStream:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.states["A" if self.version % 2 else "B"].items()
 
+    def walk(self, into=None, record=None) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self)  # fresh tensors: the sender copies them into their bucket slots
+
 
 def _rank_main(rank: int, world_size: int, port: int, states: dict) -> dict:
     from megatron_sync.receiver import WeightReceiver

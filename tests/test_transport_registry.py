@@ -26,6 +26,8 @@ from megatron_sync.transport.group import StoreBoard
 class _Done:
     """A send that completed when it was issued (the store holds the bytes)."""
 
+    done_at = None
+
     def wait(self) -> None:
         return None
 
@@ -91,7 +93,8 @@ class StoreTransport(BucketTransport):
         return [[TensorMeta.from_wire((n, tuple(s), d)) for n, s, d in json.loads(self.board.fetch(f"meta/{stage}"))]
                 for stage in range(self.num_stages)]
 
-    def send_bucket(self, header: BucketHeader, bucket, data: torch.Tensor) -> _Done:
+    def send_bucket(self, bucket, data: torch.Tensor, seal) -> _Done:
+        header = seal()
         head = json.dumps([header.version, header.index, header.nbytes, header.checksum]).encode()
         self.board.post(f"bucket/{header.version}/{bucket.index}", head + b"\n" + data.numpy().tobytes())
         return _Done()

@@ -10,7 +10,8 @@ transport's own phase timings, and how the two halves of a sync are built
 `BucketTransport` is the family of transports that move the plan's buckets
 (broadcast, and any toy transport a test registers): they implement three
 byte-moving methods, and the generic `WeightSender` / `WeightReceiver` do the
-rest (replica, checksums, staging, two-phase commit, rollback).
+rest (replica, checksums, staging, two-phase commit, rollback). A bucket's
+header follows its payload, so the sender checksums the bytes while they travel.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ Commit = Callable[[dict[str, torch.Tensor], int], None]
 
 
 class Waitable(Protocol):
+    """An in-flight send. `done_at`: perf_counter() when it finished, None while running or when
+    the transport cannot tell (timelines then use the time the caller saw it complete)."""
+
+    done_at: Optional[float]
+
     def wait(self) -> Any: ...
 
     def is_completed(self) -> bool: ...
@@ -147,7 +153,7 @@ class Transport(abc.ABC):
 
 @dataclass(frozen=True)
 class BucketHeader:
-    """What precedes each bucket's payload: version, bucket index, nbytes, checksum.
+    """What travels with each bucket's payload (right after it): version, bucket index, nbytes, checksum.
 
     nbytes == ABORTED_NBYTES marks a bucket whose sender failed before filling
     it; the payload still travels (so every rank stays in lockstep) and is dropped.
@@ -181,19 +187,40 @@ class PendingBucket(abc.ABC):
     def is_completed(self) -> bool:
         """True once `wait()` would not block."""
 
+    @property
+    def done_at(self) -> Optional[float]:
+        """perf_counter() when the bucket had arrived; None while in flight or when the transport
+        cannot tell (timelines then use the time the receiver saw it)."""
+        return None
+
 
 class BucketTransport(Transport):
     """A transport that moves the plan's buckets from stage sources to every inference rank."""
 
     num_stages: int
 
+    max_buckets_in_flight: ClassVar[int] = 2
+    """Buckets a sender may have on the wire at once (a transport whose receivers must take
+    buckets strictly one after another says 1)."""
+
     @abc.abstractmethod
     def exchange_metadata(self, stage_metas: Optional[list[TensorMeta]]) -> list[list[TensorMeta]]:
         """Return every stage's tensor metadata; stage sources pass their own stage's list, others None."""
 
+    @property
+    def device(self) -> torch.device:
+        """Where this endpoint's bucket bytes live (what `alloc` returns; the CPU unless overridden)."""
+        return torch.device("cpu")
+
     @abc.abstractmethod
-    def send_bucket(self, header: BucketHeader, bucket: BucketPlan, data: torch.Tensor) -> Waitable:
-        """Start sending one bucket of this rank's stage; return the in-flight handle."""
+    def send_bucket(self, bucket: BucketPlan, data: torch.Tensor, seal: Callable[[], BucketHeader]) -> Waitable:
+        """Start sending one bucket of this rank's stage, then its header; return the in-flight handle
+        of both.
+
+        The payload goes first; `seal()` is called once it is on its way and returns the header
+        (version, index, nbytes, checksum), which follows the payload, so the checksum is computed
+        while the bytes travel. Receivers get both from `recv_bucket(...).wait()`.
+        """
 
     @abc.abstractmethod
     def recv_bucket(self, bucket: BucketPlan, out: torch.Tensor) -> PendingBucket:
@@ -205,11 +232,13 @@ class BucketTransport(Transport):
         from megatron_sync.sender import WeightSender
 
         return WeightSender.connect(stream, transport, bucket_size_bytes=config.bucket_size_bytes,
-                                    keep_together=keep_together, metrics_path=config.metrics_path)
+                                    keep_together=keep_together, metrics_path=config.metrics_path,
+                                    checksum=config.checksum)
 
     def make_receiver(self, engine: "EngineAdapter", config: "WeightSyncConfig", keep_together: KeepTogether,
                       commit: Optional[Commit] = None) -> Receiver:
         from megatron_sync.receiver import WeightReceiver
 
         return WeightReceiver(engine, self, bucket_size_bytes=config.bucket_size_bytes,
-                              keep_together=keep_together, metrics_path=config.metrics_path, commit=commit)
+                              keep_together=keep_together, metrics_path=config.metrics_path, commit=commit,
+                              checksum=config.checksum)

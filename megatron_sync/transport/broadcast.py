@@ -1,15 +1,18 @@
-"""Broadcast transport: each bucket is a header broadcast then a payload broadcast from its stage.
+"""Broadcast transport: each bucket is a payload broadcast then a header broadcast from its stage.
 
 Stage s's source is transport rank s and the root of its buckets' broadcasts;
-every other rank of the group (other stage sources included) takes part. With
-gloo the payload is the host replica buffer itself; with NCCL it is copied to
-a device buffer first (two, used alternately) and receivers get device bytes.
-Both broadcasts are issued asynchronously so callers overlap them with work.
+every other rank of the group (other stage sources included) takes part. The
+header (with the checksum) follows the payload, so the sender computes the
+checksum while the payload is on the wire. With gloo the payload is the host
+replica buffer itself; with NCCL it is the sender's device bucket (the replica
+fills its host copy from it on a side stream), and a host payload is copied to
+a device buffer first (two, used alternately). Receivers get device bytes on
+NCCL. Both broadcasts are issued asynchronously so callers overlap them with work.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -64,10 +67,14 @@ class BroadcastTransport(BucketTransport):
             )
         self.group = group
         self.rank, self.world_size, self.num_stages = group.rank, group.world_size, num_stages
-        self.device = group.device
+        self._device = group.device
         self.control = StoreControlChannel(group.board)
         self._device_send: list[torch.Tensor] = []
         self._send_count = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
 
     @property
     def inference_ranks(self) -> range:
@@ -90,13 +97,14 @@ class BroadcastTransport(BucketTransport):
             result.append([TensorMeta.from_wire((n, tuple(s), d)) for n, s, d in wire])
         return result
 
-    def send_bucket(self, header: BucketHeader, bucket: BucketPlan, data: torch.Tensor) -> Pending:
-        """Start broadcasting `bucket` from this stage source; the returned handle covers both parts."""
+    def send_bucket(self, bucket: BucketPlan, data: torch.Tensor, seal: Callable[[], BucketHeader]) -> "_BroadcastSend":
+        """Start broadcasting `bucket`'s payload, then `seal()`'s header; the handle covers both."""
         assert bucket.stage == self.rank, (bucket.stage, self.rank)
-        header_t = header.to_tensor(self.device)
-        payload = self._device_payload(data) if self.device.type != "cpu" else data
-        self.group.broadcast(header_t, src=self.rank, async_op=True)
-        return self.group.broadcast(payload, src=self.rank, async_op=True)
+        payload = data if data.device == self.device else self._device_payload(data)
+        payload_pending = self.group.broadcast(payload, src=self.rank, async_op=True)
+        header_t = seal().to_tensor(self.device)  # the checksum is computed while the payload travels
+        header_pending = self.group.broadcast(header_t, src=self.rank, async_op=True)
+        return _BroadcastSend(payload_pending, header_pending, header_t)
 
     def _device_payload(self, data: torch.Tensor) -> torch.Tensor:
         # Two device buffers used alternately: the sender waits for bucket k
@@ -116,8 +124,8 @@ class BroadcastTransport(BucketTransport):
         """Start receiving `bucket` from its stage source into `out[:bucket.nbytes]`."""
         header_t = torch.zeros(4, dtype=torch.int64, device=self.device)
         payload = out[: bucket.nbytes]
-        header_pending = self.group.broadcast(header_t, src=bucket.stage, async_op=True)
         payload_pending = self.group.broadcast(payload, src=bucket.stage, async_op=True)
+        header_pending = self.group.broadcast(header_t, src=bucket.stage, async_op=True)
         return _BroadcastReceive(header_pending, header_t, payload_pending, payload)
 
     def all_gather_json(self, obj: Any) -> list[Any]:
@@ -126,6 +134,26 @@ class BroadcastTransport(BucketTransport):
     def close(self) -> None:
         self._device_send.clear()
         self.group.close()
+
+
+class _BroadcastSend:
+    """The two broadcasts (payload, header) of one sent bucket."""
+
+    def __init__(self, payload: Pending, header: Pending, header_t: torch.Tensor) -> None:
+        self._payload, self._header, self._header_t = payload, header, header_t  # keep the header alive
+
+    @property
+    def done_at(self) -> Optional[float]:
+        """perf_counter() when both broadcasts had finished (None while either runs)."""
+        ends = (self._payload.done_at, self._header.done_at)
+        return None if None in ends else max(ends)
+
+    def wait(self) -> None:
+        self._payload.wait()
+        self._header.wait()
+
+    def is_completed(self) -> bool:
+        return self._payload.is_completed() and self._header.is_completed()
 
 
 class _BroadcastReceive(PendingBucket):
@@ -143,3 +171,9 @@ class _BroadcastReceive(PendingBucket):
 
     def is_completed(self) -> bool:
         return self._parts[0].is_completed() and self._parts[2].is_completed()
+
+    @property
+    def done_at(self) -> Optional[float]:
+        """perf_counter() when the payload and header had both arrived (None before)."""
+        ends = (self._parts[0].done_at, self._parts[2].done_at)
+        return None if None in ends else max(ends)

@@ -1,16 +1,17 @@
 """A version goes live on every inference rank or on none: the two agreement rounds of a sync.
 
 Round 1, "all intact": every transport rank says whether it holds the whole version intact
-(a sender: whether it sent all of it). Only if every rank does, each inference rank copies
-its live shards (`engine.snapshot()`) and commits the staged ones. Round 2, "all loaded":
-every rank says whether its commit worked; if any failed, the ranks that committed load
-their snapshot back, so no engine serves a mix of versions. Any failure raises the same
+(a sender: whether it sent all of it). Only if every rank does, each inference rank keeps
+its live shards for a rollback (the caller's own copy of them when it holds one, such as the
+bucket receiver's other staging set; else `engine.snapshot()`) and commits the staged ones.
+Round 2, "all loaded": every rank says whether its commit worked; if any failed, the ranks
+that committed load their previous shards back, so no engine serves a mix of versions. Any failure raises the same
 `SyncAbortedError` on every rank. Every transport's sender and receiver run these rounds.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 import torch
 
@@ -39,24 +40,28 @@ class AgreedCommit:
 
     `commit` defaults to `engine.load_shards` (a serving loop passes its own, which
     applies the version at a generation step boundary). With `rollback` the live shards
-    are copied before each commit; the price is one extra copy of this rank's shards.
+    are kept before each commit: `live_shards(engine.version)` when the caller holds them
+    (no copy), else a copy (`engine.snapshot()`, one extra copy of this rank's shards).
     """
 
     def __init__(self, transport: "Transport", engine: "EngineAdapter", commit: Optional["Commit"] = None, *,
-                 rollback: bool = True) -> None:
+                 rollback: bool = True,
+                 live_shards: Optional[Callable[[int], Optional[Mapping[str, torch.Tensor]]]] = None) -> None:
         self.transport, self.engine, self.rollback = transport, engine, rollback
         self.commit = commit if commit is not None else engine.load_shards
+        self.live_shards = live_shards
+        self.snapshots_taken = 0  # engine.snapshot() copies made
 
     def __call__(self, version: int, error: Optional[str], staged: Mapping[str, torch.Tensor],
                  metrics: SyncMetrics) -> None:
         """Run both rounds with this rank's receive `error` (None: `staged` holds the whole version intact)."""
-        with PhaseTimer(metrics, "commit"):
+        with PhaseTimer(metrics, "commit", ("commit", -1)):
             _agree(self.transport, version, error)
-        with PhaseTimer(metrics, "commit"):  # the rollback snapshot is part of committing
+        with PhaseTimer(metrics, "commit"):  # keeping the rollback source is part of committing
             old_version, snapshot = self.engine.version, self._snapshot()
         load_error = self._load(dict(staged), version, metrics)
         try:
-            with PhaseTimer(metrics, "commit"):
+            with PhaseTimer(metrics, "commit", ("commit", -1)):
                 _agree(self.transport, version, load_error)
         except SyncAbortedError as e:
             if load_error is None:  # this rank loaded it, another did not: go back
@@ -65,22 +70,27 @@ class AgreedCommit:
                     raise SyncAbortedError(version, [*e.failures, (self.transport.rank, problem)]) from e
             raise
 
-    def _snapshot(self) -> Optional[dict[str, torch.Tensor]]:
-        """Copy the live shards before a load, so a load that fails elsewhere can be undone here."""
+    def _snapshot(self) -> Optional[Mapping[str, torch.Tensor]]:
+        """Return the live shards as they are before a load, so a load that fails elsewhere can be
+        undone here: the caller's own copy when it has one, else a snapshot."""
         if not self.rollback:
             return None
+        held = self.live_shards(self.engine.version) if self.live_shards is not None else None
+        if held is not None:
+            return held
+        self.snapshots_taken += 1
         return self.engine.snapshot() or None
 
     def _load(self, staged: dict[str, torch.Tensor], version: int, metrics: SyncMetrics) -> Optional[str]:
         try:
-            with PhaseTimer(metrics, "apply"):
+            with PhaseTimer(metrics, "apply", ("load", -1)):
                 self.commit(staged, version)
         except Exception as e:  # noqa: BLE001 — agreed on, then raised on every rank
             return (f"commit failed: {describe(e, limit=3)} (ranks that loaded the new version "
                     "roll back to the previous one)")
         return None
 
-    def _roll_back(self, snapshot: Optional[dict[str, torch.Tensor]], old_version: int) -> Optional[str]:
+    def _roll_back(self, snapshot: Optional[Mapping[str, torch.Tensor]], old_version: int) -> Optional[str]:
         """Load the snapshot back; return what went wrong (None when this rank is back on `old_version`)."""
         if snapshot is None:
             return ("loaded the new version and has no snapshot to roll back to; this engine rank now "

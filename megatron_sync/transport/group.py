@@ -175,10 +175,24 @@ class TransportGroup:
 
 
 class Pending:
-    """An in-flight collective; `wait()` turns backend errors into PeerFailureError."""
+    """An in-flight collective; `wait()` turns backend errors into PeerFailureError.
+
+    `done_at` is the `time.perf_counter()` at which the backend finished it
+    (from the work's future callback; else when `wait()` returned), for timelines.
+    """
 
     def __init__(self, group: TransportGroup, op: str, work: Any) -> None:
         self._group, self._op, self._work = group, op, work
+        self.done_at: Optional[float] = None
+        if work is not None:
+            try:
+                work.get_future().add_done_callback(self._mark_done)
+            except (RuntimeError, AttributeError):  # a backend without futures: wait() stamps it
+                pass
+
+    def _mark_done(self, _future: Any) -> None:
+        if self.done_at is None:
+            self.done_at = time.perf_counter()
 
     def wait(self, timeout_s: Optional[float] = None) -> None:
         """Block until done, at most `timeout_s` (None: the group's timeout); PeerFailureError after."""
@@ -190,6 +204,7 @@ class Pending:
             raise self._group._fail(self._op, e) from e
         finally:
             self._work = None
+            self._mark_done(None)
 
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()

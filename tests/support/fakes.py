@@ -65,10 +65,19 @@ class FakeStream:
         return {}
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.walk()
+
+    def walk(self, into=None, record=None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield the seeded tensors; where `into` offers a slot, the tensor is written there and the slot yielded."""
         for meta in self._metas:
             if (self.version, meta.name) == self._fail_at:
                 raise RuntimeError(f"fake conversion failure at {meta.name}")
-            yield meta.name, make_tensor(meta, self.version)
+            tensor = make_tensor(meta, self.version)
+            slot = into(meta.name) if into is not None else None
+            if slot is not None:
+                slot.copy_(tensor)
+                tensor = slot
+            yield meta.name, tensor
 
 
 def shard_rule(full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:

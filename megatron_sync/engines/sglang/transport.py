@@ -106,11 +106,17 @@ class _BucketSent:
     def is_completed(self) -> bool:
         return self._broadcast.is_completed() and all(c.done() for c in self._calls)
 
+    @property
+    def done_at(self) -> Optional[float]:
+        """When the bytes had left (the engines' answers are not timed); None before."""
+        return self._broadcast.done_at
+
 
 class SGLangTransport(BucketTransport):
     """Rank 0 of SGLang's update group: sends plan buckets to the SGLang servers of `weight_sync.engines`."""
 
     name = "sglang"
+    max_buckets_in_flight = 1  # each bucket's HTTP announcements and broadcast finish before the next's
     meets_at_store = False  # SGLang's update group has its own rendezvous at master_address:master_port
 
     def __init__(self, group: TransportGroup, process_group: Any, urls: list[str], timeout_s: float) -> None:
@@ -160,8 +166,19 @@ class SGLangTransport(BucketTransport):
         assert stage_metas is not None, "the trainer is rank 0 and stage 0's source"
         return [list(stage_metas)]
 
-    def send_bucket(self, header: BucketHeader, bucket: BucketPlan, data: torch.Tensor) -> "_BucketSent | Pending":
+    @property
+    def device(self) -> torch.device:
+        return self.group.device
+
+    @classmethod
+    def make_sender(cls, transport, stream, config: "WeightSyncConfig", keep_together: "KeepTogether"):
+        """The bucket sender, without checksums: SGLang verifies none (its transport is trusted)."""
+        return super().make_sender(transport, stream, config.replace(checksum="none"), keep_together)
+
+    def send_bucket(self, bucket: BucketPlan, data: torch.Tensor,
+                    seal: Callable[[], BucketHeader]) -> "_BucketSent | Pending":
         """Announce `bucket` to every engine over HTTP, then broadcast its bytes from rank 0."""
+        header = seal()  # no checksum to overlap (SGLang checks none); it says whether the sender aborted
         if header.nbytes < 0:  # the sender failed before filling it: announce nothing, SGLang would load garbage
             return Pending(self.group, "broadcast", None)
         body = requests.update_weights_from_distributed(bucket, group_name=requests.GROUP_NAME)

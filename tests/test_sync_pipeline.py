@@ -1,0 +1,103 @@
+"""The pipelined sync's pure parts: gather dtypes, staging sets, the timeline, the prefetcher's bound."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from converters import Family, HFTensor, Rule, Shard, get_converter
+from converters.base import Converter
+from megatron_sync.metrics import PhaseTimer, SyncMetrics, Timeline
+from megatron_sync.receiver import StagingSets
+from tests.support.models import ModelSpec, hf_config
+
+
+def _converter(family: str, dtype: torch.dtype):
+    return get_converter(family, hf_config(ModelSpec(family=family)), dtype=dtype)
+
+
+@pytest.mark.parametrize("family,name,param,target,gathered", [
+    # fp32 parameters of rules that only move elements travel in the (narrower) engine dtype ...
+    ("qwen3_moe", "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight", torch.float32,
+     torch.bfloat16, torch.bfloat16),
+    ("qwen3", "decoder.layers.1.self_attention.linear_qkv.weight", torch.float32, torch.bfloat16, torch.bfloat16),
+    ("qwen3", "embedding.word_embeddings.weight", torch.float32, torch.bfloat16, torch.bfloat16),
+    # ... never widened, never narrowed below what the rule keeps (DeepSeek's router stays float32)
+    ("qwen3", "decoder.layers.1.self_attention.linear_qkv.weight", torch.bfloat16, torch.float32, torch.bfloat16),
+    ("qwen3", "decoder.layers.1.self_attention.linear_qkv.weight", torch.float32, torch.float32, torch.float32),
+    ("deepseek_v3", "decoder.layers.1.mlp.router.weight", torch.float32, torch.bfloat16, torch.float32),
+])
+def test_gather_dtype_is_the_narrowest_that_converts_to_the_same_bits(family, name, param, target, gathered):
+    converter = _converter(family, target)
+    assert converter.gather_dtype(name, param) == gathered
+    if "linear_qkv" in name:  # gathering narrower, then converting, gives the bits of converting the original
+        cfg = converter.config
+        rows = cfg["num_key_value_heads"] * (cfg["num_attention_heads"] // cfg["num_key_value_heads"] + 2) * cfg["head_dim"]
+        full = torch.randn(rows, cfg["hidden_size"], generator=torch.Generator().manual_seed(0)).to(param)
+        direct = converter.convert(name, full)
+        early = converter.convert(name, full.to(gathered))
+        assert [n for n, _ in direct] == [n for n, _ in early]
+        for (_, a), (_, b) in zip(direct, early):
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_a_computing_transform_is_gathered_as_it_is():
+    def scaled(tensor, cfg):  # computes: casting first would round differently
+        return (tensor * 3,)
+
+    family = Family("scaled", rules=(Rule("decoder.final_layernorm.weight", "model.norm.weight", scaled),),
+                    hf_tensors=(HFTensor("model.norm.weight", ("hidden_size",), Shard.REPLICATED),))
+    converter = Converter(family, hf_config(ModelSpec("qwen3")), dtype=torch.bfloat16)
+    assert converter.gather_dtype("decoder.final_layernorm.weight", torch.float32) == torch.float32
+
+
+def test_staging_sets_alternate_and_keep_the_live_set_for_rollback():
+    sets = StagingSets()
+    first = sets.begin()
+    sets.stage("w", torch.full((2, 3), 1.0))
+    assert sets.live_shards(0) is None  # nothing committed yet: the receiver asks the engine for a snapshot
+    sets.committed(1)
+    second = sets.begin()
+    assert second is not first  # version 2 is staged beside the live version 1
+    sets.stage("w", torch.full((2, 3), 2.0))
+    live = sets.live_shards(1)
+    assert live is first and torch.equal(live["w"], torch.full((2, 3), 1.0))
+    assert sets.live_shards(7) is None  # the engine holds something else: no free rollback source
+    sets.committed(2)
+    third = sets.begin()
+    assert third is first  # reused, no allocation
+    ptr = third["w"].data_ptr()
+    sets.stage("w", torch.full((2, 3), 3.0))
+    assert third["w"].data_ptr() == ptr
+    assert sets.live_shards(2) is second and sets.nbytes == 2 * 6 * 4
+    # A failed sync leaves the target set without a version; the live one still serves rollbacks.
+    assert sets.live_shards(2) is second
+
+
+def test_timeline_records_phase_events_from_several_threads():
+    metrics = SyncMetrics(1, timeline=Timeline())
+
+    def worker(item: int) -> None:
+        with PhaseTimer(metrics, "gather", ("gather", item)):
+            time.sleep(0.001)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with PhaseTimer(metrics, "checksum", ("checksum", 0)):
+        pass
+    events = metrics.timeline.events
+    assert sorted(e[1] for e in events if e[0] == "gather") == list(range(8))
+    assert all(start <= end for _, _, start, end in events)
+    assert metrics.phases["gather"] >= 0.008 * 0.5
+    wire = metrics.timeline.to_wire()["events"]
+    assert len(wire) == 9 and abs(wire[0][2] - time.time()) < 60  # wall-clock seconds
+    with pytest.raises(AssertionError):
+        metrics.timeline.add("teleport", 0, 0.0, 1.0)
+    assert SyncMetrics(2).timeline is None  # off unless asked for: event() is a no-op
+    SyncMetrics(2).event("wire", 0, 0.0, 1.0)
