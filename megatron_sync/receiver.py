@@ -101,7 +101,7 @@ class WeightReceiver(Receiver):
                  rollback: bool = True, checksum: str = "auto", timeline: bool = False) -> None:
         self.engine, self.transport = engine, transport
         self.staging = StagingSets()
-        self._agreed = AgreedCommit(transport, engine, commit, rollback=rollback, live_shards=self.staging.live_shards)
+        self._agreed = AgreedCommit.over(transport, engine, commit, rollback=rollback, live_shards=self.staging.live_shards)
         self.metrics_path = metrics_path
         self.record_timeline = timeline
         self.history: list[SyncMetrics] = []

@@ -48,6 +48,7 @@ from megatron_sync.engines.base import EngineAdapter
 from megatron_sync.errors import SyncAbortedError
 from megatron_sync.metrics import PhaseTimer, SyncMetrics
 from megatron_sync.transport.base import Commit, Receiver
+from megatron_sync.transport.commit import AgreedCommit
 
 log = logging.getLogger("megatron_sync")
 Gather = Callable[[Any], list]
@@ -75,8 +76,8 @@ class DeltaReceiver(Receiver):
                  rank: int, version_offset: int, timeout_s: float, commit: Optional[Commit] = None,
                  metrics_path: Optional[str] = None, rollback: bool = True) -> None:
         self.engine, self.stores, self.gather, self.index, self.rank = engine, stores, gather, index, rank
-        self.version_offset, self.timeout_s, self.rollback = version_offset, timeout_s, rollback
-        self.commit = commit if commit is not None else engine.load_shards
+        self.version_offset, self.timeout_s = version_offset, timeout_s
+        self._agreed = AgreedCommit(self._gather_agreed, index, engine, commit, rollback=rollback)
         self.metrics_path = metrics_path
         self.history: list[SyncMetrics] = []
         hosts = gather(host_key(local_dir))
@@ -207,31 +208,5 @@ class DeltaReceiver(Receiver):
     def _load_everywhere(self, version: int, target: int, tensors: dict[str, torch.Tensor],
                          metrics: SyncMetrics) -> None:
         """Load this rank's shards as `target`; agree; roll back here if another rank failed to load."""
-        old_version, snapshot, error = self.engine.version, None, None
-        try:
-            with PhaseTimer(metrics, "commit"):  # the rollback snapshot is part of committing
-                snapshot = self.engine.snapshot() if self.rollback else None
-            with PhaseTimer(metrics, "apply"):
-                self.commit({name: self.engine.shard_of(name, full) for name, full in tensors.items()}, target)
-        except Exception as e:  # noqa: BLE001 — agreed on below
-            error = (f"load failed: {describe(e, limit=3)} (ranks that loaded version {target} roll back to "
-                     f"version {old_version})")
-        try:
-            with PhaseTimer(metrics, "commit"):
-                self._gather_agreed(version, error)
-        except SyncAbortedError as e:
-            if error is None:
-                problem = self._roll_back(snapshot, old_version)
-                if problem is not None:
-                    raise SyncAbortedError(version, [*e.failures, (self.index, problem)]) from e
-            raise
-
-    def _roll_back(self, snapshot: Optional[dict[str, torch.Tensor]], old_version: int) -> Optional[str]:
-        """Load the snapshot back; return what went wrong (None when this rank is back on `old_version`)."""
-        if not snapshot:
-            return "loaded the new version and has no snapshot to roll back to; this engine rank differs from others"
-        try:
-            self.commit(snapshot, old_version)
-        except Exception as e:  # noqa: BLE001 — reported with the sync's failures
-            return f"rolling back to version {old_version} failed: {e}"
-        return None
+        shards = {name: self.engine.shard_of(name, full) for name, full in tensors.items()}
+        self._agreed.load_agreed(version, shards, metrics, as_version=target)

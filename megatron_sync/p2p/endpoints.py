@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Optional
 
+import torch
+
 from megatron_sync.agreement import describe
 from megatron_sync.errors import PeerFailureError, SyncError
 from megatron_sync.metrics import PhaseTimer, SyncMetrics
@@ -50,6 +52,10 @@ class P2PSender(Sender):
         self.history: list[SyncMetrics] = []
         self.messages = len(plan.sender_queue(transport.rank))
         self._attempt = 0  # syncs so far; trainer and engines count them in step
+
+    def sent_tensors(self) -> dict[str, torch.Tensor]:
+        """Return this rank's share of the distributed replica by HF name."""
+        return dict(self.replica.tensors)
 
     @classmethod
     def connect(cls, transport: "P2PTransport", stream: "MegatronWeightStream",
@@ -134,7 +140,7 @@ class P2PReceiver(Receiver):
         self._specs = {s.name: s for s in self.plan.tensors}
         self.staging = transport.mover.staging_buffer(self.layout.nbytes)
         transport.mover.expose(self.index, self.staging)
-        self._agreed = AgreedCommit(transport, engine, commit)
+        self._agreed = AgreedCommit.over(transport, engine, commit)
         self.metrics_path = config.metrics_path
         self.history: list[SyncMetrics] = []
         self._attempt = 0  # syncs so far; trainer and engines count them in step

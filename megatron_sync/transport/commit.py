@@ -11,7 +11,7 @@ that committed load their previous shards back, so no engine serves a mix of ver
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
 
@@ -24,50 +24,78 @@ if TYPE_CHECKING:
     from megatron_sync.transport.base import Commit, Transport
 
 
-def _agree(transport: "Transport", version: int, error: Optional[str]) -> None:
-    transport.agree(error, what=f"sync of version {version}",
-                    failure=lambda failures: SyncAbortedError(version, failures))
+Agree = Callable[[int, Optional[str]], None]
+"""One agreement round of the sync of a version: (version, this rank's error or None); raises the same
+SyncAbortedError on every rank when any rank failed."""
+
+
+def transport_agree(transport: "Transport") -> Agree:
+    """Return the agreement round over `transport`'s group."""
+    def agree(version: int, error: Optional[str]) -> None:
+        transport.agree(error, what=f"sync of version {version}",
+                        failure=lambda failures: SyncAbortedError(version, failures))
+    return agree
 
 
 def sender_rounds(transport: "Transport", version: int, error: Optional[str]) -> None:
     """Take a sender's part in both rounds: `error` (None: all sent) in round 1, ok in round 2."""
+    agree = transport_agree(transport)
     for status in (error, None):
-        _agree(transport, version, status)
+        agree(version, status)
 
 
 class AgreedCommit:
     """An inference rank's part in both rounds around `commit(staged shards, version)`.
 
-    `commit` defaults to `engine.load_shards` (a serving loop passes its own, which
-    applies the version at a generation step boundary). With `rollback` the live shards
-    are kept before each commit: `live_shards(engine.version)` when the caller holds them
-    (no copy), else a copy (`engine.snapshot()`, one extra copy of this rank's shards).
+    `agree` runs one round (`transport_agree(transport)` for a transport's group; the disk-delta
+    receiver passes its own all-gather); `rank` names this rank in failures. `commit` defaults
+    to `engine.load_shards` (a serving loop passes its own, which applies the version at a
+    generation step boundary). With `rollback` the live shards are kept before each commit:
+    `live_shards(engine.version)` when the caller holds them (no copy), else a copy
+    (`engine.snapshot()`, one extra copy of this rank's shards).
     """
 
-    def __init__(self, transport: "Transport", engine: "EngineAdapter", commit: Optional["Commit"] = None, *,
+    def __init__(self, agree: Agree, rank: int, engine: "EngineAdapter", commit: Optional["Commit"] = None, *,
                  rollback: bool = True,
                  live_shards: Optional[Callable[[int], Optional[Mapping[str, torch.Tensor]]]] = None) -> None:
-        self.transport, self.engine, self.rollback = transport, engine, rollback
+        self.agree, self.rank, self.engine, self.rollback = agree, rank, engine, rollback
         self.commit = commit if commit is not None else engine.load_shards
         self.live_shards = live_shards
         self.snapshots_taken = 0  # engine.snapshot() copies made
+
+    @classmethod
+    def over(cls, transport: "Transport", engine: "EngineAdapter", commit: Optional["Commit"] = None,
+             **kwargs: Any) -> "AgreedCommit":
+        """Return the rounds over `transport`'s group."""
+        return cls(transport_agree(transport), transport.rank, engine, commit, **kwargs)
 
     def __call__(self, version: int, error: Optional[str], staged: Mapping[str, torch.Tensor],
                  metrics: SyncMetrics) -> None:
         """Run both rounds with this rank's receive `error` (None: `staged` holds the whole version intact)."""
         with PhaseTimer(metrics, "commit", ("commit", -1)):
-            _agree(self.transport, version, error)
-        with PhaseTimer(metrics, "commit"):  # keeping the rollback source is part of committing
-            old_version, snapshot = self.engine.version, self._snapshot()
-        load_error = self._load(dict(staged), version, metrics)
+            self.agree(version, error)
+        self.load_agreed(version, staged, metrics)
+
+    def load_agreed(self, version: int, staged: Mapping[str, torch.Tensor], metrics: SyncMetrics, *,
+                    as_version: Optional[int] = None) -> None:
+        """Round 2: commit `staged` as `as_version` (default: `version`), agree every rank loaded it, and
+        roll back here when another rank did not."""
+        old_version, snapshot, load_error = self.engine.version, None, None
+        try:
+            with PhaseTimer(metrics, "commit"):  # keeping the rollback source is part of committing
+                snapshot = self._snapshot()
+        except Exception as e:  # noqa: BLE001 — agreed on below; nothing was loaded
+            load_error = f"keeping the live shards for a rollback failed: {describe(e, limit=3)}"
+        if load_error is None:
+            load_error = self._load(dict(staged), version if as_version is None else as_version, metrics)
         try:
             with PhaseTimer(metrics, "commit", ("commit", -1)):
-                _agree(self.transport, version, load_error)
+                self.agree(version, load_error)
         except SyncAbortedError as e:
             if load_error is None:  # this rank loaded it, another did not: go back
                 problem = self._roll_back(snapshot, old_version)
                 if problem is not None:
-                    raise SyncAbortedError(version, [*e.failures, (self.transport.rank, problem)]) from e
+                    raise SyncAbortedError(version, [*e.failures, (self.rank, problem)]) from e
             raise
 
     def _snapshot(self) -> Optional[Mapping[str, torch.Tensor]]:
@@ -92,7 +120,7 @@ class AgreedCommit:
 
     def _roll_back(self, snapshot: Optional[Mapping[str, torch.Tensor]], old_version: int) -> Optional[str]:
         """Load the snapshot back; return what went wrong (None when this rank is back on `old_version`)."""
-        if snapshot is None:
+        if not snapshot:
             return ("loaded the new version and has no snapshot to roll back to; this engine rank now "
                     "differs from ranks that failed to load")
         try:
