@@ -112,13 +112,18 @@ class Verifier:
                     self.failures.append(f"rollout on version {version} engine {engine}: spans {spans}, want {want}")
 
     def _dump_sent(self, version: int) -> None:
-        sender = self.sync.sender
-        if not self.job.verify.dump_dir or sender.replica is None:
+        if not self.job.verify.dump_dir:
+            return
+        sent = self.sync.sender.sent_tensors()
+        if sent is None:
+            raise ValueError(f"verify.dump_dir: transport {self.job.weight_sync.transport!r} keeps no copy of what "
+                             "it sent; unset verify.dump_dir or use transport broadcast or p2p")
+        if not sent:
             return
         folder = os.path.join(self.job.verify.dump_dir, f"v{version}")
         os.makedirs(folder, exist_ok=True)
-        sent = {e.name: sender.replica.view(e.name).clone() for b in sender.replica.buckets for e in b.entries}
-        torch.save(sent, os.path.join(folder, f"sent_stage{self.sync.stream.stage}.pt"))
+        torch.save({name: t.clone() for name, t in sent.items()},
+                   os.path.join(folder, f"sent_stage{self.sync.stream.stage}_rank{dist.get_rank()}.pt"))
 
 
 def pause_after(pause_version: int, version: int) -> None:

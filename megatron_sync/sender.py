@@ -82,6 +82,12 @@ class WeightSender(Sender):
                                   checksum=resolve_checksum(checksum, transport.device))
         return cls(stream, transport, plan, checksum=checksum, **kwargs)
 
+    def sent_tensors(self) -> dict[str, torch.Tensor]:
+        """Return views of the host replica by HF name (empty on a rank that is not a stage source)."""
+        if self.replica is None:
+            return {}
+        return {e.name: self.replica.view(e.name) for b in self.replica.buckets for e in b.entries}
+
     def sync(self, version: int) -> SyncMetrics:
         """Send `version` and return its metrics once every rank committed it.
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, Protocol
 
 import torch
 
@@ -57,6 +57,14 @@ class Sender(abc.ABC):
     @abc.abstractmethod
     def sync(self, version: int) -> SyncMetrics:
         """Send `version`; return once every rank committed it (raise `SyncError` on every rank otherwise)."""
+
+    def sent_tensors(self) -> Optional[Mapping[str, torch.Tensor]]:
+        """Return the HF tensors this rank sent in its last sync (views of what it keeps, by HF name).
+
+        Empty on a rank that sends nothing; None where the transport keeps no copy after sending
+        (disk_delta hands its buffer to the writer). For checks and debugging, not the data path.
+        """
+        return None
 
 
 class Receiver(abc.ABC):
