@@ -26,6 +26,7 @@ import statistics
 import time
 
 from bench.bench_sync import machine_description
+from megatron_sync.metrics import align
 from tests.support.jobs import run_pair
 
 SPEC = dict(family="qwen3", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, head_dim=64,
@@ -67,15 +68,14 @@ def run_point(transport: str, *, engines: int = 1, engine_tp: int = 1, versions:
 def format_rows(rows: list[dict]) -> str:
     header = ["transport", "N", "sync s", "warm-up s", "gather", "convert", "pack", "transfer", "commit",
               "recv MB/rank", "wire MB", "replica MB/trainer rank"]
-    lines = [header]
+    lines = []
     for r in rows:
         p = r["phases"]
         lines.append([r["transport"], str(r["ranks"]), f"{r['sync_s']:.3f}", f"{r['warmup_s']:.3f}",
                       *(f"{p[k]:.3f}" for k in ("gather", "convert", "pack", "transfer", "commit")),
                       "/".join(f"{b / MB:.1f}" for b in r["recv"]), f"{r['wire'] / MB:.1f}",
                       "/".join(f"{b / MB:.1f}" for b in r["replica"])])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
+    return align(header, lines)
 
 
 def main(argv=None) -> None:

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling module
 from sync_workers import ENGINE_TP, KINDS, engine_main, trainer_main  # noqa: E402
 from timeline_plot import draw_timeline  # noqa: E402
 
+from megatron_sync.metrics import align  # noqa: E402
 from tests.support.dist import free_port, run_distributed  # noqa: E402
 from tests.support.models import ModelSpec  # noqa: E402
 
@@ -136,12 +137,6 @@ def _memory(source: dict, recv: list[dict]) -> dict:
     }
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = [header, *rows]
-    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in lines)
-
-
 PHASE_COLUMNS = ("gather", "convert", "pack", "checksum", "transfer", "apply", "commit", "total")
 
 
@@ -156,7 +151,7 @@ def format_phases(rows: list[dict]) -> str:
                           f"{r['overlap']:.3f}" if role == "trainer0" else "-"])
         lines.append([r["model"], f"{r['bucket_mb']:g}", str(r["buckets"]), "trainer1",
                       f"{r['other_gather']:.3f}", *("-" for _ in PHASE_COLUMNS[1:]), "-"])
-    return _table(header, lines)
+    return align(header, lines)
 
 
 def format_totals(rows: list[dict]) -> str:
@@ -171,7 +166,7 @@ def format_totals(rows: list[dict]) -> str:
                       f"{r['sync_s'] / r['raw_s']:.2f}", f"{r['naive_s'] / r['raw_s']:.2f}",
                       f"{r['sync_s'] / r['stages'][slowest]:.2f}", slowest,
                       f"{r['sync_cpu'] / r['raw_cpu']:.2f}", f"{r['naive_cpu'] / r['raw_cpu']:.2f}"])
-    return _table(header, lines)
+    return align(header, lines)
 
 
 def format_cpu(rows: list[dict]) -> str:
@@ -182,7 +177,7 @@ def format_cpu(rows: list[dict]) -> str:
         for kind in KINDS:
             per = r["cpu_by_rank"][kind]
             lines.append([r["model"], f"{r['bucket_mb']:g}", kind, *(f"{c:.3f}" for c in per), f"{sum(per):.3f}"])
-    return _table(header, lines)
+    return align(header, lines)
 
 
 def format_memory(rows: list[dict]) -> str:
@@ -201,7 +196,7 @@ def format_memory(rows: list[dict]) -> str:
                       f"{info['engine_buffer_bytes'] / MB:.0f}", f"{mem['engine_rss'] / MB:.0f}",
                       f"{(info['max_bucket'] + info['largest_tensor']) / MB:.0f}", device,
                       f"{mem['naive_sender_rss'] / MB:.0f}", f"{mem['naive_engine_rss'] / MB:.0f}"])
-    return _table(header, lines)
+    return align(header, lines)
 
 
 def timeline_ranks(trainers: list[dict], engines: list[dict], mb: float, rep: int) -> list:

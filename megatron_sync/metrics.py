@@ -127,15 +127,15 @@ class PhaseTimer:
                 self.metrics.event(*self._event, self._start, end)
 
 
+def align(header: list[str], rows: Iterable[list[str]]) -> str:
+    """Return `header` and `rows` (cells as text) as a table of right-aligned columns."""
+    lines = [header, *rows]
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in lines)
+
+
 def format_table(rows: Iterable[SyncMetrics]) -> str:
     """Return an aligned text table: one row per sync, one column per phase (seconds)."""
     header = ["version", "role", "rank", *PHASES, "overlap", "MB", "GB/s"]
-    lines = [header]
-    for m in rows:
-        lines.append([
-            str(m.version), m.role, str(m.rank),
-            *(f"{m.phases[p]:.4f}" for p in PHASES),
-            f"{m.overlap_s:.4f}", f"{m.bytes / 2**20:.2f}", f"{m.gbps:.3f}",
-        ])
-    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in lines)
+    return align(header, ([str(m.version), m.role, str(m.rank), *(f"{m.phases[p]:.4f}" for p in PHASES),
+                           f"{m.overlap_s:.4f}", f"{m.bytes / 2**20:.2f}", f"{m.gbps:.3f}"] for m in rows))
