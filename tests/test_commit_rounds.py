@@ -46,11 +46,12 @@ def _next_version(engine: ReferenceEngine) -> dict[str, torch.Tensor]:
     return {name: t + 1 for name, t in engine.snapshot().items()}
 
 
-def _run(commits: list[AgreedCommit], staged: list[dict], *, as_version: Optional[int] = None) -> list:
+def _run(commits: list[AgreedCommit], staged: list[dict], *, as_version: Optional[int] = None,
+         errors: tuple[Optional[str], ...] = (None,) * RANKS) -> list:
     def one(rank: int):
         try:
             commits[rank].load_agreed(2, staged[rank], SyncMetrics(2, role="receiver", rank=rank),
-                                      as_version=as_version)
+                                      as_version=as_version, error=errors[rank])
         except SyncAbortedError as e:
             return e
         return None
@@ -94,6 +95,19 @@ def test_a_rank_that_cannot_keep_its_rollback_copy_loads_nothing_and_nobody_keep
     for error in errors:
         assert isinstance(error, SyncAbortedError)
         assert error.failures[0][0] == 0 and "keeping the live shards for a rollback failed" in error.failures[0][1]
+    for engine, old in zip(engines, before):
+        assert engine.version == 0
+        assert all(torch.equal(t, old[n]) for n, t in engine.snapshot().items())
+
+
+def test_a_rank_that_failed_before_loading_keeps_every_rank_on_the_previous_version():
+    engines = [_engine(), _engine()]
+    before = [e.snapshot() for e in engines]
+    rounds = Rounds()
+    commits = [AgreedCommit(rounds.agree_as(r), r, engines[r]) for r in range(RANKS)]
+    errors = _run(commits, [_next_version(engines[0]), {}], errors=(None, "cutting this rank's shards failed"))
+    for error in errors:
+        assert isinstance(error, SyncAbortedError) and error.failures == [(1, "cutting this rank's shards failed")]
     for engine, old in zip(engines, before):
         assert engine.version == 0
         assert all(torch.equal(t, old[n]) for n, t in engine.snapshot().items())

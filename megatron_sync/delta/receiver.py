@@ -208,5 +208,9 @@ class DeltaReceiver(Receiver):
     def _load_everywhere(self, version: int, target: int, tensors: dict[str, torch.Tensor],
                          metrics: SyncMetrics) -> None:
         """Load this rank's shards as `target`; agree; roll back here if another rank failed to load."""
-        shards = {name: self.engine.shard_of(name, full) for name, full in tensors.items()}
-        self._agreed.load_agreed(version, shards, metrics, as_version=target)
+        shards, error = {}, None
+        try:
+            shards = {name: self.engine.shard_of(name, full) for name, full in tensors.items()}
+        except Exception as e:  # noqa: BLE001 — agreed on in the round: no rank loads
+            error = f"cutting this rank's shards of version {target} failed: {describe(e, limit=3)}"
+        self._agreed.load_agreed(version, shards, metrics, as_version=target, error=error)

@@ -77,13 +77,15 @@ class AgreedCommit:
         self.load_agreed(version, staged, metrics)
 
     def load_agreed(self, version: int, staged: Mapping[str, torch.Tensor], metrics: SyncMetrics, *,
-                    as_version: Optional[int] = None) -> None:
+                    as_version: Optional[int] = None, error: Optional[str] = None) -> None:
         """Round 2: commit `staged` as `as_version` (default: `version`), agree every rank loaded it, and
-        roll back here when another rank did not."""
-        old_version, snapshot, load_error = self.engine.version, None, None
+        roll back here when another rank did not. `error`: this rank failed before it could load (it
+        loads nothing and takes part in the round with that error)."""
+        old_version, snapshot, load_error = self.engine.version, None, error
         try:
-            with PhaseTimer(metrics, "commit"):  # keeping the rollback source is part of committing
-                snapshot = self._snapshot()
+            if load_error is None:
+                with PhaseTimer(metrics, "commit"):  # keeping the rollback source is part of committing
+                    snapshot = self._snapshot()
         except Exception as e:  # noqa: BLE001 — agreed on below; nothing was loaded
             load_error = f"keeping the live shards for a rollback failed: {describe(e, limit=3)}"
         if load_error is None:
