@@ -38,11 +38,8 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trainer():
-    process = TrainerProcess(QWEN3_MOE)
-    try:
+    with TrainerProcess(QWEN3_MOE) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def _connect(trainer: TrainerProcess, url: str, policy: str) -> None:

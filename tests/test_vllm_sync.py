@@ -58,11 +58,8 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trainer():
-    process = TrainerProcess(QWEN3)
-    try:
+    with TrainerProcess(QWEN3) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def settings(url: str, **overrides) -> dict:

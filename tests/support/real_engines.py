@@ -354,6 +354,12 @@ class TrainerProcess:
     def disconnect(self) -> None:
         self.call("disconnect")
 
+    def __enter__(self) -> "TrainerProcess":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
     def stop(self) -> None:
         """End the process (a hung one is killed)."""
         try:
