@@ -12,6 +12,7 @@ CPU shims), which a GPU job replaces with its real model provider.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import logging
 import sys
@@ -24,14 +25,17 @@ from megatron_sync.config import WeightSyncConfig, add_weight_sync_args, explici
 from megatron_sync.parallel import ParallelLayout
 
 
-def build_model(family: str, seed: int):
-    """The user's model provider (here: a tiny CPU model, whose HF twin the engine serves)."""
+def build_model(family: str, seed: int, rotary_base: float | None = None):
+    """The user's model provider (here: a tiny CPU model, whose HF twin the engine serves; `rotary_base`
+    as Megatron-LM's --rotary-base, default the tiny model's)."""
     from tests.support import models
     from tests.support.dist import init_megatron
     from tests.support.train import make_optimizer, wrap_in_ddp
 
     init_megatron(seed=seed)
     spec = models.ModelSpec(family)
+    if rotary_base is not None:
+        spec = dataclasses.replace(spec, rope_theta=rotary_base)
     chunks = models.build_model_chunks(spec)
     models.load_reference_weights(chunks, models.reference_weights(spec, seed=seed), spec)
     model = wrap_in_ddp(chunks)
@@ -43,6 +47,7 @@ def main(argv=None) -> int:
     parser.add_argument("--config", required=True, help="YAML with a weight_sync: section")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rotary-base", type=float, default=None, help="the model's RoPE base (Megatron's own)")
     add_weight_sync_args(parser, defaults=False)  # weight sync: --weight-sync-* flags override the YAML
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="[trainer] %(message)s")
@@ -52,7 +57,7 @@ def main(argv=None) -> int:
 
     # weight sync: this example syncs the initial weights unless the YAML says sync_on_start: false
     config = WeightSyncConfig.from_yaml(args.config, defaults={"sync_on_start": True}).replace(**explicit_flags(args))
-    model, optimizer, vocab_size = build_model(config.require_family(), args.seed)
+    model, optimizer, vocab_size = build_model(config.require_family(), args.seed, args.rotary_base)
     layout = ParallelLayout.from_megatron()
     # weight sync: collective on every trainer rank; connects to the engines, checks the model, and (with
     # sync_on_start) sends the initial weights as version 1. Leaving the block (also on SIGTERM / SIGINT)

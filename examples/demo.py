@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="fault injection: inference rank 1 hangs while receiving this version")
     parser.add_argument("--test-pause-after-version", type=int, default=0,
                         help="fault injection: the trainer idles for a long while after syncing this version")
+    parser.add_argument("--test-stop-during-version", type=int, default=0,
+                        help="fault injection: the trainer's leader SIGSTOPs itself while sending this version")
     args = parser.parse_args(argv)
     try:
         job = load_job(args)  # the whole file, before launching anything
@@ -187,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
                        if args.test_exit_during_version else []),
                      *(["--test-hang-during-version", str(args.test_hang_during_version)]
                        if args.test_hang_during_version else [])]
-    trainer_faults = (["--test-pause-after-version", str(args.test_pause_after_version)]
-                      if args.test_pause_after_version else [])
+    trainer_faults = [*(["--test-pause-after-version", str(args.test_pause_after_version)]
+                        if args.test_pause_after_version else []),
+                      *(["--test-stop-during-version", str(args.test_stop_during_version)]
+                        if args.test_stop_during_version else [])]
     code = run_jobs(passthrough, t.world_size, ws.num_inference_ranks, args.time_limit, engine_faults, trainer_faults)
     print(f"[demo] {'ok' if code == 0 else f'FAILED (exit {code})'}", flush=True)
     return code

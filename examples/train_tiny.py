@@ -14,6 +14,7 @@ import io
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -136,7 +137,28 @@ def pause_after(pause_version: int, version: int) -> None:
 PAUSE_S = 600.0
 
 
-def run(job: JobConfig, harness_port: int, pause_version: int = 0) -> int:
+def stop_during(sync: TrainerWeightSync, version: int) -> None:
+    """Fault injection for tests: once the engines took part in the first transfer of `version` (a bucket
+    broadcast, or a P2P message written), the leader stops itself (SIGSTOP, like a hung process)."""
+    if not version or not sync.is_leader:
+        return
+    transport = sync.transport
+    owner, name = (transport, "send_bucket") if hasattr(transport, "send_bucket") else (transport.mover, "write")
+    send = getattr(owner, name)
+
+    def send_then_stop(*args):
+        sent = send(*args)
+        if sync.version + 1 == version:  # sync.version is the last version synced
+            if sent is not None:
+                sent.wait()  # every engine rank received this bucket: they are inside the sync
+            print(f"[trainer] fault injection: stopping (SIGSTOP) while sending version {version}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return sent
+
+    setattr(owner, name, send_then_stop)
+
+
+def run(job: JobConfig, harness_port: int, pause_version: int = 0, stop_version: int = 0) -> int:
     """Train for `job.train.steps` optimizer updates, syncing per the config; return an exit code."""
     from tests.support.train import make_optimizer, train_step, wrap_in_ddp
 
@@ -149,6 +171,7 @@ def run(job: JobConfig, harness_port: int, pause_version: int = 0) -> int:
     # Leaving the block, also on SIGTERM / SIGINT, tells the engines to stop.
     with WeightSyncCallback.from_config(job.weight_sync, model, hf_config=hf_config, layout=layout) as callback:
         sync = callback.syncer
+        stop_during(sync, stop_version)
         verifier = Verifier(job, sync, chunks, harness_store(harness_port, timeout_s=job.weight_sync.timeout_s))
         if callback.initial_metrics is not None:
             verifier.after_sync(sync.version, callback.initial_metrics)
@@ -177,8 +200,11 @@ def main(argv=None) -> int:
     parser = job_arg_parser("megatron-sync demo trainer job (run under torchrun)")
     parser.add_argument("--test-pause-after-version", type=int, default=0,
                         help="fault injection (tests): idle for a long while after syncing this version")
+    parser.add_argument("--test-stop-during-version", type=int, default=0,
+                        help="fault injection (tests): the leader SIGSTOPs itself while sending this version")
     args = parser.parse_args(argv)
-    return run_under_torchrun("trainer", args, lambda job: run(job, args.harness_port, args.test_pause_after_version))
+    return run_under_torchrun("trainer", args, lambda job: run(job, args.harness_port, args.test_pause_after_version,
+                                                              args.test_stop_during_version))
 
 
 if __name__ == "__main__":

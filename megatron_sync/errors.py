@@ -18,6 +18,11 @@ class TrainerGoneError(PeerFailureError):
     exited without "stop"); the engine holds its last committed version."""
 
 
+class StoreSilentError(PeerFailureError):
+    """The rendezvous store's host accepted the connection but did not answer within the bound: the process
+    hosting it (the trainer's first stage) is stopped (SIGSTOP, a debugger) or hung, not gone."""
+
+
 class RendezvousError(SyncError):
     """The two jobs could not meet: the rendezvous refused a rank (naming the disagreement), could not be
     reached or hosted (naming why), or a rank of the session failed while starting (quoting its error)."""

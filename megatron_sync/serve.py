@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sync.config import WeightSyncConfig, add_weight_sync_args, explicit_flags
-from megatron_sync.errors import RendezvousError, TrainerGoneError
+from megatron_sync.errors import PeerFailureError, RendezvousError, TrainerGoneError
 from megatron_sync.lifecycle import Terminated, stop_on_signals
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.sync import AppHandler, InferenceWeightSync
@@ -149,7 +149,8 @@ def serve(me: EngineRank, config: WeightSyncConfig, *, num_trainer_stages: int,
     """Follow the trainer until "stop"; return the exit code. `handlers[name](isync, message)` serve app messages.
 
     0: the trainer said stop (the engine holds its last version); 1: the trainer
-    went away, or the rendezvous refused this rank (the message says which);
+    went away, a peer died or fell silent mid-sync, or the rendezvous refused
+    this rank (the message says which);
     128 + signum: SIGTERM / SIGINT, also when the rank was blocked (after
     `STOP_GRACE_S`). Every way out prints the version held, after `on_stop()`.
     """
@@ -184,6 +185,9 @@ def serve(me: EngineRank, config: WeightSyncConfig, *, num_trainer_stages: int,
                 if on_stop is not None:
                     on_stop()
                 print(f"[inference rank {me.rank}] {e}", flush=True)
+                return 1
+            if isinstance(e, PeerFailureError):  # a peer died or fell silent mid-sync: the message names it
+                say(str(e))
                 return 1
             say(f"stopped by {type(e).__name__}: {e}")
             raise

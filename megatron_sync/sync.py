@@ -24,7 +24,9 @@ from megatron_sync.config import WeightSyncConfig
 from megatron_sync.engines.base import EngineAdapter, EngineClient
 from megatron_sync.engines.fleet import EngineFleet, clients_from_config
 from megatron_sync.engines.serving import GenerationServer
-from megatron_sync.errors import PeerFailureError, RendezvousError, SyncAbortedError, TrainerGoneError
+from megatron_sync.errors import (AgreedFailure, PeerFailureError, RendezvousError, StoreSilentError,
+                                  SyncAbortedError, TrainerGoneError)
+from megatron_sync.megatron_config import check_model_config
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.metrics import SyncMetrics
 from megatron_sync.model_digest import model_digest, model_fields
@@ -110,16 +112,32 @@ class TrainerWeightSync:
                 self._open_session(transport_cls, hf_config)
             self._start(transport_cls, chunks, converter, hf_config, trainer_group, engine_clients)
         except BaseException as e:
-            if self.session is not None:
-                self.session.fail(f"the trainer failed while starting: {e}")
-            self.close()
+            self._close_after_failed_start(e)
             raise
+
+    def _close_after_failed_start(self, error: BaseException) -> None:
+        """Post `error` to the session and close. When every trainer rank agreed on it, the host keeps the
+        rendezvous open (up to `timeout_s`) until every inference rank, including those still starting,
+        was told, and the other trainer ranks wait for it (so their launcher does not end the host first)."""
+        agreed = isinstance(error, AgreedFailure)
+        if self.session is not None:
+            self.session.fail(f"the trainer failed while starting: {error}")
+            if agreed:
+                self.session.close(linger_s=self.config.timeout_s)
+        self.close()
+        if agreed:
+            try:
+                self._gather(None)  # every rank leaves once the host has
+            except Exception:  # noqa: BLE001 — the start-up error is the one to raise
+                log.warning("the trainer ranks could not wait for the rendezvous host to leave", exc_info=True)
 
     def _start(self, transport_cls: Any, chunks: list, converter: Any, hf_config: Any, trainer_group: Any,
                engine_clients: Optional[Sequence[EngineClient]]) -> None:
         """The start-up checks, then (once every rank of both jobs was admitted) the transport and sender."""
         config = self.config
         with failing_together("starting the trainer's weight sync", self._gather):
+            if hf_config is not None:  # the model trained and the one the engines serve must be the same
+                check_model_config(chunks, hf_config)
             converter = converter if converter is not None else build_converter(config, hf_config)
             self.stream = MegatronWeightStream(
                 chunks, self.layout, converter,
@@ -305,31 +323,42 @@ class InferenceWeightSync:
         """Wait for the trainer's next control message and return it.
 
         Raises TrainerGoneError when the trainer's rendezvous stops answering
-        (it exited without "stop") or nothing comes within `timeout_s`; no sync
-        is running then, and the engine holds its last committed version.
+        (it exited without "stop"; or it is stopped or hung: no answer within
+        `config.timeout_s`) or nothing comes within `timeout_s`; no sync is
+        running then, and the engine holds its last committed version.
         """
         try:
             return self.transport.control.next(timeout_s)
         except PeerFailureError as e:
-            gone = e.__cause__ is not None
             where = f"{self.config.master_address}:{self.config.master_port}"
-            raise TrainerGoneError(
-                (f"the trainer went away while this engine was idle: its rendezvous at {where} stopped answering "
-                 "(it exited without 'stop')" if gone else
-                 f"no message from the trainer within {timeout_s:g}s while this engine was idle")
-                + f"; no sync was running, the engine holds version {self.engine.version}") from e
+            if isinstance(e, StoreSilentError):
+                what = (f"the trainer stopped answering while this engine was idle: its rendezvous at {where} accepts "
+                        f"connections but has not answered for {self.config.timeout_s:g}s (the trainer is stopped, "
+                        "e.g. SIGSTOP, or hung)")
+            elif e.__cause__ is not None:
+                what = (f"the trainer went away while this engine was idle: its rendezvous at {where} stopped "
+                        "answering (it exited without 'stop')")
+            else:
+                what = f"no message from the trainer within {timeout_s:g}s while this engine was idle"
+            raise TrainerGoneError(f"{what}; no sync was running, the engine holds version {self.engine.version}"
+                                   ) from e
 
     def apply(self, version: int) -> Optional[SyncMetrics]:
         """Receive `version`; return metrics, or None if the sync was aborted on every rank.
 
         An aborted sync leaves the engine on its previous version and the
-        transport ready for the next one; a dead peer raises PeerFailureError.
+        transport ready for the next one; a peer that died or fell silent raises
+        PeerFailureError saying what the trainer's rendezvous host answers now
+        (stopped or hung, gone, or alive), within `timeout_s` plus `session.DIAGNOSE_S`.
         """
         try:
             metrics = self.receiver.receive(version)
         except SyncAbortedError as e:
             log.error("[inference rank %d] %s", self.transport.rank, e)
             return None
+        except PeerFailureError as e:
+            host = f"; {self.session.host_state()}" if self.session is not None else ""
+            raise PeerFailureError(f"sync of version {version} failed: {e}{host}") from e
         self.transport.control.report(Report.METRICS, version, self.transport.rank, metrics.to_json().encode())
         return metrics
 

@@ -210,8 +210,8 @@ def test_an_idle_engine_whose_trainer_is_killed_says_so(tmp_path):
 
 # ---- the join handshake and start-up failures, through the launch scripts ----
 
-def _launch_pair(tmp_path, *, trainer_config: dict, engine_model_dir: str, weight_sync: dict
-                 ) -> tuple[Launched, Launched, str]:
+def _launch_pair(tmp_path, *, trainer_config: dict, engine_model_dir: str, weight_sync: dict,
+                 trainer_args: tuple[str, ...] = (), engine_args: tuple[str, ...] = ()) -> tuple[Launched, Launched, str]:
     trainer_dir = tmp_path / "trainer_model"
     trainer_dir.mkdir()
     (trainer_dir / "config.json").write_text(json.dumps(trainer_config))
@@ -223,9 +223,9 @@ def _launch_pair(tmp_path, *, trainer_config: dict, engine_model_dir: str, weigh
     }}))
     env = {"PYTHON": sys.executable, "NPROC": "1"}
     serve = Launched(["bash", "launch/serve.sh", "--engine", "reference", "--model-dir", engine_model_dir,
-                      "--config", str(config)], env={**env, "MASTER_PORT": str(free_port())})
+                      "--config", str(config), *engine_args], env={**env, "MASTER_PORT": str(free_port())})
     train = Launched(["bash", "launch/train.sh", "--module", "examples.custom_loop", "--", "--config", str(config),
-                      "--steps", "2"], env={**env, "MASTER_PORT": str(free_port())})
+                      "--steps", "2", *trainer_args], env={**env, "MASTER_PORT": str(free_port())})
     return train, serve, str(config)
 
 
@@ -254,8 +254,9 @@ def test_a_model_differing_only_in_rope_theta_is_refused_before_any_byte_moves(t
     model_dir, engine_config = _engine_model(tmp_path)
     trainer_config = json.loads(json.dumps(engine_config))
     trainer_config["rope_parameters"]["rope_theta"] = 1e6  # the trainer's HF config; the engine has 1e4
+    # the trainer's Megatron model agrees with its own HF config (else the trainer refuses it itself)
     train, serve, config = _launch_pair(tmp_path, trainer_config=trainer_config, engine_model_dir=model_dir,
-                                        weight_sync={})
+                                        weight_sync={}, trainer_args=("--rotary-base", "1e6"))
     train_code, serve_code, seconds = _failed_pair(train, serve)
     words = "the models differ in rope_parameters.rope_theta: trainer 1000000.0, this inference job 10000.0"
     assert train_code != 0 and words in train.output, train.output[-4000:]

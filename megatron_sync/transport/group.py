@@ -23,24 +23,30 @@ import torch.distributed as dist
 from megatron_sync.errors import PeerFailureError, SyncError
 from megatron_sync.transport.rendezvous import Identity
 from megatron_sync.transport.session import SyncSession
+from megatron_sync.transport.store import bounded
 
 
 class StoreBoard:
     """Small control data over a rendezvous store: `post` a value under a key, `fetch` it (bounded).
 
     `fetch` polls rather than blocking in the store, so a store whose host died
-    (the trainer) is noticed at once as a PeerFailureError.
+    (the trainer) is noticed at once as a PeerFailureError, and every call is
+    bounded (`store.BoundedStore`), so a host that is stopped or hung is noticed
+    within `timeout_s` as a `StoreSilentError`.
     """
 
     def __init__(self, store: Any, *, prefix: str, rank: int, timeout_s: float,
                  failure: Optional[Callable[[str, BaseException], PeerFailureError]] = None) -> None:
-        self._store, self._prefix, self.rank, self.timeout_s = store, prefix, rank, timeout_s
+        self._store = bounded(store, where="the rendezvous store", timeout_s=timeout_s)
+        self._prefix, self.rank, self.timeout_s = prefix, rank, timeout_s
         self._failure = failure or (lambda op, e: PeerFailureError(f"[rank {rank}] {op} failed: {e}"))
 
     def post(self, key: str, value: bytes) -> None:
         """Publish `value` under `key` (small control data, not weights)."""
         try:
             self._store.set(self._prefix + key, value)
+        except SyncError:
+            raise
         except (RuntimeError, dist.DistStoreError) as e:
             raise self._failure(f"posting {key!r}", e) from e
 
@@ -51,12 +57,12 @@ class StoreBoard:
         deadline = time.monotonic() + limit
         pause = 0.005
         try:
-            while not self._store.check([full_key]):
+            while not self._store.check([full_key], bound=deadline - time.monotonic()):
                 if time.monotonic() > deadline:
                     raise PeerFailureError(f"[rank {self.rank}] nothing was posted under {key!r} within {limit:g}s")
                 time.sleep(pause)
                 pause = min(pause * 2, 0.1)
-            return self._store.get(full_key)
+            return self._store.get(full_key, bound=deadline - time.monotonic())
         except SyncError:
             raise
         except (RuntimeError, dist.DistStoreError) as e:
@@ -66,6 +72,8 @@ class StoreBoard:
         """Remove `key` (a consumed value), so per-version keys do not pile up in the store."""
         try:
             self._store.delete_key(self._prefix + key)
+        except SyncError:
+            raise
         except (RuntimeError, dist.DistStoreError) as e:
             raise self._failure(f"deleting {key!r}", e) from e
 
@@ -102,9 +110,9 @@ class TransportGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         try:
-            pending = Pending(self, "broadcast", self._pg.broadcast([tensor], opts))
+            pending = Pending(self, f"broadcast from rank {src}", self._pg.broadcast([tensor], opts))
         except RuntimeError as e:
-            raise self._fail("broadcast", e) from e
+            raise self._fail(f"broadcast from rank {src}", e) from e
         if not async_op:
             pending.wait()
         return pending
@@ -254,7 +262,7 @@ def transport_group_over(session: SyncSession, world_size: int, rank: int, *, ba
         raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
     delta = datetime.timedelta(seconds=timeout)
     name = f"{group_name}/{session.id}"
-    prefixed = dist.PrefixStore(name, session.store)
+    prefixed = dist.PrefixStore(name, session.store.raw)
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, delta)
     elif backend == "nccl":

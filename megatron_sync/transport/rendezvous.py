@@ -125,6 +125,7 @@ class Admission:
     members: Mapping[str, int]  # role -> how many ranks of that role the session needs
     admitted: dict[str, dict[int, str]] = field(default_factory=dict)  # role -> member -> job
     failure: Optional[str] = None
+    presented: set[tuple[str, int]] = field(default_factory=set)  # (role, member) of the session's jobs' ranks seen
 
     def __post_init__(self) -> None:
         self.admitted.setdefault(self.host.role, {})[self.host.member] = self.host.job
@@ -139,8 +140,18 @@ class Admission:
         taken = self.admitted.get(role)
         return next(iter(taken.values())) if taken else None
 
+    @property
+    def all_presented(self) -> bool:
+        """True once every member of every role presented itself (admitted, refused or reporting a failure):
+        after a failure, everyone was told why."""
+        host = (self.host.role, self.host.member)
+        return all((role, m) in self.presented or (role, m) == host
+                   for role, count in self.members.items() for m in range(count))
+
     def decide(self, joiner: Identity) -> Decision:
         """Return the answer to `joiner`, recording an admission or the session's failure."""
+        if joiner.role in self.members and self.job_of(joiner.role) in (None, joiner.job):
+            self.presented.add((joiner.role, joiner.member))
         decision = self._judge(joiner)
         if decision.accepted:
             self.admitted.setdefault(joiner.role, {})[joiner.member] = joiner.job

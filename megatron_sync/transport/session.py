@@ -33,12 +33,14 @@ from typing import Any, Mapping, Optional
 
 import torch.distributed as dist
 
-from megatron_sync.errors import RendezvousError
+from megatron_sync.errors import RendezvousError, StoreSilentError
 from megatron_sync.transport.rendezvous import Admission, Decision, Identity
+from megatron_sync.transport.store import BoundedStore, bounded
 
 log = logging.getLogger("megatron_sync")
 
 PROBE_S = 10.0  # how long a connected port may stay silent before it counts as "held by something else"
+DIAGNOSE_S = 2.0  # how long `host_state` waits for the host to answer (a live store answers in milliseconds)
 POLL_S = 0.05
 _STORE_ERRORS = (RuntimeError, dist.DistStoreError, dist.DistNetworkError)
 
@@ -49,11 +51,16 @@ def new_session_id() -> str:
 
 
 class SyncSession:
-    """One rank's handle on the session: `store`, `id`, `wait_ready()`, `fail()`, `close()`."""
+    """One rank's handle on the session: `store`, `id`, `wait_ready()`, `fail()`, `close()`.
+
+    `store` is a `BoundedStore`: its calls return within `timeout_s` even when the
+    host is stopped; `store.raw` is the c10d client (for a process group's rendezvous).
+    """
 
     def __init__(self, store: Any, *, session_id: str, identity: Identity, address: str, port: int,
                  timeout_s: float, admission: Optional[Admission] = None) -> None:
-        self.store, self.id, self.identity = store, session_id, identity
+        self.store: Optional[BoundedStore] = bounded(store, where=f"{address}:{port}", timeout_s=timeout_s)
+        self.id, self.identity = session_id, identity
         self.address, self.port, self.timeout_s = address, port, timeout_s
         self._admission = admission  # the host's record (None on joiners)
         self._lock = threading.Lock()
@@ -133,6 +140,7 @@ class SyncSession:
         store = connect(address, port, timeout_s=timeout_s)
         decision = _present(store, identity, f"{address}:{port}", timeout_s)
         if not decision.accepted:
+            store.close()
             raise RendezvousError(f"the rendezvous at {address}:{port} refused this rank: {decision.reason}")
         host = Identity.from_json(_read(store, "rdzv/session", f"{address}:{port}"))
         log.info("%s joined session %s", identity.describe(), host.session)
@@ -205,10 +213,23 @@ class SyncSession:
         except (RendezvousError, *_STORE_ERRORS):
             log.warning("could not post this rank's failure to the session at %s", self.where)
 
+    def host_state(self, probe_s: float = DIAGNOSE_S) -> str:
+        """Return a sentence on the host (the trainer's first stage) as seen from here now, for an error
+        raised after a peer fell silent: stopped or hung, gone, or alive. Takes at most `probe_s`."""
+        where = f"its rendezvous at {self.where}"
+        if self.store is not None and self.store.silent:
+            return f"{where} accepts connections but does not answer: the trainer is stopped (e.g. SIGSTOP) or hung"
+        problem = _probe(self.address, self.port, min(probe_s, self.timeout_s))
+        return {None: f"{where} answers: the trainer's first stage is alive, so a rank of the sync is silent or gone",
+                "refused": f"{where} refuses connections: the trainer exited or was killed",
+                "silent": f"{where} accepts connections but does not answer within {min(probe_s, self.timeout_s):g}s: "
+                          "the trainer is stopped (e.g. SIGSTOP) or hung",
+                }.get(problem, f"{where} cannot be reached ({problem})")
+
     def close(self, linger_s: float = 5.0) -> None:
-        """Stop answering and release the store. A host whose session failed first waits (up to
-        `linger_s`) until the admitted ranks have read the failure, so they quote it rather than
-        finding the store gone."""
+        """Stop answering and release the store. A host whose session failed before it was ready stays (up
+        to `linger_s`) until every rank of the session has presented itself and read the failure, so ranks
+        quote it rather than finding the store gone; it leaves as soon as they have."""
         if self.store is None:
             return
         if self.is_host:
@@ -216,24 +237,27 @@ class SyncSession:
             self._stop.set()
             if self._answering is not None:
                 self._answering.join(timeout=5.0)
+        self.store.close()
         self.store = None
 
     def _linger_if_failed(self, linger_s: float) -> None:
-        # Every answer and every admitted rank's sight of the failure is acknowledged ("acks"): wait for them.
-        with self._lock:
-            failed = self._admission.failure is not None
-            expected = self._answered + sum(len(m) for m in self._admission.admitted.values()) - 1
-        if not failed or self._ready:
-            return
+        # Every answer and every admitted rank's sight of the failure is acknowledged ("acks"): wait for them,
+        # and for the ranks that have not presented themselves yet (they are answered with the failure).
         deadline = time.monotonic() + linger_s
-        while time.monotonic() < deadline and _add(self.store, "rdzv/acks", 0) < expected:
-            time.sleep(POLL_S)
+        while True:
             with self._lock:
+                if self._admission.failure is None or self._ready:
+                    return
                 expected = self._answered + sum(len(m) for m in self._admission.admitted.values()) - 1
+                everyone = self._admission.all_presented
+            if (everyone and _add(self.store, "rdzv/acks", 0) >= expected) or time.monotonic() > deadline:
+                return
+            time.sleep(POLL_S)
 
 
 def report_failure(address: str, port: int, identity: Identity, reason: str, *, timeout_s: float) -> bool:
     """Post that `identity` failed while starting (before it could join); return True if the host got it."""
+    store = None
     try:
         store = connect(address, port, timeout_s=timeout_s)
         _present(store, _failed(identity, reason), f"{address}:{port}", timeout_s)
@@ -241,10 +265,13 @@ def report_failure(address: str, port: int, identity: Identity, reason: str, *, 
     except RendezvousError as e:
         log.warning("could not report this rank's start-up failure to the rendezvous: %s", e)
         return False
+    finally:
+        if store is not None:
+            store.close()
 
 
-def connect(address: str, port: int, *, timeout_s: float, probe_s: float = PROBE_S) -> Any:
-    """Return a client of the rendezvous store at address:port, waiting up to `timeout_s` for its host.
+def connect(address: str, port: int, *, timeout_s: float, probe_s: float = PROBE_S) -> BoundedStore:
+    """Return a (bounded) client of the rendezvous store at address:port, waiting up to `timeout_s` for its host.
 
     Raises RendezvousError naming what is wrong: nothing listens there (the
     trainer did not start, or a wrong address), the port is held by a program
@@ -262,8 +289,8 @@ def connect(address: str, port: int, *, timeout_s: float, probe_s: float = PROBE
             raise RendezvousError(f"the rendezvous at {where}: {words}")
         time.sleep(0.2)
     try:
-        store = dist.TCPStore(address, port, None, False, timeout=datetime.timedelta(seconds=timeout_s),
-                              wait_for_workers=False)
+        store = BoundedStore(dist.TCPStore(address, port, None, False, timeout=datetime.timedelta(seconds=timeout_s),
+                                           wait_for_workers=False), where=where, timeout_s=timeout_s)
     except _STORE_ERRORS as e:
         raise RendezvousError(f"the rendezvous at {where}: connecting failed: {e}") from e
     marker_deadline = time.monotonic() + min(probe_s, timeout_s)
@@ -335,6 +362,8 @@ def _read(store: Any, key: str, where: str) -> Optional[bytes]:
     """Return the value under `key`, or None if not posted yet; RendezvousError if the host is gone."""
     try:
         return store.get(key) if store.check([key]) else None
+    except StoreSilentError as e:
+        raise RendezvousError(f"the rendezvous host at {where} stopped answering: {e}") from e
     except _STORE_ERRORS as e:
         raise RendezvousError(f"the rendezvous host at {where} went away (the trainer exited or was killed): "
                               f"{e}") from e
