@@ -176,7 +176,8 @@ class TrainerWeightSync:
         backend = self.config.resolved_backend(torch.cuda.is_available())
         identity = Identity(job=f"trainer-{roster[0]['token'][:8]}", role="trainer",
                             member=me if me is not None else -1,
-                            expects=expectations(self.config, trainer_stages=self.layout.pp, backend=backend),
+                            expects=expectations(self.config, trainer_stages=self.layout.pp, backend=backend,
+                                                 shares=transport_cls.shares),
                             model=model_fields(hf_config) if hf_config is not None else None,
                             session=roster[0]["session"])
         if hf_config is None:
@@ -300,7 +301,8 @@ class InferenceWeightSync:
         self.transport = None
         backend = config.resolved_backend(torch.cuda.is_available())
         identity = Identity(job=job_id or "", role="inference", member=inference_rank,
-                            expects=expectations(config, trainer_stages=num_trainer_stages, backend=backend),
+                            expects=expectations(config, trainer_stages=num_trainer_stages, backend=backend,
+                                                 shares=transport_cls.shares),
                             model=model_fields(hf_config) if hf_config is not None else None, session=config.run_id)
         if hf_config is None and transport_cls.meets_at_store:
             log.warning("[inference rank %d] no HF config given: the trainer cannot check that this engine's "

@@ -87,3 +87,30 @@ def test_a_megatron_model_that_differs_from_its_hf_config_is_refused_before_the_
     # the trainer kept its rendezvous open until the engine, still starting when it failed, was told; then left
     assert train_ended - told < MARGIN_S, train_ended - told
     assert_nothing_left(config)
+
+
+def test_a_setting_only_its_transport_uses_is_compared_at_the_rendezvous(tmp_path):
+    """P2P: the trainer moves bytes with torch, the inference job was started with Mooncake. Both meet at
+    the rendezvous, which refuses the inference job naming the setting, both values and where to set it,
+    before any transfer could time out."""
+    model_dir, engine_config = _engine_model(tmp_path)
+    train, serve, config = _launch_pair(tmp_path, trainer_config=engine_config, engine_model_dir=model_dir,
+                                        weight_sync={"transport": "p2p", "timeout_s": FAULT_TIMEOUT_S},
+                                        engine_args=("--weight-sync-p2p-backend", "mooncake"))
+    try:
+        refused = serve.when(r"\[inference rank 0\] could not join the trainer: ")
+        train_code, train_ended = train.wait(120)
+        serve_code, serve_ended = serve.wait(60)
+    finally:
+        train.kill()
+        serve.kill()
+    words = ("trainer moves P2P bytes with 'torch', this inference job with 'mooncake' (set weight_sync.p2p_backend "
+             "alike on both jobs)")
+    assert train_code != 0 and re.search(r"RendezvousError: \[session [\w.-]+\] inference rank 0 of job "
+                                         r"'inference-\w+' cannot join session '[\w.-]+': " + re.escape(words),
+                                         train.output), train.output[-4000:]
+    assert serve_code == 1 and "refused this rank" in serve.output and words in serve.output, serve.output[-4000:]
+    assert "the engine stays on version 0" in serve.output
+    assert "synced version" not in train.output
+    assert max(train_ended, serve_ended) - refused < MARGIN_S, (train_ended - refused, serve_ended - refused)
+    assert_nothing_left(config)

@@ -73,6 +73,42 @@ def test_a_model_that_differs_in_a_defining_field_is_refused_naming_the_field(ch
     assert f"the models differ in {words}" in decision.reason, decision.reason
 
 
+# ---- the settings each transport's two halves share, from each job's own settings ----
+
+SHARED_SETTINGS = [  # (transport, trainer's settings, inference job's settings, words of the refusal; None: admitted)
+    ("broadcast", {"checksum": "xxh3"}, {"checksum": "crc32"},
+     "trainer checks every bucket with 'xxh3', this inference job with 'crc32' (set weight_sync.checksum alike"),
+    ("broadcast", {"checksum": "auto"}, {"checksum": "xxh3"}, None),  # auto is xxh3 for gloo's host buckets
+    ("broadcast", {"p2p_backend": "torch"}, {"p2p_backend": "mooncake"}, None),  # broadcast moves no P2P bytes
+    ("p2p", {"p2p_backend": "torch"}, {"p2p_backend": "mooncake"},
+     "trainer moves P2P bytes with 'torch', this inference job with 'mooncake' (set weight_sync.p2p_backend alike"),
+    ("p2p", {"p2p_backend": "mooncake", "p2p_protocol": "tcp"}, {"p2p_backend": "mooncake", "p2p_protocol": "rdma"},
+     "trainer runs Mooncake over 'tcp', this inference job over 'rdma' (set weight_sync.p2p_protocol alike"),
+    ("p2p", {"p2p_protocol": "tcp"}, {"p2p_protocol": "rdma"}, None),  # the torch mover has no protocol
+    ("p2p", {"checksum": "xxh3"}, {"checksum": "crc32"}, None),  # P2P checks every range with its own checksum
+    ("p2p", {"bucket_size_mb": 1.0}, {"bucket_size_mb": 2.0},
+     "trainer cuts buckets of 1.0 MiB, this inference job expects 2.0 (set weight_sync.bucket_size_mb alike"),
+]
+
+
+@pytest.mark.parametrize("transport, trainer, engine, words", SHARED_SETTINGS)
+def test_each_transport_compares_the_settings_its_halves_share(transport, trainer, engine, words):
+    from megatron_sync.transport import get_transport
+
+    shares = get_transport(transport).shares
+
+    def identity(role: str, changes: dict) -> Identity:
+        config = CONFIG.replace(transport=transport, **changes)
+        return Identity(job=role, role=role, member=0, session="S", model=model_fields(QWEN3),
+                        expects=expectations(config, trainer_stages=1, backend="gloo", shares=shares))
+
+    decision = _admission(identity("trainer", trainer)).decide(identity("inference", engine))
+    if words is None:
+        assert decision.accepted, decision.reason
+    else:
+        assert not decision.accepted and decision.fatal and words in decision.reason, decision.reason
+
+
 # ---- who is admitted ----
 
 def test_a_whole_job_is_admitted_and_completes_the_session():
@@ -119,6 +155,16 @@ def test_once_failed_every_later_joiner_is_told_why():
     admission.decide(_engine(0, num_inference_ranks=1))
     later = admission.decide(_engine(1))
     assert not later.accepted and later.reason.startswith("session 'S' has failed: inference rank 0 of job 'E'")
+
+
+def test_after_a_failure_the_host_knows_when_every_rank_was_told():
+    admission = _admission()
+    assert not admission.all_presented  # the trainer is the host; both inference ranks are still to come
+    admission.failure = "the trainer failed while starting: ValueError: rotary base differs"
+    assert not admission.decide(_engine(1)).accepted and not admission.all_presented
+    admission.decide(_engine(0, job="E2"))  # a second job's rank does not count for the first
+    assert not admission.all_presented
+    assert not admission.decide(_engine(0)).accepted and admission.all_presented
 
 
 def test_a_failure_report_from_a_second_job_does_not_fail_the_session():

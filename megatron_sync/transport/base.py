@@ -83,6 +83,9 @@ class Transport(abc.ABC):
     """True: the two jobs meet at weight_sync.master_address:master_port, where the drivers host and join a
     sync session (the join handshake, `transport/session.py`) and pass it, ready, as `session=`. False: the
     transport meets by its own means (disk_delta: files in the shared directory) and gets `session=None`."""
+    shares: ClassVar[tuple[str, ...]] = ()
+    """Settings (rows of `rendezvous.EXPECTATIONS`) both halves of this transport must agree on beyond the
+    common ones (`rendezvous.COMMON`): the join handshake refuses a job that differs, naming the setting."""
     rank: int
     world_size: int
     control: ControlChannel
@@ -207,6 +210,7 @@ class BucketTransport(Transport):
 
     num_stages: int
 
+    shares: ClassVar[tuple[str, ...]] = ("checksum",)  # every bucket is checked with it on both sides
     max_buckets_in_flight: ClassVar[int] = 2
     """Buckets a sender may have on the wire at once (a transport whose receivers must take
     buckets strictly one after another says 1)."""

@@ -104,6 +104,7 @@ class P2PTransport(Transport):
     """One endpoint of the P2P transport: a trainer rank (any) or an inference rank."""
 
     name = "p2p"
+    shares = ("p2p_backend", "p2p_protocol")  # one mover (and Mooncake protocol) on both sides
 
     @classmethod
     def trainer_joins(cls, layout: "ParallelLayout") -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
 
 from megatron_sync.model_digest import model_differences
 
@@ -28,37 +28,69 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Expectation:
-    """One layout fact both jobs must agree on; `says` words a disagreement, host's value first."""
+    """One setting both jobs must share; `says` words a disagreement, host's value first.
+
+    `value(config, trainer_stages, backend)` reads it off a job's settings (None: it does not apply to
+    that job, e.g. a Mooncake protocol under the torch mover, and is not compared); rows without one
+    are stated by the caller (a bare group's world size)."""
 
     key: str
     says: str  # "{host} ... {h} ..., this {joiner} job ... {j}"
     fix: str  # where an operator sets it
+    value: Optional[Callable[["WeightSyncConfig", int, str], Any]] = None
+
+
+def _checksum(config: "WeightSyncConfig", trainer_stages: int, backend: str) -> str:
+    import torch
+
+    from megatron_sync.bucket import resolve_checksum  # what "auto" means where the buckets live
+
+    return resolve_checksum(config.checksum, torch.device("cuda" if backend == "nccl" else "cpu"))
 
 
 EXPECTATIONS: tuple[Expectation, ...] = (
     Expectation("world_size", "{host} expects a transport group of {h} ranks, this {joiner} job has {j}",
                 "the world size both sides pass"),
-    Expectation("transport", "{host} uses transport {h}, this {joiner} job uses {j}", "weight_sync.transport"),
-    Expectation("backend", "{host} uses backend {h}, this {joiner} job uses {j}", "weight_sync.backend"),
+    Expectation("transport", "{host} uses transport {h}, this {joiner} job uses {j}", "weight_sync.transport",
+                lambda config, stages, backend: config.transport),
+    Expectation("backend", "{host} uses backend {h}, this {joiner} job uses {j}", "weight_sync.backend",
+                lambda config, stages, backend: backend),
     Expectation("num_inference_ranks", "{host} expects {h} inference ranks, this {joiner} job has {j}",
-                "weight_sync.num_inference_ranks, and launch that many inference processes"),
+                "weight_sync.num_inference_ranks, and launch that many inference processes",
+                lambda config, stages, backend: config.num_inference_ranks),
     Expectation("engine_tp_size", "{host} expects engines of {h} ranks (engine_tp_size), this {joiner} job has {j}",
-                "weight_sync.engine_tp_size"),
+                "weight_sync.engine_tp_size", lambda config, stages, backend: config.engine_tp_size),
     Expectation("trainer_stages", "{host} has {h} pipeline stages, this {joiner} job expects {j}",
-                "the inference job's --trainer-stages (the trainer's pipeline-parallel size)"),
-    Expectation("family", "{host} converts model family {h}, this {joiner} job serves {j}", "weight_sync.family"),
-    Expectation("dtype", "{host} sends dtype {h}, this {joiner} job computes in {j}", "weight_sync.dtype"),
+                "the inference job's --trainer-stages (the trainer's pipeline-parallel size)",
+                lambda config, stages, backend: stages),
+    Expectation("family", "{host} converts model family {h}, this {joiner} job serves {j}", "weight_sync.family",
+                lambda config, stages, backend: config.family),
+    Expectation("dtype", "{host} sends dtype {h}, this {joiner} job computes in {j}", "weight_sync.dtype",
+                lambda config, stages, backend: config.dtype),
     Expectation("bucket_size_mb", "{host} cuts buckets of {h} MiB, this {joiner} job expects {j}",
-                "weight_sync.bucket_size_mb"),
+                "weight_sync.bucket_size_mb", lambda config, stages, backend: config.bucket_size_mb),
+    Expectation("checksum", "{host} checks every bucket with {h}, this {joiner} job with {j}", "weight_sync.checksum",
+                _checksum),
+    Expectation("p2p_backend", "{host} moves P2P bytes with {h}, this {joiner} job with {j}",
+                "weight_sync.p2p_backend", lambda config, stages, backend: config.p2p_backend),
+    Expectation("p2p_protocol", "{host} runs Mooncake over {h}, this {joiner} job over {j}", "weight_sync.p2p_protocol",
+                lambda config, stages, backend: config.p2p_protocol if config.p2p_backend == "mooncake" else None),
 )
 """What the two jobs compare before any byte moves, in the order a refusal lists differences."""
 
+COMMON = ("transport", "backend", "num_inference_ranks", "engine_tp_size", "trainer_stages", "family", "dtype",
+          "bucket_size_mb")
+"""The rows every transport that meets at the store compares; a transport adds its own (`Transport.shares`)."""
 
-def expectations(config: "WeightSyncConfig", *, trainer_stages: int, backend: str) -> dict[str, Any]:
-    """Return what a rank of either job assumes, from its settings (`backend`: resolved, gloo or nccl)."""
-    return {"transport": config.transport, "backend": backend, "num_inference_ranks": config.num_inference_ranks,
-            "engine_tp_size": config.engine_tp_size, "trainer_stages": trainer_stages, "family": config.family,
-            "dtype": config.dtype, "bucket_size_mb": config.bucket_size_mb}
+
+def expectations(config: "WeightSyncConfig", *, trainer_stages: int, backend: str,
+                 shares: Iterable[str] = ()) -> dict[str, Any]:
+    """Return what a rank of either job assumes, from its settings (`backend`: resolved, gloo or nccl):
+    the `COMMON` rows and the transport's own `shares` (the settings its two halves must agree on)."""
+    keys = {*COMMON, *shares}
+    values = {row.key: row.value(config, trainer_stages, backend) for row in EXPECTATIONS
+              if row.key in keys and row.value is not None}
+    return {key: value for key, value in values.items() if value is not None}
 
 
 @dataclass(frozen=True)
@@ -125,7 +157,8 @@ class Admission:
     members: Mapping[str, int]  # role -> how many ranks of that role the session needs
     admitted: dict[str, dict[int, str]] = field(default_factory=dict)  # role -> member -> job
     failure: Optional[str] = None
-    presented: set[tuple[str, int]] = field(default_factory=set)  # (role, member) of the session's jobs' ranks seen
+    presented: dict[str, dict[int, str]] = field(default_factory=dict)  # role -> member -> job, of every rank
+    # of the session's jobs that presented itself (admitted or not); a role's job is its first one
 
     def __post_init__(self) -> None:
         self.admitted.setdefault(self.host.role, {})[self.host.member] = self.host.job
@@ -144,14 +177,15 @@ class Admission:
     def all_presented(self) -> bool:
         """True once every member of every role presented itself (admitted, refused or reporting a failure):
         after a failure, everyone was told why."""
-        host = (self.host.role, self.host.member)
-        return all((role, m) in self.presented or (role, m) == host
+        return all(m in self.presented.get(role, {}) or (role, m) == (self.host.role, self.host.member)
                    for role, count in self.members.items() for m in range(count))
 
     def decide(self, joiner: Identity) -> Decision:
         """Return the answer to `joiner`, recording an admission or the session's failure."""
-        if joiner.role in self.members and self.job_of(joiner.role) in (None, joiner.job):
-            self.presented.add((joiner.role, joiner.member))
+        seen = self.presented.setdefault(joiner.role, {})
+        if joiner.role in self.members and (self.job_of(joiner.role) or next(iter(seen.values()), joiner.job)) \
+                == joiner.job:
+            seen[joiner.member] = joiner.job
         decision = self._judge(joiner)
         if decision.accepted:
             self.admitted.setdefault(joiner.role, {})[joiner.member] = joiner.job
