@@ -162,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="fault injection: inference rank 1 hangs while receiving this version")
     parser.add_argument("--test-pause-after-version", type=int, default=0,
                         help="fault injection: the trainer idles for a long while after syncing this version")
-    parser.add_argument("--test-stop-during-version", type=int, default=0,
-                        help="fault injection: the trainer's leader SIGSTOPs itself while sending this version")
+    parser.add_argument("--test-fault-during-version", nargs=2, action="append", default=[],
+                        metavar=("FAULT", "VERSION"),
+                        help="fault injection: the trainer's leader stops (stop) or SIGTERMs its torchrun (sigterm, "
+                             "sigterm-deaf) while sending VERSION")
     args = parser.parse_args(argv)
     try:
         job = load_job(args)  # the whole file, before launching anything
@@ -191,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                        if args.test_hang_during_version else [])]
     trainer_faults = [*(["--test-pause-after-version", str(args.test_pause_after_version)]
                         if args.test_pause_after_version else []),
-                      *(["--test-stop-during-version", str(args.test_stop_during_version)]
-                        if args.test_stop_during_version else [])]
+                      *[arg for fault in args.test_fault_during_version
+                        for arg in ("--test-fault-during-version", *fault)]]
     code = run_jobs(passthrough, t.world_size, ws.num_inference_ranks, args.time_limit, engine_faults, trainer_faults)
     print(f"[demo] {'ok' if code == 0 else f'FAILED (exit {code})'}", flush=True)
     return code

@@ -14,6 +14,7 @@ import io
 import json
 import math
 import os
+import resource
 import signal
 import sys
 import time
@@ -71,8 +72,8 @@ class Verifier:
         if not self.sync.is_leader:
             return
         self.rows.append(metrics)
+        self.rows.extend(self.sync.receiver_metrics(version))  # raises if the engines aborted the version
         self.sync.send_app_message({"name": "verify", "version": version, "tokens": tokens.tolist()})
-        self.rows.extend(self.sync.receiver_metrics(version))
         if logits is None:
             return
         for engine in range(self.job.weight_sync.num_engines):
@@ -137,28 +138,56 @@ def pause_after(pause_version: int, version: int) -> None:
 PAUSE_S = 600.0
 
 
-def stop_during(sync: TrainerWeightSync, version: int) -> None:
-    """Fault injection for tests: once the engines took part in the first transfer of `version` (a bucket
-    broadcast, or a P2P message written), the leader stops itself (SIGSTOP, like a hung process)."""
+def fault_during(sync: TrainerWeightSync, version: int, fault: str) -> None:
+    """Fault injection for tests: the leader injects `fault` (a key of FAULTS) into the sync of `version`."""
     if not version or not sync.is_leader:
         return
-    transport = sync.transport
-    owner, name = (transport, "send_bucket") if hasattr(transport, "send_bucket") else (transport.mover, "write")
-    send = getattr(owner, name)
+    words, inject, at_transfer = FAULTS[fault]
+    if at_transfer:  # once the engines took part in the first transfer (a bucket broadcast, a P2P message)
+        transport = sync.transport
+        owner, name = (transport, "send_bucket") if hasattr(transport, "send_bucket") else (transport.mover, "write")
+    else:  # before the sync's first byte
+        owner, name = sync.sender, "sync"
+    send, done = getattr(owner, name), []
 
-    def send_then_stop(*args):
+    def send_then_fault(*args):
+        if not at_transfer and sync.version + 1 == version and not done:
+            done.append(True)
+            print(f"[trainer] fault injection: {words} while sending version {version}", flush=True)
+            inject()
         sent = send(*args)
-        if sync.version + 1 == version:  # sync.version is the last version synced
+        if at_transfer and sync.version + 1 == version and not done:  # sync.version: the last version synced
+            done.append(True)
             if sent is not None:
                 sent.wait()  # every engine rank received this bucket: they are inside the sync
-            print(f"[trainer] fault injection: stopping (SIGSTOP) while sending version {version}", flush=True)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            print(f"[trainer] fault injection: {words} while sending version {version}", flush=True)
+            inject()
         return sent
 
-    setattr(owner, name, send_then_stop)
+    setattr(owner, name, send_then_fault)
 
 
-def run(job: JobConfig, harness_port: int, pause_version: int = 0, stop_version: int = 0) -> int:
+def _sigterm_while_deaf() -> None:
+    """SIGTERM to the trainer job while this rank is deaf to it, as a rank blocked in native code is."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    os.kill(os.getppid(), signal.SIGTERM)
+    time.sleep(PAUSE_S)
+
+
+def _disk_full() -> None:
+    """Files this process writes can grow no further (the kernel refuses as it does on a full disk)."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+FAULTS = {  # name: (what it does, in words; how; at the first transfer (else before the sync starts))
+    "stop": ("stopping (SIGSTOP)", lambda: os.kill(os.getpid(), signal.SIGSTOP), True),
+    "sigterm": ("SIGTERM to the trainer job", lambda: os.kill(os.getppid(), signal.SIGTERM), True),
+    "sigterm-deaf": ("SIGTERM to the trainer job, deaf to it", _sigterm_while_deaf, True),
+    "disk-full": ("the disk is full (RLIMIT_FSIZE)", _disk_full, False),
+}
+
+
+def run(job: JobConfig, harness_port: int, pause_version: int = 0, faults: dict[str, int] | None = None) -> int:
     """Train for `job.train.steps` optimizer updates, syncing per the config; return an exit code."""
     from tests.support.train import make_optimizer, train_step, wrap_in_ddp
 
@@ -171,7 +200,8 @@ def run(job: JobConfig, harness_port: int, pause_version: int = 0, stop_version:
     # Leaving the block, also on SIGTERM / SIGINT, tells the engines to stop.
     with WeightSyncCallback.from_config(job.weight_sync, model, hf_config=hf_config, layout=layout) as callback:
         sync = callback.syncer
-        stop_during(sync, stop_version)
+        for fault, version in (faults or {}).items():
+            fault_during(sync, version, fault)
         verifier = Verifier(job, sync, chunks, harness_store(harness_port, timeout_s=job.weight_sync.timeout_s))
         if callback.initial_metrics is not None:
             verifier.after_sync(sync.version, callback.initial_metrics)
@@ -200,11 +230,13 @@ def main(argv=None) -> int:
     parser = job_arg_parser("megatron-sync demo trainer job (run under torchrun)")
     parser.add_argument("--test-pause-after-version", type=int, default=0,
                         help="fault injection (tests): idle for a long while after syncing this version")
-    parser.add_argument("--test-stop-during-version", type=int, default=0,
-                        help="fault injection (tests): the leader SIGSTOPs itself while sending this version")
+    parser.add_argument("--test-fault-during-version", nargs=2, action="append", default=[],
+                        metavar=("FAULT", "VERSION"), help=f"fault injection (tests): one of {sorted(FAULTS)}, in the "
+                                                           "leader while it sends VERSION")
     args = parser.parse_args(argv)
+    faults = {fault: int(version) for fault, version in args.test_fault_during_version}
     return run_under_torchrun("trainer", args, lambda job: run(job, args.harness_port, args.test_pause_after_version,
-                                                              args.test_stop_during_version))
+                                                              faults))
 
 
 if __name__ == "__main__":

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from contextlib import ExitStack
 from typing import Any, Optional, Protocol
 
 import torch
 
 from megatron_sync.lifecycle import stop_on_signals
+
+log = logging.getLogger("megatron_sync")
+
+STOP_GRACE_S = 10.0
+"""After SIGTERM / SIGINT, how long a trainer rank may take to leave the `with` block (its sync abandoned,
+the engines told) before the watchdog tells the engines itself and exits the process: a rank blocked in
+a collective is never left for its launcher to kill (torchrun waits 30 s)."""
 
 
 class Syncer(Protocol):
@@ -49,7 +57,10 @@ class WeightSyncCallback:
     the block tells the engines to stop, and they exit 0 on the version they
     hold. Inside the block SIGTERM and SIGINT raise `lifecycle.Terminated` in
     the main thread (unless the application installed its own handlers), so a
-    trainer stopped by its launcher still tells the engines why it stopped.
+    trainer stopped by its launcher still tells the engines why it stopped; a
+    sync under way is abandoned (the engines keep the previous version), and a
+    rank still blocked `STOP_GRACE_S` after the signal is ended by a watchdog
+    that first tells the engines.
     """
 
     def __init__(self, syncer: Syncer | None, chunks: list[torch.nn.Module], *, every_n_steps: int = 1):
@@ -117,8 +128,14 @@ class WeightSyncCallback:
             self._signals.close()
 
     def __enter__(self) -> "WeightSyncCallback":
-        self._signals.enter_context(stop_on_signals())
+        self._signals.enter_context(stop_on_signals(grace_s=STOP_GRACE_S, report=self._stopped_while_blocked))
         return self
+
+    def _stopped_while_blocked(self, what: str) -> None:
+        """The watchdog's report (its own thread; the process exits right after): tell the engines."""
+        log.error("stopped by %s; telling the engines to stop", what)
+        if self.syncer is not None:
+            self.syncer.close(f"the trainer stopped by {what}")
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.close(None if exc is None else f"the trainer stopped on {type(exc).__name__}: {exc}")

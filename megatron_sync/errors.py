@@ -23,6 +23,11 @@ class StoreSilentError(PeerFailureError):
     hosting it (the trainer's first stage) is stopped (SIGSTOP, a debugger) or hung, not gone."""
 
 
+class SyncStoppedError(SyncError):
+    """The trainer said "stop" while a sync was under way (it is stopping, e.g. on SIGTERM) and ended the
+    transfer: the sync was abandoned on every rank, the engine keeps the version it held and leaves."""
+
+
 class RendezvousError(SyncError):
     """The two jobs could not meet: the rendezvous refused a rank (naming the disagreement), could not be
     reached or hosted (naming why), or a rank of the session failed while starting (quoting its error)."""

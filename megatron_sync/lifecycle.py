@@ -7,7 +7,9 @@ handlers only between bytecodes, so a rank blocked in native code (a
 collective waiting for a peer that hangs) would not notice for up to
 `timeout_s`; with `grace_s`, a watchdog thread, woken by the signal itself
 through `signal.set_wakeup_fd`, gives the main thread `grace_s` to unwind and
-otherwise reports and exits the process itself.
+otherwise reports and exits the process itself. `uninterrupted()` holds the
+exception back over a step every rank must finish together (a sync's commit
+rounds), and raises it when the step ends.
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class _Held:
+    """Signals held back by `uninterrupted()` (signal handlers run in the main thread: no lock needed)."""
+
+    depth = 0
+    signum: Optional[int] = None
 
 
 class Terminated(BaseException):
@@ -66,6 +75,9 @@ def stop_on_signals(*, grace_s: Optional[float] = None,
     def raise_terminated(signum, frame):
         if state.signum is None:  # a second signal while unwinding is the watchdog's business
             state.signum = signum
+            if _Held.depth:
+                _Held.signum = signum  # raised when the uninterrupted step ends
+                return
             raise Terminated(signum)
 
     previous = {}
@@ -80,6 +92,24 @@ def stop_on_signals(*, grace_s: Optional[float] = None,
             watchdog.stop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+@contextmanager
+def uninterrupted() -> Iterator[None]:
+    """Run a step that every rank must finish together (it is short, and other ranks wait in it for this
+    one); a `Terminated` of `stop_on_signals` arriving meanwhile is raised when the step ends. A rank
+    blocked in the step still meets the watchdog's `grace_s`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _Held.depth += 1
+    try:
+        yield
+    finally:
+        _Held.depth -= 1
+        if _Held.depth == 0 and _Held.signum is not None:
+            signum, _Held.signum = _Held.signum, None
+            raise Terminated(signum)
 
 
 class _Watchdog:

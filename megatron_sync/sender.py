@@ -179,9 +179,9 @@ class WeightSender(Sender):
             with PhaseTimer(metrics, "transfer"):
                 self._earlier.join()
             issue_ready()
-        except BaseException:
+        except Exception:  # the stage's other ranks are in its gathers: walk them to the end
             _drain(items)
-            raise
+            raise  # (a stop signal is not drained: every rank of the job got it and is leaving)
         finally:
             while in_flight:
                 self._finish(in_flight.popleft(), metrics)

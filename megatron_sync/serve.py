@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sync.config import WeightSyncConfig, add_weight_sync_args, explicit_flags
-from megatron_sync.errors import PeerFailureError, RendezvousError, TrainerGoneError
+from megatron_sync.errors import PeerFailureError, RendezvousError, SyncStoppedError, TrainerGoneError
 from megatron_sync.lifecycle import Terminated, stop_on_signals
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.sync import AppHandler, InferenceWeightSync
@@ -138,7 +138,8 @@ def join(config: WeightSyncConfig, hf_config: Any, *, engine: str = "reference",
         reported = get_transport(config.transport).meets_at_store and report_failure(
             config.master_address, config.master_port, me, f"{type(e).__name__}: {e}", timeout_s=config.timeout_s)
         print(f"[inference rank {rank}] failed while starting: {type(e).__name__}: {e}"
-              + (" (reported to the trainer)" if reported else ""), flush=True)
+              + (" (reported to the trainer)" if reported else " (not reported: the trainer's rendezvous at "
+                 f"{config.master_address}:{config.master_port} could not be reached)"), flush=True)
         raise
     return EngineRank(rank, world, engine_index, tp_rank, group, built, hf_config, job_id)
 
@@ -148,7 +149,8 @@ def serve(me: EngineRank, config: WeightSyncConfig, *, num_trainer_stages: int,
           on_stop: Optional[Callable[[], None]] = None) -> int:
     """Follow the trainer until "stop"; return the exit code. `handlers[name](isync, message)` serve app messages.
 
-    0: the trainer said stop (the engine holds its last version); 1: the trainer
+    0: the trainer said stop, also in the middle of a sync (the engine holds its
+    last version, a sync under way is abandoned); 1: the trainer
     went away, a peer died or fell silent mid-sync, or the rendezvous refused
     this rank (the message says which);
     128 + signum: SIGTERM / SIGINT, also when the rank was blocked (after
@@ -171,12 +173,17 @@ def serve(me: EngineRank, config: WeightSyncConfig, *, num_trainer_stages: int,
             say(f"stopped by {e} while joining")
             return e.exit_code
         bound = {name: (lambda message, make=make: make(isync, message)) for name, make in (handlers or {}).items()}
+        why = ""  # why this rank leaves, when the trainer did not say stop
         try:
             isync.serve(bound)
+        except SyncStoppedError as e:  # stopped mid-sync: the transfer was abandoned, the version kept
+            ended = str(e)
         except Terminated as e:
-            say(f"stopped by {e}")
+            why = f"stopped by {e}"
+            say(why)
             return e.exit_code
         except Exception as e:
+            why = f"{type(e).__name__}: {e}"
             signalled = stop.as_exception()
             if signalled is not None:  # the signal came first; this error is its consequence
                 say(f"stopped by {signalled} ({type(e).__name__} while unwinding)")
@@ -191,13 +198,13 @@ def serve(me: EngineRank, config: WeightSyncConfig, *, num_trainer_stages: int,
                 return 1
             say(f"stopped by {type(e).__name__}: {e}")
             raise
+        else:
+            ended = "the trainer ended the session" + (f": {isync.stop_reason}" if isync.stop_reason else "")
         finally:
-            isync.close()
+            isync.close(why)
     if on_stop is not None:
         on_stop()
-    reason = f": {isync.stop_reason}" if isync.stop_reason else ""
-    print(f"[inference rank {me.rank}] stopped on version {me.engine.version} (the trainer ended the "
-          f"session{reason})", flush=True)
+    print(f"[inference rank {me.rank}] stopped on version {me.engine.version} ({ended})", flush=True)
     return 0
 
 

@@ -25,7 +25,7 @@ from megatron_sync.engines.base import EngineAdapter, EngineClient
 from megatron_sync.engines.fleet import EngineFleet, clients_from_config
 from megatron_sync.engines.serving import GenerationServer
 from megatron_sync.errors import (AgreedFailure, PeerFailureError, RendezvousError, StoreSilentError,
-                                  SyncAbortedError, TrainerGoneError)
+                                  SyncAbortedError, SyncStoppedError, TrainerGoneError)
 from megatron_sync.megatron_config import check_model_config
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.metrics import SyncMetrics
@@ -35,11 +35,14 @@ from megatron_sync.stream import MegatronWeightStream, all_stage_metadata, check
 from megatron_sync.transport import get_transport
 from megatron_sync.transport.control import ControlMessage, ControlOp, Report
 from megatron_sync.transport.rendezvous import Identity, expectations
-from megatron_sync.transport.session import SyncSession, new_session_id
+from megatron_sync.transport.session import DIAGNOSE_S, SyncSession, new_session_id
 
 log = logging.getLogger("megatron_sync")
 MiB = 2**20
 IDLE_TIMEOUT_S = 24 * 3600.0  # how long an engine waits for the trainer's next message
+ACK_AFTER_BREAK_S = 5.0
+"""After a sync that failed without an agreed abort, how long the leader waits for the engines' stop
+acknowledgements (they notice the ended transfer within about a second)."""
 
 
 def load_hf_config(config: WeightSyncConfig, hf_config: Any = None) -> Any:
@@ -102,6 +105,8 @@ class TrainerWeightSync:
         self.version = 0
         self.transport = None
         self.session: Optional[SyncSession] = None
+        self._transfer_broken = False  # the last sync failed without an agreed abort
+        self._syncing = False  # a sync is under way (a watchdog closing from its own thread sees it)
         self.engines = EngineFleet([], driven=False)
         self._gather = torch_gather(trainer_group)
         transport_cls = get_transport(config.transport)
@@ -213,15 +218,21 @@ class TrainerWeightSync:
         if self.is_leader:
             self.engines.begin_transfer(version)
             self.transport.control.send(ControlMessage(ControlOp.SYNC, version))
+        self._syncing = True
         try:
             with failing_together(f"weight sync of version {version}", self._gather):
                 try:
                     metrics = self.sender.sync(version)
                 except SyncAbortedError as e:
                     raise self.engines.named(e, self.transport)
-        except BaseException:
+        except BaseException as e:
+            # not an abort every rank agreed on: a peer died or fell silent, or this rank was stopped
+            self._transfer_broken = not (isinstance(e, AgreedFailure) and
+                                         all(m.startswith("SyncAbortedError") for _, m in e.failures))
             self.engines.after_sync(version, ok=False)  # resumes them on the previous version; never raises
             raise
+        finally:
+            self._syncing = False
         if self.engines.driven:
             with failing_together(f"committing version {version} on the engines", self._gather):
                 self.engines.after_sync(version, ok=True)
@@ -234,32 +245,58 @@ class TrainerWeightSync:
         self.transport.control.send(ControlMessage(ControlOp.APP, self.version, payload))
 
     def receiver_metrics(self, version: int) -> list[SyncMetrics]:
-        """Return the metrics each inference rank reported for `version` (leader only)."""
-        reports = self.transport.control.collect(Report.METRICS, version, self.transport.inference_ranks)
-        return [SyncMetrics.from_json(raw.decode()) for raw in reports.values()]
+        """Return the metrics each inference rank reported for `version` (leader only).
+
+        Raises SyncAbortedError when the inference ranks aborted it (a transport whose `sync()` returns
+        before the engines apply, disk_delta: e.g. its writer could not publish the version)."""
+        reports = {rank: json.loads(raw.decode())
+                   for rank, raw in self.transport.control.collect(Report.METRICS, version,
+                                                                   self.transport.inference_ranks).items()}
+        aborted = [(rank, report["aborted"]) for rank, report in reports.items() if "aborted" in report]
+        if aborted:
+            raise SyncAbortedError(version, aborted)
+        return [SyncMetrics.from_json(json.dumps(report)) for report in reports.values()]
 
     def close(self, reason: Optional[str] = None) -> None:
         """Tell the engines to stop (leader), then release the transport and the session; safe to call twice.
 
         The engines exit 0 on the version they hold, printing `reason` (why the
-        trainer stopped, when it did not simply finish). The leader hosts the
-        rendezvous store, so it waits (up to `timeout_s`) until every engine
-        rank has read "stop" before the store goes away.
+        trainer stopped, when it did not simply finish), also when they were in
+        the middle of a sync (a trainer stopped by SIGTERM): see `_stop_engines`.
         """
         self.engines.close()  # driven engines' workers acknowledge "stop" as they leave
         if self.transport is not None:
             if self.is_leader:
-                try:
-                    payload = {"reason": reason} if reason else {}
-                    self.transport.control.send(ControlMessage(ControlOp.STOP, self.version, payload))
-                    self.transport.control.collect(Report.STOPPED, self.version, self.transport.inference_ranks)
-                except Exception:  # noqa: BLE001 — closing after a failure must not mask it
-                    log.warning("the engines did not all acknowledge 'stop'", exc_info=True)
+                self._stop_engines(reason)
             self.transport.close()
             self.transport = None
         if self.session is not None:
             self.session.close()
             self.session = None
+
+
+    def _stop_engines(self, reason: Optional[str]) -> None:
+        """Post "stop", end any transfer still in flight, and wait for every engine rank to acknowledge.
+
+        Engine ranks waiting in a transfer fail at once when it ends, read "stop"
+        and leave on the version they hold; the leader hosts the rendezvous store,
+        so it waits for their acknowledgements (or their word that they already
+        left) before the store goes away: up to `timeout_s`, or `ACK_AFTER_BREAK_S`
+        when a sync was ended (during one, or after one failed without an agreed
+        abort: engines that lost a peer leave by themselves; one that died says nothing).
+        """
+        control = self.transport.control
+        try:
+            control.send(ControlMessage(ControlOp.STOP, self.version, {"reason": reason} if reason else {}))
+            self.transport.stop_transfers()
+            acks = control.collect(Report.STOPPED, self.version, self.transport.inference_ranks,
+                                   timeout_s=ACK_AFTER_BREAK_S if self._transfer_broken or self._syncing else None)
+        except Exception as e:  # noqa: BLE001 — closing after a failure must not mask it
+            log.warning("the engines did not all acknowledge 'stop': %s", e)
+            return
+        left = {rank: payload.decode() for rank, payload in acks.items() if payload.startswith(b"left")}
+        if left:
+            log.info("engine ranks that had left before 'stop': %s", left)
 
 
 AppHandler = Callable[[ControlMessage], None]
@@ -292,6 +329,8 @@ class InferenceWeightSync:
         self.config = config
         self.engine = engine
         self.stop_reason: Optional[str] = None  # why the trainer stopped the session, when it said
+        self.synced_version = 0  # the last version the trainer synced here (its numbering), for a "left" report
+        self._acknowledged = False  # told the leader it stopped or left
         self.server = GenerationServer(engine, engine_group=engine_group, inflight_policy=config.inflight_policy,
                                        commit_timeout_s=config.timeout_s)
         # the same groups as the trainer's converter: the family's, plus each quantized weight with its scales
@@ -349,20 +388,45 @@ class InferenceWeightSync:
         """Receive `version`; return metrics, or None if the sync was aborted on every rank.
 
         An aborted sync leaves the engine on its previous version and the
-        transport ready for the next one; a peer that died or fell silent raises
-        PeerFailureError saying what the trainer's rendezvous host answers now
-        (stopped or hung, gone, or alive), within `timeout_s` plus `session.DIAGNOSE_S`.
+        transport ready for the next one. When the transfer breaks off, the
+        engine keeps what it holds too and raises: SyncStoppedError if the
+        trainer said "stop" (it is stopping, e.g. on SIGTERM, and ended the
+        transfer; acknowledged here), else PeerFailureError saying what the
+        trainer's rendezvous host answers now (stopped or hung, gone, or alive),
+        within `timeout_s` plus at most 2 x `session.DIAGNOSE_S` (a probe of
+        the host, then, if it answers, a look for "stop").
         """
         try:
             metrics = self.receiver.receive(version)
         except SyncAbortedError as e:
-            log.error("[inference rank %d] %s", self.transport.rank, e)
+            log.error("%s", e)
+            why = "; ".join(f"[transport rank {rank}] {message.splitlines()[0]}" for rank, message in e.failures)
+            self._report_outcome(version, json.dumps({"aborted": why}).encode())
             return None
         except PeerFailureError as e:
-            host = f"; {self.session.host_state()}" if self.session is not None else ""
-            raise PeerFailureError(f"sync of version {version} failed: {e}{host}") from e
-        self.transport.control.report(Report.METRICS, version, self.transport.rank, metrics.to_json().encode())
+            answers, host = self.session.host_state() if self.session is not None else (True, "")
+            stop = self._stop_posted() if answers else None
+            if stop is not None:
+                self.handle(stop, {})  # acknowledged
+                raise SyncStoppedError(f"the trainer ended the session during the sync of version {version}"
+                                       + (f": {self.stop_reason}" if self.stop_reason else "")) from e
+            raise PeerFailureError(f"sync of version {version} failed: {e}" + (f"; {host}" if host else "")) from e
+        self.synced_version = version
+        self._report_outcome(version, metrics.to_json().encode())
         return metrics
+
+    def _report_outcome(self, version: int, payload: bytes) -> None:
+        """Report this rank's metrics of `version`, or that every rank aborted it (for `receiver_metrics`)."""
+        self.transport.control.report(Report.METRICS, version, self.transport.rank, payload)
+
+    def _stop_posted(self) -> Optional[ControlMessage]:
+        """Return the trainer's "stop" if it is posted within `DIAGNOSE_S` (a trainer that stops mid-sync posts
+        it before it ends the transfer), else None (the trainer is gone or silent, or another rank failed)."""
+        try:
+            message = self.transport.control.next(DIAGNOSE_S)
+        except PeerFailureError:
+            return None
+        return message if message.op is ControlOp.STOP else None
 
     def apply_in_background(self, version: int) -> Future:
         """Receive `version` while the engine keeps generating; the switch obeys `inflight_policy`."""
@@ -380,6 +444,7 @@ class InferenceWeightSync:
             self.stop_reason = message.payload.get("reason")
             self.transport.control.report(Report.STOPPED, message.version, self.transport.rank,
                                           str(self.engine.version).encode())
+            self._acknowledged = True
             return False
         if message.op is ControlOp.SYNC:
             self.apply(message.version)
@@ -391,10 +456,20 @@ class InferenceWeightSync:
         handlers[name](message)
         return True
 
-    def close(self) -> None:
-        """Finish a background receive, then release the transport and the session; safe to call twice."""
+    def close(self, why: str = "") -> None:
+        """Finish a background receive, then release the transport and the session; safe to call twice.
+
+        A rank leaving without having read "stop" says so first (`why`), where the leader collects stop
+        acknowledgements, so a trainer that stops later does not wait for it."""
         self.server.close()
         if self.transport is not None:
+            if not self._acknowledged:
+                try:
+                    self.transport.control.report(Report.STOPPED, self.synced_version, self.transport.rank,
+                                                  f"left: {why}".encode())
+                except Exception as e:  # noqa: BLE001 — the trainer may be gone; nothing waits then
+                    log.info("[inference rank %d] could not say it leaves: %s", self.transport.rank, e)
+                self._acknowledged = True
             self.transport.close()
             self.transport = None
         if self.session is not None:

@@ -211,7 +211,8 @@ def test_an_idle_engine_whose_trainer_is_killed_says_so(tmp_path):
 # ---- the join handshake and start-up failures, through the launch scripts ----
 
 def _launch_pair(tmp_path, *, trainer_config: dict, engine_model_dir: str, weight_sync: dict,
-                 trainer_args: tuple[str, ...] = (), engine_args: tuple[str, ...] = ()) -> tuple[Launched, Launched, str]:
+                 trainer_args: tuple[str, ...] = (), engine_args: tuple[str, ...] = (), serve: bool = True
+                 ) -> tuple[Launched, Launched | None, str]:
     trainer_dir = tmp_path / "trainer_model"
     trainer_dir.mkdir()
     (trainer_dir / "config.json").write_text(json.dumps(trainer_config))
@@ -223,7 +224,8 @@ def _launch_pair(tmp_path, *, trainer_config: dict, engine_model_dir: str, weigh
     }}))
     env = {"PYTHON": sys.executable, "NPROC": "1"}
     serve = Launched(["bash", "launch/serve.sh", "--engine", "reference", "--model-dir", engine_model_dir,
-                      "--config", str(config), *engine_args], env={**env, "MASTER_PORT": str(free_port())})
+                      "--config", str(config), *engine_args], env={**env, "MASTER_PORT": str(free_port())}
+                     ) if serve else None
     train = Launched(["bash", "launch/train.sh", "--module", "examples.custom_loop", "--", "--config", str(config),
                       "--steps", "2", *trainer_args], env={**env, "MASTER_PORT": str(free_port())})
     return train, serve, str(config)

@@ -10,10 +10,13 @@ performance figure), the engines hold exactly the previous version, and no proce
 from __future__ import annotations
 
 import re
+import sys
 import time
 
 import pytest
+import yaml
 
+from tests.support.dist import free_port
 from tests.test_lifecycle import (_assert_engines_hold, _demo, _demo_job, _engine_model, _launch_pair,
                                   assert_nothing_left)
 
@@ -30,31 +33,34 @@ def test_a_trainer_stopped_mid_sync_ends_the_engines_within_timeout_s_naming_it(
     the engines say the trainer is stopped or hung, keep version 1 and exit 1.
 
     The leader stops once an engine rank took part in the first transfer of version 2; another engine
-    rank may not have read the "sync 2" message yet (P2P), and it reports from its control channel."""
+    rank may not have read the "sync 2" message yet (P2P), and it reports from its control channel. The
+    first rank to exit makes torchrun stop its sibling, which may then say so instead."""
     path, job = _demo_job(tmp_path, "e2e_qwen3_tp2_to_2x_tp1.yaml")
-    demo = _demo(path, "--test-stop-during-version", "2", "--weight-sync-transport", transport,
+    demo = _demo(path, "--test-fault-during-version", "stop", "2", "--weight-sync-transport", transport,
                  "--weight-sync-timeout-s", str(FAULT_TIMEOUT_S))
-    where = f"127.0.0.1:{job['weight_sync']['master_port']}"
-    said = {
-        "mid-sync": (r"sync of version 2 failed: .*from (trainer )?rank 0.*its rendezvous at " + re.escape(where)
-                     + r" accepts connections but does not answer within 2s: the trainer is stopped \(e\.g\. "
-                     r"SIGSTOP\) or hung; the engine stays on version 1"),
-        "reading control": (r"the trainer stopped answering while this engine was idle: its rendezvous at "
-                            + re.escape(where) + r" accepts connections but has not answered for 10s \(the trainer "
-                            r"is stopped, e\.g\. SIGSTOP, or hung\); no sync was running, the engine holds version 1"),
-    }
+    where = re.escape(f"127.0.0.1:{job['weight_sync']['master_port']}")
+    mid_sync = (r"sync of version 2 failed: .*from (trainer )?rank 0.*its rendezvous at " + where + r" accepts "
+                r"connections but does not answer within 2s: the trainer is stopped \(e\.g\. SIGSTOP\) or hung; "
+                r"the engine stays on version 1")
+    reading_control = (r"the trainer stopped answering while this engine was idle: its rendezvous at " + where
+                       + r" accepts connections but has not answered for 10s \(the trainer is stopped, e\.g\. "
+                       r"SIGSTOP, or hung\); no sync was running, the engine holds version 1")
+    stopped_by_sibling = r"stopped by SIGTERM.*; the engine stays on version 1"
     try:
         stopped = demo.when(r"\[trainer\] fault injection: stopping \(SIGSTOP\) while sending version 2")
-        reported = [demo.when(rf"\[inference rank {rank}\] ({'|'.join(said.values())})", 120) for rank in (0, 1)]
+        named = demo.when(rf"\[inference rank \d\] ({mid_sync}|{reading_control})", 120)
         failed = demo.when(r"\[demo\] the inference job failed \(exit 1\)", 120)
         code, _ = demo.wait(60)
     finally:
         demo.kill()
     out = demo.output
     assert code == 1, out[-5000:]
-    assert re.search(r"\[inference rank \d\] " + said["mid-sync"], out), out[-5000:]  # at least one was mid-sync
+    assert re.search(rf"\[inference rank \d\] {mid_sync}", out), out[-5000:]  # one was receiving version 2
+    for rank in (0, 1):
+        assert re.search(rf"\[inference rank {rank}\] ({mid_sync}|{reading_control}|{stopped_by_sibling})", out), \
+            out[-5000:]
     # timeout_s for the wait that noticed, DIAGNOSE_S (2 s) to probe the trainer's host, then the exit
-    assert max(reported) - stopped < FAULT_TIMEOUT_S + MARGIN_S, (reported, stopped)
+    assert named - stopped < FAULT_TIMEOUT_S + MARGIN_S, (named, stopped)
     assert failed - stopped < FAULT_TIMEOUT_S + 2 * MARGIN_S, (failed, stopped)
     _assert_engines_hold(tmp_path, job, 1)
     assert_nothing_left(path)
@@ -113,4 +119,157 @@ def test_a_setting_only_its_transport_uses_is_compared_at_the_rendezvous(tmp_pat
     assert "the engine stays on version 0" in serve.output
     assert "synced version" not in train.output
     assert max(train_ended, serve_ended) - refused < MARGIN_S, (train_ended - refused, serve_ended - refused)
+    assert_nothing_left(config)
+
+
+@pytest.mark.parametrize("fault", ["sigterm", "sigterm-deaf"])
+def test_sigterm_to_the_trainer_mid_sync_ends_it_everywhere_and_the_engines_exit_0_on_the_previous_version(
+        tmp_path, fault):
+    """The trainer job gets SIGTERM while it sends version 2 (torchrun forwards it to every rank). Every
+    trainer rank leaves at once, the leader tells the engines and ends the transfer, and the engines, which
+    were receiving, leave on version 1 with exit 0. "sigterm-deaf": the leader is deaf to the signal (as a
+    rank blocked in native code); its watchdog tells the engines and ends it STOP_GRACE_S after the signal."""
+    from megatron_sync.callback import STOP_GRACE_S
+
+    path, job = _demo_job(tmp_path, "e2e_qwen3_tp2_to_2x_tp1.yaml")
+    demo = _demo(path, "--test-fault-during-version", fault, "2")  # timeout_s 120: nothing may wait it out
+    try:
+        signalled = demo.when(r"\[trainer\] fault injection: SIGTERM to the trainer job")
+        stopped = [demo.when(rf"\[inference rank {rank}\] stopped on version 1 \(the trainer ended the session "
+                             r"during the sync of version 2: the trainer stopped (on Terminated: SIGTERM|by SIGTERM "
+                             r"while blocked)", 120) for rank in (0, 1)]
+        code, ended = demo.wait(90)
+    finally:
+        demo.kill()
+    out = demo.output
+    bound = (STOP_GRACE_S if fault == "sigterm-deaf" else 0.0) + MARGIN_S
+    assert max(stopped) - signalled < bound, (stopped, signalled)
+    assert ended - signalled < bound + MARGIN_S, ended - signalled
+    assert "[demo] the inference job failed" not in out, out[-5000:]  # the engines exited 0
+    assert re.search(r"\[trainer rank 1\] stopped by SIGTERM", out), out[-5000:]
+    if fault == "sigterm-deaf":
+        assert "stopped by SIGTERM while blocked" in out and "telling the engines to stop" in out, out[-5000:]
+    else:
+        assert re.search(r"\[trainer rank 0\] stopped by SIGTERM", out), out[-5000:]
+    assert "did not stop within" not in out  # no rank was left for the demo (or torchrun) to kill
+    _assert_engines_hold(tmp_path, job, 1)
+    assert_nothing_left(path)
+
+
+def test_a_full_disk_on_the_disk_delta_writer_leaves_the_engines_on_their_version_and_they_exit_0(tmp_path):
+    """disk_delta: the trainer's writer cannot publish version 2 (its files may not grow: RLIMIT_FSIZE, as
+    a full disk refuses them). The writer records the failure, the engines stop waiting for version 2 at
+    once, abort it together and keep version 1; the trainer learns it from their reports, stops, and the
+    engines leave on "stop" with exit 0, nobody waiting out timeout_s (120 s here)."""
+    path, job = _demo_job(tmp_path, "e2e_qwen3_tp2_to_2x_tp1.yaml")
+    job["verify"]["dump_dir"] = None  # disk_delta keeps no copy of what it sent
+    with open(path, "w") as f:
+        yaml.safe_dump(job, f)
+    shared = tmp_path / "shared"
+    demo = _demo(path, "--test-fault-during-version", "disk-full", "2", "--weight-sync-transport", "disk_delta",
+                 "--weight-sync-delta-dir", str(shared), "--weight-sync-delta-local-dir", str(tmp_path / "host0"))
+    try:
+        full = demo.when(r"\[trainer\] fault injection: the disk is full \(RLIMIT_FSIZE\) while sending version 2")
+        stopped = [demo.when(rf"\[inference rank {rank}\] stopped on version 1 \(the trainer ended the session: the "
+                             r"trainer stopped on SyncAbortedError: sync of version 2 ", 120) for rank in (0, 1)]
+        code, ended = demo.wait(90)
+    finally:
+        demo.kill()
+    out = demo.output
+    assert code != 0 and "[demo] the trainer job failed" in out, out[-5000:]  # the trainer fails, saying why
+    assert "[demo] the inference job failed" not in out, out[-5000:]  # the engines left cleanly
+    assert re.search(r"version 2 will not be published: the trainer's writer failed \(.*stage-0: version 2: "
+                     r"StoreWriteError: .*(file size limit|File too large)", out), out[-5000:]
+    assert max(stopped) - full < MARGIN_S, (stopped, full)
+    assert ended - full < 3 * MARGIN_S, ended - full
+    assert "was not published" not in out  # nobody waited for it
+    assert_nothing_left(path)
+
+
+# ---- exit paths: nobody waits for a peer known to be gone ----
+
+def _trainer_timing_its_close(rank: int, world_size: int, case: dict) -> dict:
+    """A trainer job (`tests/support/jobs.py`'s model and settings) that syncs versions 1 and 2 and says how
+    long version 2 took to fail and how long leaving the `with` block (telling the engines) took after it."""
+    from megatron_sync.callback import WeightSyncCallback
+    from megatron_sync.parallel import ParallelLayout
+    from tests.support import models
+    from tests.support.dist import init_megatron
+    from tests.support.jobs import case_hf_config, sync_config
+
+    init_megatron(seed=3)
+    spec = models.ModelSpec(**case["spec"])
+    chunks = models.build_model_chunks(spec)
+    models.load_reference_weights(chunks, models.reference_weights(spec, seed=3), spec)
+    with WeightSyncCallback.from_config(sync_config(case), chunks, hf_config=case_hf_config(case),
+                                        layout=ParallelLayout.from_megatron()) as callback:
+        callback.sync_now()  # version 1
+        started = time.monotonic()
+        try:
+            callback.sync_now()  # version 2: an engine rank dies while receiving it
+        except Exception as e:  # noqa: BLE001 — the test reads it
+            failure = f"{type(e).__name__}: {e}"
+        failed = time.monotonic()
+    return {"failure": failure, "fail_s": failed - started, "close_s": time.monotonic() - failed}
+
+
+def _engines_one_dying_at_version_2(rank: int, world_size: int, case: dict) -> int:
+    """The inference job (`megatron_sync.serve`'s loop) whose rank 1 exits while it receives version 2."""
+    from examples.serve_checked import _DiesMidSync
+    from megatron_sync.serve import join, serve
+    from tests.support.jobs import case_hf_config, sync_config
+
+    config = sync_config(case)
+    me = join(config, case_hf_config(case))
+    if me.rank == 1:
+        me.engine = _DiesMidSync(me.engine, 2)
+    return serve(me, config, num_trainer_stages=1)
+
+
+def test_after_an_engine_rank_died_mid_sync_the_trainer_does_not_wait_timeout_s_for_stop_acknowledgements():
+    """Engine rank 1 dies mid-sync; the trainer's sync fails naming the broken group, and leaving the
+    `with` block ("stop" to the engines) takes ACK_AFTER_BREAK_S at most instead of timeout_s: the
+    survivor acknowledges at once (it leaves on version 1 with exit 0), the dead rank says nothing."""
+    from megatron_sync.sync import ACK_AFTER_BREAK_S
+    from tests.support.jobs import run_pair
+
+    timeout_s = 60.0
+    case = {"spec": {"family": "qwen3"}, "engines": 2, "engine_tp": 1, "timeout_s": timeout_s}
+    trainer, engines = run_pair(case, timeout=240, trainer=_trainer_timing_its_close,
+                                engine=_engines_one_dying_at_version_2, outcomes=True)
+    (status, result), = trainer.values()
+    assert status == "ok", result
+    assert "weight sync of version 2 failed" in result["failure"] and "PeerFailureError" in result["failure"], \
+        result["failure"]
+    assert result["fail_s"] < timeout_s / 2, result  # the dead rank's sockets closed: the sync failed at once
+    assert result["close_s"] < ACK_AFTER_BREAK_S + MARGIN_S, result  # not timeout_s (60 s)
+    assert engines[1] == ("exited", 17), engines
+    assert engines[0] == ("ok", 0), engines  # the survivor read "stop" and left on its version
+
+
+def test_an_engine_failing_at_start_up_after_the_trainer_died_says_so_at_once(tmp_path):
+    """The trainer hosted its rendezvous and was killed; an inference job then fails while starting (an
+    engine that cannot compute in int8). It reports its own error and exits after waiting REPORT_WAIT_S
+    (30 s) for a trainer to tell, not timeout_s (120 s here)."""
+    from tests.test_lifecycle import TIMEOUT_S, Launched
+
+    model_dir, engine_config = _engine_model(tmp_path)
+    train, _, config = _launch_pair(tmp_path, trainer_config=engine_config, engine_model_dir=model_dir,
+                                    weight_sync={}, serve=False)
+    try:
+        train.when(r"hosting weight-sync session")
+        train.kill()  # the trainer's node is gone
+        serve = Launched(["bash", "launch/serve.sh", "--engine", "reference", "--model-dir", model_dir, "--config",
+                          config, "--weight-sync-dtype", "int8"], env={"PYTHON": sys.executable, "NPROC": "1",
+                                                                       "MASTER_PORT": str(free_port())})
+        started = time.monotonic()
+        serve_code, serve_ended = serve.wait(TIMEOUT_S)
+    finally:
+        train.kill()
+    out = serve.output
+    assert serve_code != 0
+    assert re.search(r"\[inference rank 0\] failed while starting: ValueError: .*int8.* \(not reported: the "
+                     r"trainer's rendezvous at 127\.0\.0\.1:\d+ could not be reached\)", out), out[-4000:]
+    assert "nothing answered for 30s (connection refused" in out, out[-4000:]  # REPORT_WAIT_S, not timeout_s
+    assert serve_ended - started < TIMEOUT_S, serve_ended - started  # start-up and 30 s: not start-up + 120 s
     assert_nothing_left(config)

@@ -43,7 +43,7 @@ from megatron_sync.agreement import agree, describe, failures_of
 from megatron_sync.delta.localcopy import read_slot
 from megatron_sync.delta.reader import DeltaReader, StagedVersion
 from megatron_sync.delta.session import Poller
-from megatron_sync.delta.storedir import published_versions
+from megatron_sync.delta.storedir import failed_versions, published_versions
 from megatron_sync.engines.base import EngineAdapter
 from megatron_sync.errors import SyncAbortedError
 from megatron_sync.metrics import PhaseTimer, SyncMetrics
@@ -135,13 +135,19 @@ class DeltaReceiver(Receiver):
         return None if min(r["held"] for r in replies) >= target else target
 
     def _wait_published(self, wanted: int) -> int:
-        """Return the newest version >= `wanted` that every stage's store holds, waiting up to `timeout_s`."""
+        """Return the newest version >= `wanted` that every stage's store holds, waiting up to `timeout_s`;
+        raise at once when a stage's writer recorded that it could not publish it (a full disk, ...)."""
         poller = Poller(self.timeout_s)
         while True:
             common = set.intersection(*(set(published_versions(store)) for store in self.stores))
             ready = [v for v in common if v >= wanted]
             if ready:
                 return max(ready)
+            failed = [f"{store}: version {v}: {error}" for store in self.stores
+                      for v, error in failed_versions(store).items() if v >= wanted]
+            if failed:
+                raise RuntimeError(f"version {wanted} will not be published: the trainer's writer failed ("
+                                   + "; ".join(failed) + ")")
             if poller.expired():
                 raise TimeoutError(
                     f"version {wanted} was not published in {self.stores} within timeout_s={self.timeout_s:g}s "

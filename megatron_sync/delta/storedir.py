@@ -6,6 +6,7 @@
       .trash-v00000002-...   a version being deleted (renamed out of sight first)
       leases/<reader>.json   what each reader holds and is reading
       requests/<reader>.json a reader that could not reach a version asks for a snapshot
+      failed/v00000008.json  the writer could not publish this version (its error): readers stop waiting
       writer.lock            one writer per root
       gc.lock                taken by garbage collection, and by a reader while it registers a read
 """
@@ -29,6 +30,7 @@ from megatron_sync.delta.manifest import Manifest, parse_version_dirname, read_m
 TMP_PREFIX = ".tmp-"
 LEASES = "leases"
 REQUESTS = "requests"
+FAILED = "failed"
 _SAFE_READER = re.compile(r"[A-Za-z0-9._-]+")
 
 
@@ -205,6 +207,34 @@ def clear_snapshot_requests(root: str, requests: list[SnapshotRequest]) -> None:
             os.unlink(os.path.join(root, REQUESTS, request.name))
         except FileNotFoundError:
             pass
+
+
+def mark_failed(root: str, version: int, error: str) -> None:
+    """Record that the writer of `root` could not publish `version` (a small file: it fits where the version
+    did not; raises OSError when even that cannot be written)."""
+    os.makedirs(os.path.join(root, FAILED), exist_ok=True)
+    fsio.write_json_atomic(os.path.join(root, FAILED, f"{version_dirname(version)}.json"),
+                           {"version": version, "error": error[:500], "time": time.time()})
+
+
+def failed_versions(root: str) -> dict[int, str]:
+    """Return {version: the writer's error} of the versions the writer of `root` could not publish."""
+    out = {}
+    for name, obj in _json_files(os.path.join(root, FAILED)):
+        version = parse_version_dirname(name[:-5])
+        if version is not None:
+            out[version] = str(obj.get("error")) if isinstance(obj, dict) else "unreadable failure record"
+    return out
+
+
+def clear_failed(root: str, below: int) -> None:
+    """Remove the failure records of versions below `below` (a later version was published)."""
+    for version in failed_versions(root):
+        if version < below:
+            try:
+                os.unlink(os.path.join(root, FAILED, f"{version_dirname(version)}.json"))
+            except FileNotFoundError:
+                pass
 
 
 def _json_files(folder: str):

@@ -222,6 +222,7 @@ class DeltaWriter:
             try:
                 stats = self._publish(job)
             except BaseException as exc:  # noqa: BLE001 — reported by the next submit/flush/close
+                self._record_failure(job.version, exc)
                 with self._cond:
                     self._error = exc
                     self._free.append(job.buffer)
@@ -251,6 +252,13 @@ class DeltaWriter:
             self.stats.append(stats)
         return stats
 
+    def _record_failure(self, version: int, exc: BaseException) -> None:
+        """Tell the readers that `version` will not be published, so they stop waiting for it."""
+        try:
+            storedir.mark_failed(self.root, version, f"{type(exc).__name__}: {exc}")
+        except (OSError, DeltaError) as e:  # the disk may be too full even for that: readers wait out timeout_s
+            log.warning("delta store %s: could not record that version %d failed (%s)", self.root, version, e)
+
     def _after_publish(self, stats: PublishStats) -> None:
         try:
             if self._on_published is not None:
@@ -259,6 +267,7 @@ class DeltaWriter:
             with self._cond:
                 self._error = exc
         try:
+            storedir.clear_failed(self.root, below=stats.version)
             storedir.collect_garbage(self.root, self.options.retention, self.options.lease_ttl_s, self._cache)
         except OSError as exc:  # the version is published; a failed clean-up must not fail training
             log.warning("delta store %s: garbage collection failed (%s); old versions stay on disk", self.root, exc)

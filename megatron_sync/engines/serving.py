@@ -143,6 +143,7 @@ class GenerationServer:
         self._generating = False
         self._pending: Optional[_Commit] = None
         self._executor: Optional[ThreadPoolExecutor] = None
+        self._receiving: Optional[Future] = None  # the latest background receive
 
     # ---- the weight side (any thread) ----
 
@@ -197,18 +198,33 @@ class GenerationServer:
         thread, so generation goes on meanwhile; return its future."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-receive")
-        return self._executor.submit(fn, *args)
+        self._receiving = self._executor.submit(fn, *args)
+        self._receiving.add_done_callback(self._notify)
+        return self._receiving
+
+    def _notify(self, _future: Any = None) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     def wait_for_commit(self, version: int, timeout: float) -> None:
-        """Block until `version` is staged for the next boundary or already live (TimeoutError after `timeout`)."""
-        def ready() -> bool:
+        """Block until `version` is staged for the next boundary or already live; raise the background
+        receive's error when it ended without it (TimeoutError after `timeout`)."""
+        def committed() -> bool:
             staged = self._pending is not None and self._pending.version == version
             return staged or self.engine.version >= version
+
+        def ready() -> bool:
+            return committed() or (self._receiving is not None and self._receiving.done())
 
         with self._cond:
             if not self._cond.wait_for(ready, timeout=timeout):
                 raise TimeoutError(f"[engine rank {self._rank}] version {version} was not committed "
                                    f"within {timeout:g}s (live version {self.engine.version})")
+            if committed():
+                return
+        self._receiving.result()  # raises the receive's error
+        raise RuntimeError(f"[engine rank {self._rank}] version {version} was not committed: its sync was "
+                           f"aborted on every rank (live version {self.engine.version})")
 
     def close(self) -> None:
         """Wait for a running receive to finish and stop the background thread."""

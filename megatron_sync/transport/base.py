@@ -144,6 +144,11 @@ class Transport(abc.ABC):
         """Return (and reset) seconds this transport spent per phase outside the caller's timers."""
         return {}
 
+    def stop_transfers(self) -> None:
+        """End this endpoint's part in any transfer now, so that peers waiting on it fail at once instead of
+        after `timeout_s`; the control channel stays usable (a trainer that stops calls it after posting
+        "stop", before it waits for the engines to acknowledge). Default: nothing in flight to end."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release the group and buffers; safe to call twice and after a failure."""

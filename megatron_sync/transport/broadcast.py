@@ -131,6 +131,9 @@ class BroadcastTransport(BucketTransport):
     def all_gather_json(self, obj: Any) -> list[Any]:
         return self.group.all_gather_json(obj)
 
+    def stop_transfers(self) -> None:
+        self.group.close_backend()
+
     def close(self) -> None:
         self._device_send.clear()
         self.group.close()

@@ -17,6 +17,7 @@ import torch
 
 from megatron_sync.agreement import describe
 from megatron_sync.errors import SyncAbortedError
+from megatron_sync.lifecycle import uninterrupted
 from megatron_sync.metrics import PhaseTimer, SyncMetrics
 
 if TYPE_CHECKING:
@@ -38,10 +39,14 @@ def transport_agree(transport: "Transport") -> Agree:
 
 
 def sender_rounds(transport: "Transport", version: int, error: Optional[str]) -> None:
-    """Take a sender's part in both rounds: `error` (None: all sent) in round 1, ok in round 2."""
+    """Take a sender's part in both rounds: `error` (None: all sent) in round 1, ok in round 2.
+
+    A stop signal (SIGTERM) arriving meanwhile is raised once both rounds are done: a sender that left
+    between them would leave the engines unable to tell whether the version went live everywhere."""
     agree = transport_agree(transport)
-    for status in (error, None):
-        agree(version, status)
+    with uninterrupted():
+        for status in (error, None):
+            agree(version, status)
 
 
 class AgreedCommit:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import enum
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Protocol
 
@@ -31,7 +32,8 @@ class Report(str, enum.Enum):
     """What an inference rank reports back to the leader."""
 
     METRICS = "metrics"  # SyncMetrics JSON of one committed version
-    STOPPED = "stopped"  # the rank read "stop"; payload: the version it holds
+    STOPPED = "stopped"  # the rank read "stop" (payload: the version it holds), or left on its own
+    # (payload: b"left: " and why), so the leader closing the session does not wait for it
 
 
 @dataclass(frozen=True)
@@ -70,12 +72,14 @@ class ControlChannel(abc.ABC):
     @abc.abstractmethod
     def collect(self, kind: Report, version: int, ranks: Iterable[int],
                 timeout_s: Optional[float] = None) -> dict[int, bytes]:
-        """Return {rank: payload} of every listed rank's report (leader), waiting up to `timeout_s`."""
+        """Return {rank: payload} of every listed rank's report (leader), waiting up to `timeout_s` in all."""
 
 
 class Board(Protocol):
     """Where a `StoreControlChannel` posts and fetches: a rendezvous store's `StoreBoard`, or the
     disk-delta transport's `DirectoryBoard` (files in the shared directory)."""
+
+    timeout_s: float
 
     def post(self, key: str, value: bytes) -> None: ...
 
@@ -104,4 +108,6 @@ class StoreControlChannel(ControlChannel):
 
     def collect(self, kind: Report, version: int, ranks: Iterable[int],
                 timeout_s: Optional[float] = None) -> dict[int, bytes]:
-        return {r: self._group.fetch(f"report/{kind.value}/{version}/{r}", timeout_s=timeout_s) for r in ranks}
+        deadline = time.monotonic() + (self._group.timeout_s if timeout_s is None else timeout_s)
+        return {r: self._group.fetch(f"report/{kind.value}/{version}/{r}", timeout_s=max(deadline - time.monotonic(), 0))
+                for r in ranks}

@@ -110,7 +110,7 @@ class TransportGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         try:
-            pending = Pending(self, f"broadcast from rank {src}", self._pg.broadcast([tensor], opts))
+            pending = Pending(self, f"broadcast from rank {src}", self._backend().broadcast([tensor], opts))
         except RuntimeError as e:
             raise self._fail(f"broadcast from rank {src}", e) from e
         if not async_op:
@@ -120,14 +120,14 @@ class TransportGroup:
     def send(self, tensor: torch.Tensor, dst: int, *, tag: int = 0) -> "Pending":
         """Start sending `tensor` to group rank `dst`; return the in-flight handle (bounded `wait`)."""
         try:
-            return Pending(self, f"send to rank {dst}", self._pg.send([tensor], dst, tag))
+            return Pending(self, f"send to rank {dst}", self._backend().send([tensor], dst, tag))
         except RuntimeError as e:
             raise self._fail(f"send to rank {dst}", e) from e
 
     def recv(self, tensor: torch.Tensor, src: int, *, tag: int = 0) -> "Pending":
         """Start receiving into `tensor` from group rank `src`; return the in-flight handle (bounded `wait`)."""
         try:
-            return Pending(self, f"receive from rank {src}", self._pg.recv([tensor], src, tag))
+            return Pending(self, f"receive from rank {src}", self._backend().recv([tensor], src, tag))
         except RuntimeError as e:
             raise self._fail(f"receive from rank {src}", e) from e
 
@@ -135,7 +135,7 @@ class TransportGroup:
         """Return every rank's `mine` (same shape on every rank), indexed by rank."""
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
         try:
-            work = self._pg.allgather([out], [mine])
+            work = self._backend().allgather([out], [mine])
         except RuntimeError as e:
             raise self._fail("all_gather", e) from e
         Pending(self, "all_gather", work).wait()
@@ -167,14 +167,25 @@ class TransportGroup:
         self.broadcast(data, src)
         return json.loads(data.cpu().numpy().tobytes())
 
-    def close(self) -> None:
-        """Shut the group down; safe to call twice and after a peer failure."""
+    def _backend(self) -> Any:
+        if self._pg is None:  # raised as a peer failure, like any collective that cannot complete
+            raise RuntimeError("the group was shut down: this rank is stopping")
+        return self._pg
+
+    def close_backend(self) -> None:
+        """Shut the process group down (its peers' pending operations fail within about a second); the
+        board stays usable. Safe to call twice."""
         if self._pg is not None:
             try:
                 self._pg.shutdown()
             except RuntimeError:
                 pass  # a failed group may refuse a clean shutdown; the sockets go with it
             self._pg = None
+
+    def close(self) -> None:
+        """Shut the group down; safe to call twice and after a peer failure."""
+        self.close_backend()
+        if self._store is not None:
             self._store = None
             self.board.close()
         if self._owned_session is not None:

@@ -171,6 +171,9 @@ class P2PTransport(Transport):
 
         return P2PReceiver(self, engine, config, commit)
 
+    def stop_transfers(self) -> None:
+        self.group.close_backend()  # the torch mover's sends and receives; Mooncake receivers wait on reports
+
     def close(self) -> None:
         if self.mover is not None:
             self.mover.close()

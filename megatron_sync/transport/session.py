@@ -41,6 +41,7 @@ log = logging.getLogger("megatron_sync")
 
 PROBE_S = 10.0  # how long a connected port may stay silent before it counts as "held by something else"
 DIAGNOSE_S = 2.0  # how long `host_state` waits for the host to answer (a live store answers in milliseconds)
+REPORT_WAIT_S = 30.0  # how long a rank that failed while starting waits for the host to listen, to tell it
 POLL_S = 0.05
 _STORE_ERRORS = (RuntimeError, dist.DistStoreError, dist.DistNetworkError)
 
@@ -213,18 +214,23 @@ class SyncSession:
         except (RendezvousError, *_STORE_ERRORS):
             log.warning("could not post this rank's failure to the session at %s", self.where)
 
-    def host_state(self, probe_s: float = DIAGNOSE_S) -> str:
-        """Return a sentence on the host (the trainer's first stage) as seen from here now, for an error
-        raised after a peer fell silent: stopped or hung, gone, or alive. Takes at most `probe_s`."""
+    def host_state(self, probe_s: float = DIAGNOSE_S) -> tuple[bool, str]:
+        """Return (whether the host answers, a sentence on it) as seen from here now, for an error raised
+        after a peer fell silent: the host (the trainer's first stage) is stopped or hung, gone, or alive.
+        Takes at most `probe_s`; a host that does not answer counts as silent for this rank's later calls."""
         where = f"its rendezvous at {self.where}"
         if self.store is not None and self.store.silent:
-            return f"{where} accepts connections but does not answer: the trainer is stopped (e.g. SIGSTOP) or hung"
-        problem = _probe(self.address, self.port, min(probe_s, self.timeout_s))
-        return {None: f"{where} answers: the trainer's first stage is alive, so a rank of the sync is silent or gone",
-                "refused": f"{where} refuses connections: the trainer exited or was killed",
-                "silent": f"{where} accepts connections but does not answer within {min(probe_s, self.timeout_s):g}s: "
-                          "the trainer is stopped (e.g. SIGSTOP) or hung",
-                }.get(problem, f"{where} cannot be reached ({problem})")
+            return False, f"{where} accepts connections but does not answer: the trainer is stopped (e.g. SIGSTOP) or hung"
+        probed, probe_s = time.monotonic(), min(probe_s, self.timeout_s)
+        problem = _probe(self.address, self.port, probe_s)
+        if problem == "silent" and self.store is not None:
+            self.store.found_silent(probed)  # later calls (a rank saying it leaves) fail at once
+        return problem is None, {
+            None: f"{where} answers: the trainer's first stage is alive, so a rank of the sync is silent or gone",
+            "refused": f"{where} refuses connections: the trainer exited or was killed",
+            "silent": f"{where} accepts connections but does not answer within {probe_s:g}s: the trainer is "
+                      "stopped (e.g. SIGSTOP) or hung",
+        }.get(problem, f"{where} cannot be reached ({problem})")
 
     def close(self, linger_s: float = 5.0) -> None:
         """Stop answering and release the store. A host whose session failed before it was ready stays (up
@@ -256,10 +262,14 @@ class SyncSession:
 
 
 def report_failure(address: str, port: int, identity: Identity, reason: str, *, timeout_s: float) -> bool:
-    """Post that `identity` failed while starting (before it could join); return True if the host got it."""
+    """Post that `identity` failed while starting (before it could join); return True if the host got it.
+
+    Waits at most `REPORT_WAIT_S` (not `timeout_s`) for a host to listen: a trainer launched alongside
+    is told, one that died (or starts much later) is not waited for; the failing rank reports its error
+    itself either way."""
     store = None
     try:
-        store = connect(address, port, timeout_s=timeout_s)
+        store = connect(address, port, timeout_s=timeout_s, wait_s=min(REPORT_WAIT_S, timeout_s))
         _present(store, _failed(identity, reason), f"{address}:{port}", timeout_s)
         return True
     except RendezvousError as e:
@@ -270,22 +280,25 @@ def report_failure(address: str, port: int, identity: Identity, reason: str, *, 
             store.close()
 
 
-def connect(address: str, port: int, *, timeout_s: float, probe_s: float = PROBE_S) -> BoundedStore:
-    """Return a (bounded) client of the rendezvous store at address:port, waiting up to `timeout_s` for its host.
+def connect(address: str, port: int, *, timeout_s: float, probe_s: float = PROBE_S,
+            wait_s: Optional[float] = None) -> BoundedStore:
+    """Return a (bounded) client of the rendezvous store at address:port, waiting up to `wait_s` (default
+    `timeout_s`) for its host to listen.
 
     Raises RendezvousError naming what is wrong: nothing listens there (the
     trainer did not start, or a wrong address), the port is held by a program
     that never answers, or it answers but is not a megatron-sync rendezvous.
     """
     where = f"{address}:{port}"
-    deadline = time.monotonic() + timeout_s
+    wait_s = timeout_s if wait_s is None else wait_s
+    deadline = time.monotonic() + wait_s
     while True:
         problem = _probe(address, port, min(probe_s, timeout_s))
         if problem is None:
             break
-        if problem != "refused" or time.monotonic() > deadline:
+        if problem != "refused" or time.monotonic() >= deadline:
             words = _PROBLEMS.get(problem, "{problem}").format(problem=problem, probe=min(probe_s, timeout_s),
-                                                                timeout=timeout_s)
+                                                                timeout=wait_s)
             raise RendezvousError(f"the rendezvous at {where}: {words}")
         time.sleep(0.2)
     try:

@@ -12,7 +12,8 @@ asks for less. A call that outlives the full `timeout_s` makes the host
 *silent*: the call raises `StoreSilentError`, and so does every later call, at
 once, so no exit path waits for that host a second time. A shorter bound the
 caller chose (never under `MIN_BOUND_S`: a live host answers in milliseconds)
-only raises: the host may just be slow for a moment.
+only raises: the host may just be slow for a moment. Silence is counted from
+when the stuck call began, so calls queued behind it share its `timeout_s`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from megatron_sync.errors import StoreSilentError
 
 MIN_BOUND_S = 2.0
 """The least time a call is given, whatever the caller's remaining time (within `timeout_s`)."""
+POLL_S = 0.05  # how often a waiting caller looks at how long the helper has been in its call
 
 
 class BoundedStore:
@@ -36,7 +38,8 @@ class BoundedStore:
         self._requests: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
-        self.silent_since: Optional[float] = None  # time.monotonic() when a call outlived timeout_s
+        self.silent_since: Optional[float] = None  # time.monotonic() when the call that outlived timeout_s began
+        self._busy_since: Optional[float] = None  # when the helper began the call it runs now (None: idle)
 
     def set(self, key: str, value: bytes, *, bound: Optional[float] = None) -> None:
         self._call(f"set {key!r}", self.raw.set, key, value, bound=bound)
@@ -58,20 +61,30 @@ class BoundedStore:
         """True once a call outlived `timeout_s`: the host is stopped or hung."""
         return self.silent_since is not None
 
+    def found_silent(self, since: float) -> None:
+        """Other evidence (a fresh connection that got no answer) says the host is silent since `since`."""
+        with self._lock:
+            self.silent_since = self.silent_since or since
+
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, bound: Optional[float]) -> Any:
         if self.silent_since is not None:
-            raise self._silent_error(what, time.monotonic() - self.silent_since + self.timeout_s)
+            raise self._silent_error(what, time.monotonic() - self.silent_since)
         limit = self.timeout_s if bound is None else min(max(bound, MIN_BOUND_S), self.timeout_s)
         box: dict[str, Any] = {}
         done = threading.Event()
         self._start()
+        start = time.monotonic()
         self._requests.put((fn, args, box, done))
-        if not done.wait(limit):
-            if limit < self.timeout_s:
+        # The host is silent once one call has gone unanswered for timeout_s (counted from when the helper
+        # started it, so a call queued behind one already stuck does not wait a second timeout_s).
+        while not done.wait(POLL_S):
+            now, busy_since = time.monotonic(), self._busy_since
+            if busy_since is not None and now - busy_since >= self.timeout_s:
+                with self._lock:
+                    self.silent_since = self.silent_since or busy_since
+                raise self._silent_error(what, now - busy_since)
+            if now - start >= limit:
                 raise StoreSilentError(f"the store at {self.where} did not answer ({what}) within {limit:.3g}s")
-            with self._lock:
-                self.silent_since = self.silent_since or time.monotonic() - limit
-            raise self._silent_error(what, limit)
         if "error" in box:
             raise box["error"]
         return box.get("value")
@@ -94,10 +107,12 @@ class BoundedStore:
             if request is None:
                 return
             fn, args, box, done = request
+            self._busy_since = time.monotonic()
             try:
                 box["value"] = fn(*args)
             except BaseException as e:  # noqa: BLE001 — handed to the caller
                 box["error"] = e
+            self._busy_since = None
             done.set()
 
     def close(self) -> None:
