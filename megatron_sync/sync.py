@@ -40,9 +40,10 @@ from megatron_sync.transport.session import DIAGNOSE_S, SyncSession, new_session
 log = logging.getLogger("megatron_sync")
 MiB = 2**20
 IDLE_TIMEOUT_S = 24 * 3600.0  # how long an engine waits for the trainer's next message
-ACK_AFTER_BREAK_S = 5.0
-"""After a sync that failed without an agreed abort, how long the leader waits for the engines' stop
-acknowledgements (they notice the ended transfer within about a second)."""
+ACK_AFTER_BREAK_S = 15.0
+"""When a sync was ended (or failed without an agreed abort), how long the leader waits for the engines'
+stop acknowledgements at most (they notice the ended transfer within about a second; a dead one never
+answers, so this replaces timeout_s; generous for a loaded machine)."""
 
 
 def load_hf_config(config: WeightSyncConfig, hf_config: Any = None) -> Any:

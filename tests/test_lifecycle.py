@@ -231,17 +231,24 @@ def _launch_pair(tmp_path, *, trainer_config: dict, engine_model_dir: str, weigh
     return train, serve, str(config)
 
 
-def _failed_pair(train: Launched, serve: Launched) -> tuple[int, int, float]:
-    """Wait for both jobs; return their exit codes and the seconds from the trainer hosting its session
-    until it exited."""
+def _pair_ends(train: Launched, serve: Launched, since: Launched, pattern: str) -> tuple[int, int, float, float]:
+    """Wait for both jobs; return their exit codes and the seconds from `since` printing a line matching
+    `pattern` until each exited."""
     try:
-        hosted = train.when(r"hosting weight-sync session")
+        seen = since.when(pattern)
         train_code, train_ended = train.wait(120)
-        serve_code, _ = serve.wait(60)
+        serve_code, serve_ended = serve.wait(60)
     finally:
         train.kill()
         serve.kill()
-    return train_code, serve_code, train_ended - hosted
+    return train_code, serve_code, train_ended - seen, serve_ended - seen
+
+
+def _failed_pair(train: Launched, serve: Launched) -> tuple[int, int, float]:
+    """Wait for both jobs; return their exit codes and the seconds from the trainer hosting its session
+    until it exited."""
+    train_code, serve_code, seconds, _ = _pair_ends(train, serve, train, r"hosting weight-sync session")
+    return train_code, serve_code, seconds
 
 
 def _engine_model(tmp_path) -> tuple[str, dict]:

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests.support.dist import free_port
-from tests.test_lifecycle import (_assert_engines_hold, _demo, _demo_job, _engine_model, _launch_pair,
+from tests.test_lifecycle import (_assert_engines_hold, _demo, _demo_job, _engine_model, _launch_pair, _pair_ends,
                                   assert_nothing_left)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
@@ -73,14 +73,9 @@ def test_a_megatron_model_that_differs_from_its_hf_config_is_refused_before_the_
     model_dir, engine_config = _engine_model(tmp_path)
     train, serve, config = _launch_pair(tmp_path, trainer_config=engine_config, engine_model_dir=model_dir,
                                         weight_sync={}, trainer_args=("--rotary-base", "1e6"))
-    try:
-        told = serve.when(r"\[inference rank 0\] could not join the trainer: .* refused this rank: session "
-                          r"'[\w.-]+' has failed: the trainer failed while starting: ")
-        train_code, train_ended = train.wait(120)
-        serve_code, _ = serve.wait(60)
-    finally:
-        train.kill()
-        serve.kill()
+    train_code, serve_code, train_after, _ = _pair_ends(
+        train, serve, serve, r"\[inference rank 0\] could not join the trainer: .* refused this rank: session "
+                             r"'[\w.-]+' has failed: the trainer failed while starting: ")
     words = ("rotary base: the Megatron model has rotary_base=1000000.0, the HF config "
              "rope_parameters.rope_theta=10000.0 (set rotary_base (--rotary-base) to match, or send under the HF "
              "config of the model being trained: weight_sync.hf_config_path)")
@@ -91,7 +86,7 @@ def test_a_megatron_model_that_differs_from_its_hf_config_is_refused_before_the_
     assert "the engine stays on version 0" in serve.output
     assert "synced version" not in train.output
     # the trainer kept its rendezvous open until the engine, still starting when it failed, was told; then left
-    assert train_ended - told < MARGIN_S, train_ended - told
+    assert train_after < MARGIN_S, train_after
     assert_nothing_left(config)
 
 
@@ -103,13 +98,8 @@ def test_a_setting_only_its_transport_uses_is_compared_at_the_rendezvous(tmp_pat
     train, serve, config = _launch_pair(tmp_path, trainer_config=engine_config, engine_model_dir=model_dir,
                                         weight_sync={"transport": "p2p", "timeout_s": FAULT_TIMEOUT_S},
                                         engine_args=("--weight-sync-p2p-backend", "mooncake"))
-    try:
-        refused = serve.when(r"\[inference rank 0\] could not join the trainer: ")
-        train_code, train_ended = train.wait(120)
-        serve_code, serve_ended = serve.wait(60)
-    finally:
-        train.kill()
-        serve.kill()
+    train_code, serve_code, train_after, serve_after = _pair_ends(
+        train, serve, serve, r"\[inference rank 0\] could not join the trainer: ")
     words = ("trainer moves P2P bytes with 'torch', this inference job with 'mooncake' (set weight_sync.p2p_backend "
              "alike on both jobs)")
     assert train_code != 0 and re.search(r"RendezvousError: \[session [\w.-]+\] inference rank 0 of job "
@@ -118,7 +108,7 @@ def test_a_setting_only_its_transport_uses_is_compared_at_the_rendezvous(tmp_pat
     assert serve_code == 1 and "refused this rank" in serve.output and words in serve.output, serve.output[-4000:]
     assert "the engine stays on version 0" in serve.output
     assert "synced version" not in train.output
-    assert max(train_ended, serve_ended) - refused < MARGIN_S, (train_ended - refused, serve_ended - refused)
+    assert max(train_after, serve_after) < MARGIN_S, (train_after, serve_after)
     assert_nothing_left(config)
 
 
