@@ -13,13 +13,13 @@ quantizes: every weight it selects (`converters.quant`, among the rows marked
 `weight_shape`), computed from the whole converted tensor. Every method that
 names checkpoint tensors (`expected_hf_tensors`, `expected_metas`,
 `convert_meta`, `check_complete`, `keep_together`, `shard_role`) then speaks
-those names; `slice_hf_tensor` slices a weight and its scales consistently.
+those names; `tensor_specs` says how engines cut a weight and its scales alike.
 """
 
 from __future__ import annotations
 
 import ast
-import enum
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -35,6 +35,7 @@ from converters.layout import REARRANGING_TRANSFORMS, rename
 from converters.patterns import Pattern, compile_pattern
 from converters.quant import DEFAULT_UNQUANTIZED, QuantPlan, output_groups
 from converters.quant.plan import output_weight
+from megatron_sync.layout.regions import Shard, TensorSpec, weight_region
 from megatron_sync.meta import TensorMeta
 
 Transform = Callable[[torch.Tensor, HFConfig], tuple[torch.Tensor, ...]]
@@ -72,26 +73,6 @@ class Rule:
     @property
     def hf_patterns(self) -> tuple[Pattern, ...]:
         return tuple(compile_pattern(h) for h in self.hf)
-
-
-class Shard(enum.Enum):
-    """How inference engines split one HF tensor over their tensor-parallel ranks (its role).
-
-    Each engine maps a role to its own slicing: the reference engine replicates
-    VOCAB tensors, vLLM splits them; routed experts (`{expert}` rows) may also
-    be split over an engine's expert parallelism.
-    """
-
-    REPLICATED = "replicated"  # every rank holds the whole tensor (norms, routers, low-rank MLA downs)
-    COLUMN = "column"  # dim 0 in contiguous equal chunks (q, MLA up-projections, gate/up)
-    ROW = "row"  # dim 1 in contiguous equal chunks; partial outputs are summed (o_proj, down)
-    KV_HEADS = "kv_heads"  # dim 0 by key/value heads, a head replicated on tp/kv ranks when tp > kv
-    VOCAB = "vocab"  # dim 0 rows of the vocabulary (embeddings, lm_head)
-
-    @property
-    def dim(self) -> int | None:
-        """The tensor dimension this role splits (None when replicated)."""
-        return {Shard.REPLICATED: None, Shard.ROW: 1}.get(self, 0)
 
 
 @dataclass(frozen=True)
@@ -195,6 +176,7 @@ class Converter:
         self._rule_of: dict[str, tuple[Rule, dict[str, int]]] = {}
         self._expected = self._expected_layout()
         self.quant, self._stored = self._quantized_layout()
+        self._specs = {spec.name: spec for spec in self.tensor_specs()}
 
     # -- the HF side, from the config alone -------------------------------------------------
 
@@ -271,18 +253,25 @@ class Converter:
                 f"{self._why_unexpected(hf_name)}"
             ) from None
 
+    def tensor_specs(self) -> list[TensorSpec]:
+        """Return every HF checkpoint tensor, in `expected_metas` order, with how engines shard it: its
+        weight's role, and for a quantized weight's part how a slice of the weight maps onto it."""
+        specs = []
+        for name, (shape, dtype, row) in self._expected.items():
+            expert = compile_pattern(row.name).match(name).get("expert")
+            specs.extend(dataclasses.replace(spec, expert=expert)
+                         for spec in self.quant.specs(name, shape, dtype, row.shard))
+        return specs
+
     def slice_hf_tensor(self, hf_name: str, tensor: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
         """Return the part of checkpoint tensor `hf_name` that holds rows (dim 0) or cols (dim 1)
-        [start, stop) of its HF weight (a view where possible).
-
-        A plain tensor is narrowed. A quantized weight's values and scales give the blocks or groups
-        covering that range (a per-tensor scale whole, INT4's `weight_shape` the slice's own), so an
-        engine cuts a weight and its scales alike; an edge inside a block or group raises ValueError
-        naming the setting.
-        """
-        self.shard_role(hf_name)  # raises for a name outside the layout
-        weight_shape = self._expected[self.weight_of(hf_name)][0]
-        return self.quant.slice_output(hf_name, tensor, weight_shape, dim, start, stop)
+        [start, stop) of its HF weight (a view): a plain tensor narrowed, a quantized weight's values and
+        scales at the blocks or groups covering that range (`weight_region`), so a weight and its scales
+        are cut alike; an edge inside a block or group raises ValueError."""
+        spec = self._specs.get(hf_name)
+        if spec is None:
+            self.shard_role(hf_name)  # raises naming what is wrong with the name
+        return weight_region(spec, dim, start, stop - start).of(tensor.contiguous())
 
     @property
     def keep_together(self) -> tuple[tuple[str, ...], ...]:
