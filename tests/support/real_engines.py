@@ -33,16 +33,22 @@ SERVER_START_S = 300  # a vLLM server on an idle 2-core machine is ready in ~30 
 # 64 or 128, so Megatron's and vLLM's vocabulary padding are both exercised.
 QWEN3 = ModelSpec("qwen3", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                   ffn_hidden_size=128, vocab_size=250, max_position_embeddings=1024)
+# Tied input/output embeddings, as the small RL policies have them (vLLM never loads a tied lm_head).
 QWEN3_MOE = ModelSpec("qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                       ffn_hidden_size=128, vocab_size=250, max_position_embeddings=1024,
-                      num_experts=4, moe_topk=2, moe_ffn_hidden_size=32)
+                      num_experts=4, moe_topk=2, moe_ffn_hidden_size=32, tie_word_embeddings=True)
+# Qwen2 with qkv bias, tied embeddings and one key/value head (replicated on both of vLLM's TP ranks).
+QWEN2_TIED = ModelSpec("qwen2", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+                       ffn_hidden_size=128, vocab_size=250, max_position_embeddings=1024, tie_word_embeddings=True)
 
 
 # ---------------------------------------------------------------- model directories
 
 
-def tiny_hf_config(spec: ModelSpec):
-    """Return the transformers config of `spec` with in-vocabulary special tokens, in float32.
+def tiny_hf_config(spec: ModelSpec, *, dtype: torch.dtype = torch.float32,
+                   quantization_config: Optional[dict] = None):
+    """Return the transformers config of `spec` with in-vocabulary special tokens, in `dtype` (and quantized
+    as `quantization_config` says).
 
     It names the causal-LM architecture: without `architectures`, vLLM resolves
     the bare model class and serves it as an embedding model (no /v1/completions).
@@ -52,27 +58,32 @@ def tiny_hf_config(spec: ModelSpec):
     config = hf_config(spec)
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     config.bos_token_id, config.eos_token_id, config.pad_token_id = 0, 1, 2
-    config.dtype = torch.float32
+    config.dtype = dtype
+    if quantization_config is not None:
+        config.quantization_config = quantization_config
     return config
 
 
-def hf_checkpoint(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
-    """Return the HF checkpoint tensors of `reference_weights(spec, seed)`, converted by the family's rules."""
+def hf_checkpoint(spec: ModelSpec, seed: int, **config: Any) -> dict[str, torch.Tensor]:
+    """Return the HF checkpoint tensors of `reference_weights(spec, seed)`, converted by the family's rules
+    (`config`: `tiny_hf_config`'s dtype and quantization_config)."""
     from converters import get_converter
 
-    converter = get_converter(spec.family, tiny_hf_config(spec), dtype=torch.float32)
+    hf = tiny_hf_config(spec, **config)
+    converter = get_converter(spec.family, hf, dtype=hf.dtype)
     return {name: t for meg_name, full in reference_weights(spec, seed).items()
             for name, t in converter.convert(meg_name, full)}
 
 
-def write_model_dir(path: str, spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
+def write_model_dir(path: str, spec: ModelSpec, seed: int = 0, **config: Any) -> dict[str, torch.Tensor]:
     """Write an HF model directory holding the trainer's reference weights of `seed`; return its tensors."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    tensors = hf_checkpoint(spec, seed)
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    tiny_hf_config(spec).save_pretrained(path)
+    tensors = hf_checkpoint(spec, seed, **config)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    tiny_hf_config(spec, **config).save_pretrained(path)
     _write_tokenizer(path, spec.vocab_size)
     return tensors
 
@@ -113,7 +124,8 @@ def plugin_path(folder: str) -> str:
 class VLLMServer:
     """A vLLM server subprocess started by launch/serve_vllm.sh; `stop()` kills its whole process group."""
 
-    def __init__(self, model_dir: str, *args: str, log_path: str, env: Optional[dict[str, str]] = None) -> None:
+    def __init__(self, model_dir: str, *args: str, log_path: str, env: Optional[dict[str, str]] = None,
+                 dtype: str = "float32") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -121,7 +133,7 @@ class VLLMServer:
         full_env = {**os.environ, "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1",
                     "PYTHONPATH": os.pathsep.join([ROOT, shim]), **(env or {})}
         command = [os.path.join(ROOT, "launch", "serve_vllm.sh"), model_dir, "--port", str(self.port),
-                   "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
+                   "--host", "127.0.0.1", "--dtype", dtype, "--enforce-eager", "--max-model-len", "1024",
                    "--max-num-seqs", "8", *args]
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(command, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -297,6 +309,22 @@ class HFReference:
         return None
 
 
+class DequantizedReference(HFReference):
+    """The reference engine (transformers at TP=1) holding the sent quantized tensors, dequantized in `dtype`:
+    the greedy reference for a quantized payload. Near-ties are wider in bf16."""
+
+    NEAR_TIE = 5e-2
+
+    def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype,
+                 quantization_config: dict) -> None:
+        from megatron_sync.engines.reference import ReferenceEngine
+
+        config = tiny_hf_config(spec, dtype=dtype, quantization_config=quantization_config)
+        engine = ReferenceEngine(config, tp_rank=0, tp_size=1, dtype=dtype)
+        engine.load_shards(engine.rank_layout().params_from(tensors), 1)
+        self.model = engine.model
+
+
 # ---------------------------------------------------------------- a Megatron trainer, one step at a time
 
 
@@ -404,8 +432,7 @@ def _trainer_main(conn, spec: ModelSpec, port: int) -> None:
             elif command == "sync":
                 result = sync.sync().version
             elif command == "sent":
-                replica = sync.sender.replica
-                result = {e.name: replica.view(e.name).clone() for b in replica.buckets for e in b.entries}
+                result = {name: t.clone() for name, t in sync.sender.sent_tensors().items()}
             elif command == "disconnect":
                 sync, closing = None, sync
                 if closing is not None:
@@ -425,9 +452,9 @@ def _trainer_main(conn, spec: ModelSpec, port: int) -> None:
 
 
 def engine_problems(url: str, spec: ModelSpec, sent: dict[str, torch.Tensor], prompts: list[list[int]],
-                    max_tokens: int = 8) -> list[str]:
+                    max_tokens: int = 8, reference: Optional[HFReference] = None) -> list[str]:
     """Return how the server's greedy completions of `prompts` differ from transformers' on `sent` (none: [])."""
-    reference = HFReference(spec, sent)
+    reference = reference or HFReference(spec, sent)
     problems = []
     for prompt in prompts:
         problem = reference.check(greedy_completion(url, prompt, max_tokens), prompt)
@@ -435,3 +462,60 @@ def engine_problems(url: str, spec: ModelSpec, sent: dict[str, torch.Tensor], pr
             shown = prompt if len(prompt) <= 8 else f"{len(prompt)}-token prompt"
             problems.append(f"prompt {shown}: {problem}")
     return problems
+
+
+# ---------------------------------------------------------------- a Megatron job syncing to a live server
+
+
+def megatron_job_syncs(rank: int, world: int, spec: ModelSpec, parallel: dict, url: str, values: dict,
+                       prompts: list[list[int]], versions: int = 3, quantization_config: Optional[dict] = None
+                       ) -> list[dict]:
+    """One rank of a Megatron job (`parallel`: init_megatron's tp/pp/ep) of tiny `spec` that trains and syncs
+    `versions` versions to the vLLM server at `url` (settings `values`). Rank 0 returns, per version, how the
+    server's greedy tokens differ from transformers' on the sent tensors (gathered from every rank; with a
+    `quantization_config`, dequantized by the reference engine in the settings' dtype), its tokens and
+    reported version, and every inference rank's metrics."""
+    import torch.distributed as dist
+
+    from megatron_sync.config import WeightSyncConfig
+    from megatron_sync.parallel import ParallelLayout
+    from megatron_sync.sync import TrainerWeightSync
+    from tests.support import models
+    from tests.support.dist import init_megatron
+    from tests.support.train import make_optimizer, train_step, wrap_in_ddp
+
+    init_megatron(seed=1234, **parallel)
+    chunks = models.build_model_chunks(spec)
+    models.load_reference_weights(chunks, models.reference_weights(spec, seed=1234), spec)
+    layout = ParallelLayout.from_megatron()
+    model = wrap_in_ddp(chunks)
+    optimizer = make_optimizer(model, lr=2e-2)
+    config = WeightSyncConfig.from_dict(values)
+    dtype = getattr(torch, config.dtype)
+    hf = tiny_hf_config(spec, dtype=dtype, quantization_config=quantization_config)
+    sync = TrainerWeightSync(config, model, layout=layout, hf_config=hf)
+    reports = []
+    try:
+        for step in range(versions):
+            if step:
+                tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
+                train_step(model, optimizer, tokens, layout)
+            started = time.perf_counter()
+            sync.sync()
+            seconds = time.perf_counter() - started
+            everyone: list = [None] * world
+            dist.all_gather_object(everyone, {n: t.clone() for n, t in (sync.sender.sent_tensors() or {}).items()})
+            sent = {name: t for part in everyone for name, t in part.items()}
+            if rank == 0:
+                reference = None if quantization_config is None else DequantizedReference(
+                    spec, sent, dtype=dtype, quantization_config=quantization_config)
+                reports.append({
+                    "version": sync.version, "sync_s": seconds,
+                    "problems": engine_problems(url, spec, sent, prompts, reference=reference),
+                    "tokens": greedy_completion(url, prompts[0], 8), "reported": weight_version(url),
+                    "spans": [(s["version"], s["start"], s["end"]) for s in generate(url, prompts[0], 2)["weight_versions"]],
+                    "receivers": [json.loads(m.to_json()) for m in sync.receiver_metrics(sync.version)]})
+            dist.barrier()
+    finally:
+        sync.close()
+    return reports

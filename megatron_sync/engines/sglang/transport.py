@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 
-from megatron_sync.engines.fleet import parse_engine
+from megatron_sync.config import parse_engine
 from megatron_sync.engines.http import BackgroundCall, EngineHTTPError
 from megatron_sync.engines.sglang import requests
 from megatron_sync.engines.sglang.client import call_sglang
