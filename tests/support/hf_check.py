@@ -15,7 +15,34 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["HFLoadReport", "hf_logits_from_checkpoint"]
+__all__ = ["HFLoadReport", "hf_logits_from_checkpoint", "transformers_checkpoint"]
+
+# Checkpoints that transformers keeps stacked over experts where the sync sends one tensor per expert
+# (gpt-oss): per-expert pattern -> stacked pattern. Stacking over `{expert}` is the whole difference.
+_STACKED_EXPERTS = tuple(
+    (f"model.layers.{{layer}}.mlp.experts.{{expert}}.{kind}", f"model.layers.{{layer}}.mlp.experts.{kind}")
+    for kind in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+)
+
+
+def transformers_checkpoint(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Return `tensors` as transformers' checkpoint of the family spells them: per-expert gpt-oss tensors
+    stacked over experts in expert order (every other tensor as it is)."""
+    from converters.patterns import compile_pattern
+
+    out, stacks = {}, {}
+    for name, tensor in tensors.items():
+        for per_expert, stacked in _STACKED_EXPERTS:
+            captures = compile_pattern(per_expert).match(name)
+            if captures is not None:
+                stacks.setdefault(compile_pattern(stacked).format(**captures), {})[captures["expert"]] = tensor
+                break
+        else:
+            out[name] = tensor
+    for name, experts in stacks.items():
+        assert sorted(experts) == list(range(len(experts))), f"{name}: experts {sorted(experts)} are not 0..E-1"
+        out[name] = torch.stack([experts[e] for e in range(len(experts))])
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +68,13 @@ def hf_logits_from_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], confi
     """Return transformers' float32 logits ``[batch, seq, vocab]`` for ``tokens`` with ``tensors`` loaded.
 
     ``tensors`` are ``(hf_name, tensor)`` pairs in checkpoint naming (for example a
-    ``MegatronWeightStream``'s output); ``config`` is the family's ``PretrainedConfig``.
+    ``MegatronWeightStream``'s output; per-expert gpt-oss tensors are stacked, see
+    ``transformers_checkpoint``); ``config`` is the family's ``PretrainedConfig``.
     """
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    state = {name: t.detach().to(torch.float32).contiguous() for name, t in tensors}
+    state = transformers_checkpoint({name: t.detach().to(torch.float32).contiguous() for name, t in tensors})
     with tempfile.TemporaryDirectory(prefix="hf_check_") as tmp:
         save_file(state, f"{tmp}/model.safetensors", metadata={"format": "pt"})
         config.save_pretrained(tmp)
