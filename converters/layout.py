@@ -223,14 +223,14 @@ def rename(tensor, cfg):
     return identity(tensor)
 
 
+def _heads(cfg) -> dict[str, int]:
+    return dict(num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
+                head_dim=cfg["head_dim"])
+
+
 def qkv(tensor, cfg):
     """Fused, interleaved `linear_qkv` weight or bias becomes q, k, v."""
-    return split_qkv(
-        tensor,
-        num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg["num_key_value_heads"],
-        head_dim=cfg["head_dim"],
-    )
+    return split_qkv(tensor, **_heads(cfg))
 
 
 def gate_up(tensor, cfg):
@@ -245,12 +245,7 @@ def vocab(tensor, cfg):
 
 def gated_qkv(tensor, cfg):
     """Fused `linear_qkv` with output gate becomes q_proj (query and gate per head), k, v."""
-    return split_gated_qkv(
-        tensor,
-        num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg["num_key_value_heads"],
-        head_dim=cfg["head_dim"],
-    )
+    return split_gated_qkv(tensor, **_heads(cfg))
 
 
 def gdn_in_proj(tensor, cfg):

@@ -8,7 +8,7 @@ biases need expert TP 1 in megatron-core 0.16.1, so its TP layouts keep ETP=1.
 
 The test loader slices the reference weights with the walk's own view of each split, so this test
 shows gather + convert reproduce the single-rank bytes; that the walk's view is megatron-core's
-(each rank's shard holding its part of every piece) is shown by tests/test_hf_logits_gpt_oss_qwen3_next.py
+(each rank's shard holding its part of every piece) is shown by tests/test_hf_logits.py
 at TP=2, where Megatron computes with those shards (a plain split of in_proj moves its logits by 5).
 """
 

@@ -21,7 +21,7 @@ import pytest
 
 from tests.support.dist import free_port
 from tests.support.real_engines import (
-    GPT_OSS, HFReference, TrainerError, TrainerProcess, VLLMServer, greedy_completion, write_model_dir,
+    GPT_OSS, HFReference, TrainerError, TrainerProcess, greedy_completion, serving,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
@@ -31,14 +31,8 @@ PROMPTS = [[5, 17, 42, 99, 7], [3, 3, 8], list(range(10, 34))]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vllm_gpt_oss")
-    tensors = write_model_dir(str(folder / "model"), GPT_OSS, seed=0)
-    server = VLLMServer(str(folder / "model"), "--no-enable-prefix-caching", log_path=str(folder / "server.log"))
-    try:
-        server.wait_ready()
-        yield server, tensors
-    finally:
-        server.stop()
+    with serving(str(tmp_path_factory.mktemp("vllm_gpt_oss")), GPT_OSS, "--no-enable-prefix-caching") as served:
+        yield served
 
 
 def test_vllm_loads_the_families_checkpoint_with_transformers_greedy_tokens(served):

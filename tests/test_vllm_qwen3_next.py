@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.dist import free_port
 from tests.support.real_engines import (
-    QWEN3_NEXT, TrainerProcess, VLLMServer, engine_problems, greedy_completion, weight_version, write_model_dir,
+    QWEN3_NEXT, TrainerProcess, engine_problems, greedy_completion, serving, weight_version,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
@@ -26,15 +26,9 @@ NEAR_TIE = 0.01  # bfloat16 activations: logits move by ~1e-3 relative
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vllm_qwen3_next")
-    write_model_dir(str(folder / "model"), QWEN3_NEXT, seed=0)
-    server = VLLMServer(str(folder / "model"), "--no-enable-prefix-caching", "--dtype", "bfloat16",
-                        log_path=str(folder / "server.log"))
-    try:
-        server.wait_ready()
+    with serving(str(tmp_path_factory.mktemp("vllm_qwen3_next")), QWEN3_NEXT, "--no-enable-prefix-caching",
+                 "--dtype", "bfloat16") as (server, _):
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["HFLoadReport", "hf_logits_from_checkpoint", "transformers_checkpoint"]
+__all__ = ["HFLoadReport", "hf_logits_from_checkpoint", "transformers_checkpoint", "StreamedCase", "stream_and_check"]
 
 # Checkpoints that transformers keeps stacked over experts where the sync sends one tensor per expert
 # (gpt-oss): per-expert pattern -> stacked pattern. Stacking over `{expert}` is the whole difference.
@@ -91,3 +91,34 @@ def hf_logits_from_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], confi
         mismatched_keys=sorted(str(k) for k in info.get("mismatched_keys", ())),
         model_class=type(model).__name__,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamedCase:
+    """One tiny model's Megatron logits, the HF tensors the library streamed from it, and transformers' report."""
+
+    megatron: torch.Tensor
+    tensors: dict[str, torch.Tensor]
+    report: HFLoadReport
+
+
+def stream_and_check(spec: Any, seed: int, tokens: torch.Tensor) -> StreamedCase | None:
+    """Build `spec`'s tiny Megatron model under the current parallel_state with `reference_weights(spec,
+    seed)`, run Megatron's forward on `tokens`, stream its weights through the library's gather + convert
+    (float32, no rounding added) and load them into transformers. Collective; None on non-source ranks."""
+    from converters import get_converter
+    from megatron_sync.parallel import ParallelLayout
+    from megatron_sync.stream import MegatronWeightStream
+    from tests.support import models
+
+    chunks = models.build_model_chunks(spec)
+    models.load_reference_weights(chunks, models.reference_weights(spec, seed=seed), spec)
+    megatron = models.megatron_logits(chunks, tokens)
+    config = models.hf_config(spec)
+    stream = MegatronWeightStream(chunks, ParallelLayout.from_megatron(),
+                                  get_converter(spec.family, config, dtype=torch.float32))
+    tensors = {name: tensor.clone() for name, tensor in stream}  # collective: every rank iterates
+    if not stream.is_source:
+        assert not tensors, "a non-source rank received tensors"
+        return None
+    return StreamedCase(megatron, tensors, hf_logits_from_checkpoint(tensors.items(), config, tokens))

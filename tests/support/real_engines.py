@@ -8,6 +8,7 @@ rules), a config and a word-level tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -19,7 +20,7 @@ import threading
 import time
 import traceback
 import urllib.request
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -165,6 +166,20 @@ class VLLMServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=20)
         self._log.close()
+
+
+@contextlib.contextmanager
+def serving(folder: str, spec: ModelSpec, *args: str, env: Optional[dict[str, str]] = None
+            ) -> Iterator[tuple[VLLMServer, dict[str, torch.Tensor]]]:
+    """Write `spec`'s model directory (reference weights of seed 0) in `folder`, serve it with vLLM (`args`
+    added to the server's), and yield (the ready server, the directory's tensors); the server stops after."""
+    tensors = write_model_dir(os.path.join(folder, "model"), spec, seed=0)
+    server = VLLMServer(os.path.join(folder, "model"), *args, log_path=os.path.join(folder, "server.log"), env=env)
+    try:
+        server.wait_ready()
+        yield server, tensors
+    finally:
+        server.stop()
 
 
 # ---------------------------------------------------------------- asking the server
