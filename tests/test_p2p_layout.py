@@ -105,7 +105,7 @@ def test_linear_expert_range_matches_vllms_expert_map(experts, ep):
 
 # ---- the reference engine, bit for bit ---------------------------------------------------------
 
-@pytest.mark.parametrize("family", BUILTIN_FAMILIES)
+@pytest.mark.parametrize("family", [f for f in BUILTIN_FAMILIES if f not in models.NOT_ON_REFERENCE_ENGINE])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_reference_layout_reproduces_reference_engine_shard_of(family, tp):
     from megatron_sync.engines.base import LayoutEngine

@@ -20,6 +20,7 @@ from converters.hf_config import HFConfig
 
 __all__ = [
     "ModelSpec",
+    "NOT_ON_REFERENCE_ENGINE",
     "family_traits",
     "megatron_config",
     "padded_vocab_size",
@@ -32,6 +33,12 @@ __all__ = [
 ]
 
 VOCAB_DIVISOR = 128  # Megatron-LM's default --make-vocab-size-divisible-by
+
+# Shipped families the reference engine (megatron_sync/engines/reference.py) cannot run at TP > 1 yet:
+# transformers stacks gpt-oss's experts and the engine has no place for one expert's tensors in that stack
+# (its FUSED_EXPERTS), so it refuses gpt-oss by name; its TP does not split a gated-delta-net layer, so
+# Qwen3-Next computes correctly on it at TP=1 only.
+NOT_ON_REFERENCE_ENGINE = ("gpt_oss", "qwen3_next")
 
 
 @dataclasses.dataclass(frozen=True)
