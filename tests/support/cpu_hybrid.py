@@ -3,8 +3,8 @@
 megatron-core's gated-delta-net layer (`megatron.core.ssm.gated_delta_net.GatedDeltaNet`) is
 real and is what these tests build; what 0.16.1 does not offer on CPU is everything around it:
 
-* ``GatedDeltaNet.__init__`` raises ImportError unless flash-linear-attention (FLA) imports,
-  and its forward calls FLA's Triton kernels (``l2norm``, ``chunk_gated_delta_rule``), which
+* ``GatedDeltaNet.__init__`` raises ``ImportError: FLA is not installed. Please install it with
+  `pip install flash-linear-attention`.``, and its forward calls FLA's Triton kernels (``l2norm``, ``chunk_gated_delta_rule``), which
   need a GPU -> ``HAVE_FLA`` is set, ``l2norm`` is a torch function with FLA's formula
   (``x / sqrt(sum(x^2) + 1e-6)``) and ``chunk_gated_delta_rule`` is megatron-core's own torch
   implementation (``torch_chunk_gated_delta_rule``, the one its ``deterministic_mode`` uses).
@@ -13,7 +13,9 @@ real and is what these tests build; what 0.16.1 does not offer on CPU is everyth
 * ``GatedDeltaNet._apply_gated_norm`` is wrapped in ``torch.compile`` at import (megatron's
   ``jit_fuser``) -> the plain function is used (no C++ toolchain needed, same arithmetic).
 * The only block spec for it (``get_transformer_block_with_experimental_attention_variant_spec``)
-  asserts ``transformer_impl == "transformer_engine"`` -> :func:`hybrid_block_spec` builds the
+  needs Transformer Engine (``NameError: name 'TESpecProvider' is not defined`` without it; with
+  ``transformer_impl="local"`` it asserts "only supports transformer engine implementation")
+  -> :func:`hybrid_block_spec` builds the
   same per-layer pattern from the local (non-TE) spec: a ``GatedDeltaNet`` self-attention on the
   linear-attention layers (separate ``input_layernorm``, as TE's fused
   ``in_proj.layer_norm_weight`` is not available), megatron's standard attention elsewhere.
