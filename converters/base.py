@@ -80,7 +80,8 @@ class HFTensor:
     """One row of the HF checkpoint layout: name pattern, shape as config expressions, how engines
     shard it, and where it exists.
 
-    `layers` is "all", "dense" or "moe" (for `{layer}` patterns); `when` is an
+    `layers` is "all", "dense", "moe" or a kind the family defines in `layer_kinds`
+    (for `{layer}` patterns: the layers where the tensor exists); `when` is an
     optional predicate on the config (e.g. lm_head only when embeddings are untied).
     `linear` says whether engines build the tensor as a Linear layer's weight,
     the only kind a `quantization_config` may quantize (its "Linear" targets);
@@ -97,8 +98,6 @@ class HFTensor:
     def __post_init__(self):
         if not isinstance(self.shard, Shard):
             raise ValueError(f"HFTensor {self.name!r}: say how engines shard it (shard=Shard.<role>)")
-        if self.layers not in ("all", "dense", "moe"):
-            raise ValueError(f"HFTensor {self.name!r}: layers must be 'all', 'dense' or 'moe'")
         if self.linear is None:
             object.__setattr__(self, "linear", len(self.shape) == 2 and self.name.endswith(".weight"))
 
@@ -116,6 +115,16 @@ def _never(cfg: HFConfig, layer: int) -> bool:
     return False
 
 
+LayerPredicate = Callable[[HFConfig, int], bool]
+
+# The layer kinds every family has: (family, config, layer index) -> does the layer have this kind.
+_BUILTIN_LAYER_KINDS = {
+    "all": lambda family, cfg, layer: True,
+    "moe": lambda family, cfg, layer: family.is_moe_layer(cfg, layer),
+    "dense": lambda family, cfg, layer: not family.is_moe_layer(cfg, layer),
+}
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family, in one place: its rule table, its HF layout (with each tensor's shard role),
@@ -125,7 +134,9 @@ class Family:
     converts (engines pick the family of a model directory by it);
     `keep_together` lists groups of HF name patterns that must arrive in one
     bucket, a group's members with equal `{layer}` sharing it (an engine fuses
-    them at load).
+    them at load). `layer_kinds` names further kinds of layer an `HFTensor.layers`
+    may say (a hybrid model's linear- and full-attention layers), each with the
+    config test that picks its layers.
     """
 
     name: str
@@ -139,10 +150,16 @@ class Family:
     layer_kind_keys: tuple[str, ...] = ()
     keep_together: tuple[tuple[str, ...], ...] = ()
     hf_model_types: tuple[str, ...] = ()
+    layer_kinds: tuple[tuple[str, LayerPredicate], ...] = ()
 
     def __post_init__(self):
         if not self.hf_model_types:
             object.__setattr__(self, "hf_model_types", (self.name,))
+        kinds = {*_BUILTIN_LAYER_KINDS, *dict(self.layer_kinds)}
+        for row in self.hf_tensors:
+            if row.layers not in kinds:
+                raise ValueError(f"HFTensor {row.name!r} of family {self.name!r}: layers={row.layers!r} is "
+                                 f"none of {sorted(kinds)}; add it to the family's layer_kinds")
         for group in self.keep_together:
             for pattern in group:
                 compile_pattern(pattern)  # a typo fails at import, not mid-sync
@@ -181,10 +198,10 @@ class Converter:
     # -- the HF side, from the config alone -------------------------------------------------
 
     def _layer_kind_ok(self, row: HFTensor, layer: int) -> bool:
-        if row.layers == "all":
-            return True
-        moe = self.family.is_moe_layer(self.config, layer)
-        return moe if row.layers == "moe" else not moe
+        extra = dict(self.family.layer_kinds)
+        if row.layers in extra:
+            return extra[row.layers](self.config, layer)
+        return _BUILTIN_LAYER_KINDS[row.layers](self.family, self.config, layer)
 
     def _row_names(self, row: HFTensor, layer: int | None) -> list[str]:
         pattern = compile_pattern(row.name)
@@ -400,6 +417,9 @@ class Converter:
                 return f"expert {captures['expert']} >= {key}={cfg.get(key)}; fix {key} in the HF config"
             if not self._layer_kind_ok(row, captures["layer"]):
                 keys = ", ".join(f"{k}={cfg.get(k)}" for k in self.family.layer_kind_keys)
+                if row.layers not in ("moe", "dense"):
+                    return (f"layer {captures['layer']} is not a {row.layers} layer per the config ({keys}); "
+                            f"make those values match the Megatron model's layer pattern")
                 kind = "MoE" if self.family.is_moe_layer(cfg, captures["layer"]) else "dense"
                 return (f"layer {captures['layer']} is a {kind} layer per the config ({keys}); "
                         f"make those values match the Megatron model's MoE layer pattern")

@@ -31,6 +31,9 @@ MODEL_DEFINING_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
                    "attention_bias", "hidden_act")),
     ("rope", ("rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor", "rope_interleave")),
     ("norm", ("rms_norm_eps", "layer_norm_eps")),
+    ("layer kinds", ("layer_types", "sliding_window", "full_attention_interval", "swiglu_limit", "swiglu_alpha",
+                     "shared_expert_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
+                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")),
     ("vocabulary", ("vocab_size", "tie_word_embeddings")),
     ("quantization", ("quantization_config",)),
 )

@@ -15,8 +15,8 @@ import pytest
 from tests.support.dist import free_port
 from tests.support.dist import run_distributed
 from tests.support.real_engines import (
-    QWEN3_MOE, StreamingGeneration, TrainerProcess, VLLMServer, engine_problems, generate, greedy_completion,
-    megatron_job_syncs, weight_version, write_model_dir,
+    QWEN3_MOE, StreamingGeneration, TrainerProcess, engine_problems, generate, greedy_completion,
+    megatron_job_syncs, serving, weight_version,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
@@ -27,14 +27,8 @@ LONG_GENERATION = 1000  # tokens (max-model-len 1024): the sync must arrive whil
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vllm_moe")
-    write_model_dir(str(folder / "model"), QWEN3_MOE, seed=0)
-    server = VLLMServer(str(folder / "model"), "--no-enable-prefix-caching", log_path=str(folder / "server.log"))
-    try:
-        server.wait_ready()
+    with serving(str(tmp_path_factory.mktemp("vllm_moe")), QWEN3_MOE, "--no-enable-prefix-caching") as (server, _):
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 from tests.support.dist import free_port, run_distributed
 from tests.support.real_engines import (
     QWEN3, HFReference, StreamingGeneration, TrainerError, TrainerProcess, VLLMServer, engine_problems,
-    greedy_completion, megatron_job_syncs, weight_version, write_model_dir,
+    greedy_completion, megatron_job_syncs, serving, weight_version,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
@@ -42,17 +42,11 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("vllm_tp2")
-    write_model_dir(str(folder / "model"), QWEN3, seed=0)
     faults = str(folder / "faults.json")
     # One core per worker: with unbound OpenMP threads two TP workers on 2 cores decode ~50x slower.
     env = {"MEGATRON_SYNC_TEST_FAULTS": faults, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    server = VLLMServer(str(folder / "model"), "--tensor-parallel-size", str(WORKERS),
-                        log_path=str(folder / "server.log"), env=env)
-    try:
-        server.wait_ready()
+    with serving(str(folder), QWEN3, "--tensor-parallel-size", str(WORKERS), env=env) as (server, _):
         yield Served(server, faults)
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

