@@ -18,7 +18,8 @@ import torch
 
 from megatron_sync.meta import TensorMeta
 from megatron_sync.transport import register_transport, transport_names
-from megatron_sync.transport.base import BucketHeader, BucketTransport, PendingBucket
+from megatron_sync.transport.base import BucketHeader, PendingBucket
+from megatron_sync.transport.buckets import PlanBucketTransport
 from megatron_sync.transport.control import StoreControlChannel
 from megatron_sync.transport.group import StoreBoard
 from tests.support.fakes import shard_of
@@ -55,7 +56,7 @@ class _StoreReceive(PendingBucket):
         return self.header is not None
 
 
-class StoreTransport(BucketTransport):
+class StoreTransport(PlanBucketTransport):
     """Toy transport: buckets, metadata and agreement through the rendezvous store."""
 
     name = "store"

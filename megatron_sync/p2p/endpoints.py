@@ -5,6 +5,9 @@ and convert only its assigned tensors), write each planned range straight into t
 memory of the inference ranks that need it, then take part in the two agreement rounds.
 All trainer ranks send at once; each receiver hears from every holder of its tensors.
 
+Both take the endpoint of `megatron_sync.transport.p2p` (a `Transport` with `num_trainer_ranks`, `group`
+and a byte `mover`), which builds them.
+
 Receiver (every inference rank): two staging sets of exactly this rank's params (its layout's
 params back to back, `megatron_sync.layout.staging`), allocated and exposed once; a version is
 received into the set the engine does not run from (both sides flip sets after every version
@@ -31,14 +34,13 @@ from megatron_sync.p2p.execute import fail_share, receive_shards, send_share
 from megatron_sync.p2p.handshake import PlanInputs, handshake
 from megatron_sync.p2p.plan import TransferPlan, send_bytes_per_tensor
 from megatron_sync.p2p.replica import DistributedReplica
-from megatron_sync.transport.base import Commit, Receiver, Sender
+from megatron_sync.transport.base import Commit, Receiver, Sender, Transport
 from megatron_sync.transport.commit import AgreedCommit, sender_rounds
 
 if TYPE_CHECKING:
     from megatron_sync.config import WeightSyncConfig
     from megatron_sync.engines.base import EngineAdapter
     from megatron_sync.stream import MegatronWeightStream
-    from megatron_sync.transport.p2p import P2PTransport
 
 log = logging.getLogger("megatron_sync")
 MiB = 2**20
@@ -47,7 +49,7 @@ MiB = 2**20
 class P2PSender(Sender):
     """The trainer half on one trainer rank (transport rank == its global trainer rank)."""
 
-    def __init__(self, transport: "P2PTransport", replica: DistributedReplica, plan: TransferPlan, *,
+    def __init__(self, transport: "Transport", replica: DistributedReplica, plan: TransferPlan, *,
                  checksum: str, metrics_path: Optional[str] = None) -> None:
         self.transport, self.replica, self.plan = transport, replica, plan
         self.checksum = checksum
@@ -62,7 +64,7 @@ class P2PSender(Sender):
         return dict(self.replica.tensors)
 
     @classmethod
-    def connect(cls, transport: "P2PTransport", stream: "MegatronWeightStream",
+    def connect(cls, transport: "Transport", stream: "MegatronWeightStream",
                 config: "WeightSyncConfig") -> "P2PSender":
         """Return the sender after the start-up handshake (collective over the trainer job and the transport)."""
         specs = stream.converter.tensor_specs()
@@ -124,7 +126,7 @@ class P2PSender(Sender):
 class P2PReceiver(Receiver):
     """The inference half on one inference rank: two staging sets of exactly its params."""
 
-    def __init__(self, transport: "P2PTransport", engine: "EngineAdapter", config: "WeightSyncConfig",
+    def __init__(self, transport: "Transport", engine: "EngineAdapter", config: "WeightSyncConfig",
                  commit: Optional[Commit] = None) -> None:
         self.transport, self.engine, self.timeout_s = transport, engine, config.timeout_s
         self.index = transport.rank - transport.num_trainer_ranks

@@ -29,8 +29,9 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from converters import get_converter
 from megatron_sync.engines.vllm.layout import (
-    PartialLoad, abandon_layerwise_reload, alias_names, load_params, record_rank_layout,
+    PartialLoad, abandon_layerwise_reload, alias_names, load_params, record_rank_layout, refresh_alias_layers,
 )
 from megatron_sync.layout.rank import RankLayout
 from megatron_sync.meta import TensorMeta, dtype_name
@@ -89,8 +90,6 @@ class VLLMModelAdapter:
         silently cast, and exactness would be lost), or when vLLM's loaders need a tensor the trainer's
         family does not produce.
         """
-        from converters import get_converter
-
         model_config = self.vllm_config.model_config
         if model_config.dtype != dtype:
             raise ValueError(
@@ -180,6 +179,7 @@ class VLLMModelAdapter:
                     "model loads)"
                 )
             finalize_layerwise_reload(self.model, self.vllm_config.model_config)
+            refresh_alias_layers(self.model)
         except BaseException:
             abandon_layerwise_reload(self.model)  # no-op for layers finalize already processed
             raise

@@ -15,7 +15,8 @@ any family vLLM can load, with no table of ours.
 Loading (`load_params`): vLLM's layerwise reload restores each layer in
 checkpoint layout; the staged params are copied in (one copy), the layer's
 post-load processing runs (CPU weight packing, requantization) and the result
-goes into the live storage, as `load_weights` would have left it. An attention
+goes into the live storage, as `load_weights` would have left it; a layer that
+shares a parameter with another (a tied lm_head) is processed again too. An attention
 layer's own params (gpt-oss's sinks), which vLLM processes at finalize, are
 copied into the live tensors after it and processed again.
 
@@ -236,6 +237,7 @@ def load_params(model: torch.nn.Module, model_config: Any, params: Mapping[str, 
                 layerwise._place_kernel_tensors(layer, info)
                 info.reset()
         layerwise.finalize_layerwise_reload(model, model_config)
+        refresh_alias_layers(model)
         for module_name, tensors in attention.items():  # attention sinks: into the live tensors, then processed
             layer = modules[module_name]
             with torch.no_grad():
@@ -246,6 +248,20 @@ def load_params(model: torch.nn.Module, model_config: Any, params: Mapping[str, 
     except BaseException as error:
         abandon_layerwise_reload(model)
         raise PartialLoad(bool(done)) from error
+
+
+def refresh_alias_layers(model: torch.nn.Module) -> None:
+    """Re-run the post-load processing of every layer whose parameter is another layer's (a tied lm_head):
+    the reload updated the parameter through its owner, but on CPU each layer packs its own copy of the
+    weight for its GEMM, and the alias's copy would keep the previous version."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    modules = dict(model.named_modules())
+    for name in sorted(alias_names(model)):
+        layer = modules[name.rpartition(".")[0]]
+        method = getattr(layer, "quant_method", None)
+        if isinstance(method, QuantizeMethodBase):
+            method.process_weights_after_loading(layer)
 
 
 class PartialLoad(RuntimeError):
