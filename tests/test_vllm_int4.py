@@ -42,8 +42,8 @@ def served(tmp_path_factory):
 def test_int4_weights_and_scales_arrive_point_to_point_exactly(served):
     values = {"family": "qwen3", "dtype": "bfloat16", "master_port": free_port(), "num_inference_ranks": 1,
               "bucket_size_mb": 0.05, "timeout_s": 90, "engines": [f"vllm={served.url}"], "transport": "p2p"}
-    reports = run_distributed(megatron_job_syncs, 2, QWEN3, {"tp": 2}, served.url, values, PROMPTS,
-                              versions=2, quantization_config=INT4_DENSE, timeout=360)[0]
+    reports = run_distributed(megatron_job_syncs, 2, QWEN3, {"tp": 2}, served.url, values, PROMPTS, 2, INT4_DENSE,
+                              timeout=360)[0]
     assert [r["version"] for r in reports] == [1, 2]
     for r in reports:
         print(f"version {r['version']}: tokens {r['tokens']}, worker {r['receivers']}")

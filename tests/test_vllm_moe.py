@@ -68,8 +68,7 @@ def test_megatron_ep2_trainer_writes_its_experts_straight_into_the_worker(served
     values = {"family": "qwen3_moe", "dtype": "float32", "master_port": free_port(), "num_inference_ranks": 1,
               "bucket_size_mb": 0.05, "timeout_s": 90, "engines": [f"vllm={served.url}"], "transport": "p2p",
               "inflight_policy": "abort"}
-    reports = run_distributed(megatron_job_syncs, 2, QWEN3_MOE, {"ep": 2}, served.url, values, PROMPTS,
-                              versions=2, timeout=360)[0]
+    reports = run_distributed(megatron_job_syncs, 2, QWEN3_MOE, {"ep": 2}, served.url, values, PROMPTS, 2, timeout=360)[0]
     assert [r["version"] for r in reports] == [1, 2]
     for r in reports:
         assert not r["problems"], f"version {r['version']}: " + "; ".join(r["problems"])

@@ -41,8 +41,7 @@ def served(tmp_path_factory):
 def test_a_tied_model_syncs_exactly_and_each_worker_moves_only_its_shard(served, transport):
     values = {"family": "qwen2", "dtype": "float32", "master_port": free_port(), "num_inference_ranks": WORKERS,
               "bucket_size_mb": 0.05, "timeout_s": 90, "engines": [f"vllm={served.url}"], **transport}
-    reports = run_distributed(megatron_job_syncs, 2, QWEN2_TIED, {"tp": 2}, served.url, values, PROMPTS,
-                              versions=2, timeout=360)[0]
+    reports = run_distributed(megatron_job_syncs, 2, QWEN2_TIED, {"tp": 2}, served.url, values, PROMPTS, 2, timeout=360)[0]
     assert [r["version"] for r in reports] == [1, 2]
     for r in reports:
         print(f"[{transport.get('transport', 'broadcast')}] version {r['version']}: tokens {r['tokens']}, workers "
