@@ -251,16 +251,18 @@ def load_params(model: torch.nn.Module, model_config: Any, params: Mapping[str, 
 
 
 def refresh_alias_layers(model: torch.nn.Module) -> None:
-    """Re-run the post-load processing of every layer whose parameter is another layer's (a tied lm_head):
+    """Re-run the post-load processing of every layer that holds another layer's parameter (a tied lm_head):
     the reload updated the parameter through its owner, but on CPU each layer packs its own copy of the
-    weight for its GEMM, and the alias's copy would keep the previous version."""
+    weight for its GEMM, and the alias's copy would keep the previous version. A layer registered twice
+    (a MoE gate under `mlp` and `mlp.experts`) is one layer, already processed."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-    modules = dict(model.named_modules())
-    for name in sorted(alias_names(model)):
-        layer = modules[name.rpartition(".")[0]]
+    owners: dict[int, torch.nn.Module] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        layer = model.get_submodule(name.rpartition(".")[0])
+        owner = owners.setdefault(id(param), layer)
         method = getattr(layer, "quant_method", None)
-        if isinstance(method, QuantizeMethodBase):
+        if owner is not layer and isinstance(method, QuantizeMethodBase):
             method.process_weights_after_loading(layer)
 
 
