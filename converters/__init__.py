@@ -19,11 +19,13 @@ from converters.errors import (
     ConfigError, ConversionError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError,
     UnknownFamilyError, UnmappedParameterError,
 )
+from converters.gpt_oss import GPT_OSS
 from converters.llama import LLAMA, QWEN2
 from converters.qwen3 import QWEN3
 from converters.qwen3_moe import QWEN3_MOE
+from converters.qwen3_next import QWEN3_NEXT
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V3)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V3, GPT_OSS, QWEN3_NEXT)}
 BUILTIN_FAMILIES: tuple[str, ...] = tuple(FAMILIES)  # the families this package ships (others register)
 
 

@@ -13,13 +13,13 @@ quantizes: every weight it selects (`converters.quant`, among the rows marked
 `weight_shape`), computed from the whole converted tensor. Every method that
 names checkpoint tensors (`expected_hf_tensors`, `expected_metas`,
 `convert_meta`, `check_complete`, `keep_together`, `shard_role`) then speaks
-those names; `slice_hf_tensor` slices a weight and its scales consistently.
+those names; `tensor_specs` says how engines cut a weight and its scales alike.
 """
 
 from __future__ import annotations
 
 import ast
-import enum
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -35,6 +35,7 @@ from converters.layout import REARRANGING_TRANSFORMS, rename
 from converters.patterns import Pattern, compile_pattern
 from converters.quant import DEFAULT_UNQUANTIZED, QuantPlan, output_groups
 from converters.quant.plan import output_weight
+from megatron_sync.layout.regions import Shard, TensorSpec, weight_region
 from megatron_sync.meta import TensorMeta
 
 Transform = Callable[[torch.Tensor, HFConfig], tuple[torch.Tensor, ...]]
@@ -74,32 +75,13 @@ class Rule:
         return tuple(compile_pattern(h) for h in self.hf)
 
 
-class Shard(enum.Enum):
-    """How inference engines split one HF tensor over their tensor-parallel ranks (its role).
-
-    Each engine maps a role to its own slicing: the reference engine replicates
-    VOCAB tensors, vLLM splits them; routed experts (`{expert}` rows) may also
-    be split over an engine's expert parallelism.
-    """
-
-    REPLICATED = "replicated"  # every rank holds the whole tensor (norms, routers, low-rank MLA downs)
-    COLUMN = "column"  # dim 0 in contiguous equal chunks (q, MLA up-projections, gate/up)
-    ROW = "row"  # dim 1 in contiguous equal chunks; partial outputs are summed (o_proj, down)
-    KV_HEADS = "kv_heads"  # dim 0 by key/value heads, a head replicated on tp/kv ranks when tp > kv
-    VOCAB = "vocab"  # dim 0 rows of the vocabulary (embeddings, lm_head)
-
-    @property
-    def dim(self) -> int | None:
-        """The tensor dimension this role splits (None when replicated)."""
-        return {Shard.REPLICATED: None, Shard.ROW: 1}.get(self, 0)
-
-
 @dataclass(frozen=True)
 class HFTensor:
     """One row of the HF checkpoint layout: name pattern, shape as config expressions, how engines
     shard it, and where it exists.
 
-    `layers` is "all", "dense" or "moe" (for `{layer}` patterns); `when` is an
+    `layers` is "all", "dense", "moe" or a kind the family defines in `layer_kinds`
+    (for `{layer}` patterns: the layers where the tensor exists); `when` is an
     optional predicate on the config (e.g. lm_head only when embeddings are untied).
     `linear` says whether engines build the tensor as a Linear layer's weight,
     the only kind a `quantization_config` may quantize (its "Linear" targets);
@@ -116,8 +98,6 @@ class HFTensor:
     def __post_init__(self):
         if not isinstance(self.shard, Shard):
             raise ValueError(f"HFTensor {self.name!r}: say how engines shard it (shard=Shard.<role>)")
-        if self.layers not in ("all", "dense", "moe"):
-            raise ValueError(f"HFTensor {self.name!r}: layers must be 'all', 'dense' or 'moe'")
         if self.linear is None:
             object.__setattr__(self, "linear", len(self.shape) == 2 and self.name.endswith(".weight"))
 
@@ -135,6 +115,16 @@ def _never(cfg: HFConfig, layer: int) -> bool:
     return False
 
 
+LayerPredicate = Callable[[HFConfig, int], bool]
+
+# The layer kinds every family has: (family, config, layer index) -> does the layer have this kind.
+_BUILTIN_LAYER_KINDS = {
+    "all": lambda family, cfg, layer: True,
+    "moe": lambda family, cfg, layer: family.is_moe_layer(cfg, layer),
+    "dense": lambda family, cfg, layer: not family.is_moe_layer(cfg, layer),
+}
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family, in one place: its rule table, its HF layout (with each tensor's shard role),
@@ -144,7 +134,9 @@ class Family:
     converts (engines pick the family of a model directory by it);
     `keep_together` lists groups of HF name patterns that must arrive in one
     bucket, a group's members with equal `{layer}` sharing it (an engine fuses
-    them at load).
+    them at load). `layer_kinds` names further kinds of layer an `HFTensor.layers`
+    may say (a hybrid model's linear- and full-attention layers), each with the
+    config test that picks its layers.
     """
 
     name: str
@@ -158,10 +150,16 @@ class Family:
     layer_kind_keys: tuple[str, ...] = ()
     keep_together: tuple[tuple[str, ...], ...] = ()
     hf_model_types: tuple[str, ...] = ()
+    layer_kinds: tuple[tuple[str, LayerPredicate], ...] = ()
 
     def __post_init__(self):
         if not self.hf_model_types:
             object.__setattr__(self, "hf_model_types", (self.name,))
+        kinds = {*_BUILTIN_LAYER_KINDS, *dict(self.layer_kinds)}
+        for row in self.hf_tensors:
+            if row.layers not in kinds:
+                raise ValueError(f"HFTensor {row.name!r} of family {self.name!r}: layers={row.layers!r} is "
+                                 f"none of {sorted(kinds)}; add it to the family's layer_kinds")
         for group in self.keep_together:
             for pattern in group:
                 compile_pattern(pattern)  # a typo fails at import, not mid-sync
@@ -195,14 +193,15 @@ class Converter:
         self._rule_of: dict[str, tuple[Rule, dict[str, int]]] = {}
         self._expected = self._expected_layout()
         self.quant, self._stored = self._quantized_layout()
+        self._specs = {spec.name: spec for spec in self.tensor_specs()}
 
     # -- the HF side, from the config alone -------------------------------------------------
 
     def _layer_kind_ok(self, row: HFTensor, layer: int) -> bool:
-        if row.layers == "all":
-            return True
-        moe = self.family.is_moe_layer(self.config, layer)
-        return moe if row.layers == "moe" else not moe
+        extra = dict(self.family.layer_kinds)
+        if row.layers in extra:
+            return extra[row.layers](self.config, layer)
+        return _BUILTIN_LAYER_KINDS[row.layers](self.family, self.config, layer)
 
     def _row_names(self, row: HFTensor, layer: int | None) -> list[str]:
         pattern = compile_pattern(row.name)
@@ -271,18 +270,25 @@ class Converter:
                 f"{self._why_unexpected(hf_name)}"
             ) from None
 
+    def tensor_specs(self) -> list[TensorSpec]:
+        """Return every HF checkpoint tensor, in `expected_metas` order, with how engines shard it: its
+        weight's role, and for a quantized weight's part how a slice of the weight maps onto it."""
+        specs = []
+        for name, (shape, dtype, row) in self._expected.items():
+            expert = compile_pattern(row.name).match(name).get("expert")
+            specs.extend(dataclasses.replace(spec, expert=expert)
+                         for spec in self.quant.specs(name, shape, dtype, row.shard))
+        return specs
+
     def slice_hf_tensor(self, hf_name: str, tensor: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
         """Return the part of checkpoint tensor `hf_name` that holds rows (dim 0) or cols (dim 1)
-        [start, stop) of its HF weight (a view where possible).
-
-        A plain tensor is narrowed. A quantized weight's values and scales give the blocks or groups
-        covering that range (a per-tensor scale whole, INT4's `weight_shape` the slice's own), so an
-        engine cuts a weight and its scales alike; an edge inside a block or group raises ValueError
-        naming the setting.
-        """
-        self.shard_role(hf_name)  # raises for a name outside the layout
-        weight_shape = self._expected[self.weight_of(hf_name)][0]
-        return self.quant.slice_output(hf_name, tensor, weight_shape, dim, start, stop)
+        [start, stop) of its HF weight (a view): a plain tensor narrowed, a quantized weight's values and
+        scales at the blocks or groups covering that range (`weight_region`), so a weight and its scales
+        are cut alike; an edge inside a block or group raises ValueError."""
+        spec = self._specs.get(hf_name)
+        if spec is None:
+            self.shard_role(hf_name)  # raises naming what is wrong with the name
+        return weight_region(spec, dim, start, stop - start).of(tensor.contiguous())
 
     @property
     def keep_together(self) -> tuple[tuple[str, ...], ...]:
@@ -411,6 +417,9 @@ class Converter:
                 return f"expert {captures['expert']} >= {key}={cfg.get(key)}; fix {key} in the HF config"
             if not self._layer_kind_ok(row, captures["layer"]):
                 keys = ", ".join(f"{k}={cfg.get(k)}" for k in self.family.layer_kind_keys)
+                if row.layers not in ("moe", "dense"):
+                    return (f"layer {captures['layer']} is not a {row.layers} layer per the config ({keys}); "
+                            f"make those values match the Megatron model's layer pattern")
                 kind = "MoE" if self.family.is_moe_layer(cfg, captures["layer"]) else "dense"
                 return (f"layer {captures['layer']} is a {kind} layer per the config ({keys}); "
                         f"make those values match the Megatron model's MoE layer pattern")

@@ -14,8 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron_sync.bucket import CHECKSUMS
-from megatron_sync.engines.fleet import parse_engine
+from megatron_sync.checksum import CHECKSUMS
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.transport import transport_names
 
@@ -26,6 +25,23 @@ P2P_BACKENDS = ("torch", "mooncake")  # megatron_sync.transport.p2p.MOVERS
 P2P_PROTOCOLS = ("tcp", "rdma")
 CHECKSUM_CHOICES = ("auto", *CHECKSUMS)
 DEFAULT_GATHER_BUDGET_MB = 1024.0
+
+ENGINE_CLIENTS = {
+    "vllm": "megatron_sync.engines.vllm.client:VLLMEngineClient",
+    "sglang": "megatron_sync.engines.sglang.client:SGLangEngineClient",
+}
+"""Kinds of `weight_sync.engines` entries -> the EngineClient class driving that engine (import paths)."""
+
+
+def parse_engine(entry: str) -> tuple[str, str]:
+    """Return (kind, url) of one `weight_sync.engines` entry "KIND=URL"; ValueError names the fix."""
+    kind, sep, url = entry.partition("=") if isinstance(entry, str) else ("", "", "")
+    if not sep or kind not in ENGINE_CLIENTS or not url.startswith(("http://", "https://")):
+        raise ValueError(
+            f"engines entry {entry!r} is not KIND=URL with KIND one of {sorted(ENGINE_CLIENTS)} and an "
+            "http(s) URL, e.g. 'vllm=http://10.0.0.7:8000'"
+        )
+    return kind, url
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,10 +229,11 @@ class WeightSyncConfig:
                         "the shared directory both jobs mount, e.g. /shared/run42/weights" if name == "delta_dir"
                         else "a directory on each inference host's local disk, e.g. /local/megatron_sync"))
             self.delta_writer_options()
-        if self.transport == "p2p" and self.engines:
-            raise ValueError("transport 'p2p' writes into the staging memory of megatron-sync inference ranks "
-                             "(launch/serve.sh); engines driven over HTTP (weight_sync.engines) need transport "
-                             "'broadcast' (vLLM) or 'sglang'")
+        sglang = [e for e in self.engines if parse_engine(e)[0] == "sglang"]
+        if self.transport == "p2p" and sglang:
+            raise ValueError(f"transport 'p2p' writes each rank's shard into its staging memory, which SGLang's "
+                             f"update API does not expose (engines {sglang}); use transport 'sglang' for SGLang, "
+                             "or 'p2p' with megatron-sync inference ranks and vLLM servers")
         _check_choice("p2p_backend", self.p2p_backend, P2P_BACKENDS)
         _check_choice("p2p_protocol", self.p2p_protocol, P2P_PROTOCOLS)
         if not isinstance(self.p2p_device_name, str):

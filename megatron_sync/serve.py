@@ -99,7 +99,7 @@ def load_initial_weights(engine: Any, model_dir: str) -> int:
     if missing or extra:
         raise ValueError(f"{model_dir}: the safetensors do not match the engine's tensors: missing "
                          f"{missing[:8]}, unexpected {extra[:8]}; use the checkpoint of this config.json")
-    engine.load_shards({name: engine.shard_of(name, full[name]).clone() for name in expected}, 0)
+    engine.load_shards({name: t.clone() for name, t in engine.rank_layout().params_from(full).items()}, 0)
     return len(expected)
 
 

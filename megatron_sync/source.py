@@ -21,11 +21,49 @@ _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12]\.(?:weight|bias))(\
 @dataclass(frozen=True)
 class Sharding:
     """How a local tensor is split: over which axis ("tp", "etp" or None), along which dim,
-    and with which stride (2 for gated linear_fc1, whose shards each hold [gate_r; up_r])."""
+    and with which stride: an int s when each shard holds s equal pieces (2 for gated
+    linear_fc1, whose shards each hold [gate_r; up_r]), or the sizes, in the full tensor, of
+    unequal pieces each shard holds its 1/size part of (a gated-delta-net in_proj holds
+    [q_r; k_r; v_r; z_r; beta_r; alpha_r])."""
 
     axis: str | None = None
     dim: int = 0
-    stride: int = 1
+    stride: int | tuple[int, ...] = 1
+
+
+def _gdn_in_proj_pieces(gdn) -> Sharding:
+    return Sharding("tp", 0, (gdn.qk_dim, gdn.qk_dim, gdn.v_dim, gdn.v_dim,
+                              gdn.num_value_heads, gdn.num_value_heads))
+
+
+def _gdn_conv_pieces(gdn) -> Sharding:
+    return Sharding("tp", 0, (gdn.qk_dim, gdn.qk_dim, gdn.v_dim))
+
+
+# Parameters whose TP split megatron-core 0.16.1 declares only in its modules' sharded_state_dict
+# (no partition_dim attribute, or pieces the attribute cannot say): (module class, parameter) ->
+# the split, from the module. The learnable softmax offset (attention sinks) is one per head; the
+# gated delta net's per-head A_log / dt_bias, and its in_proj / conv1d, whose TP shards each hold
+# a part of every q/k/v(/z/beta/alpha) piece.
+_DECLARED_SHARDING = {
+    ("DotProductAttention", "softmax_offset"): lambda m: Sharding("tp", 0),
+    ("TEDotProductAttention", "softmax_offset"): lambda m: Sharding("tp", 0),
+    ("GatedDeltaNet", "A_log"): lambda m: Sharding("tp", 0),
+    ("GatedDeltaNet", "dt_bias"): lambda m: Sharding("tp", 0),
+    ("GatedDeltaNet", "in_proj.weight"): _gdn_in_proj_pieces,
+    ("GatedDeltaNet", "conv1d.weight"): _gdn_conv_pieces,
+    ("GatedDeltaNet", "conv1d.bias"): _gdn_conv_pieces,
+}
+
+
+def _declared_shardings(model: torch.nn.Module) -> dict[str, Sharding]:
+    """Return local parameter name -> split for the parameters `_DECLARED_SHARDING` describes."""
+    declared = {}
+    for module_name, module in model.named_modules():
+        for (cls, param), split in _DECLARED_SHARDING.items():
+            if type(module).__name__ == cls:
+                declared[f"{module_name}.{param}" if module_name else param] = split(module)
+    return declared
 
 
 @dataclass(frozen=True)
@@ -104,10 +142,12 @@ def walk_chunk(
     Layer indices get the chunk's PP/VPP offset (read from each layer's own
     `layer_number`), routed experts get their global index
     (`ep_rank * num_local + j`), and sharding comes from Megatron's
-    `tensor_model_parallel` / `partition_dim` / `partition_stride` attributes.
+    `tensor_model_parallel` / `partition_dim` / `partition_stride` attributes,
+    or from `_DECLARED_SHARDING` where megatron-core declares it only in a module.
     """
     model = unwrap_chunk(chunk)
     layer_numbers = _layer_numbers(model)
+    declared = _declared_shardings(model)
     num_experts = getattr(getattr(model, "config", None), "num_moe_experts", None) or 0
     num_local = num_experts // layout.ep if num_experts else 0
     named = [(n, p, True) for n, p in model.named_parameters()]
@@ -125,7 +165,8 @@ def walk_chunk(
             if found:
                 name, expert = found
         if is_param or is_buffer(name):
-            out.append(SourceTensor(name, tensor.detach(), _sharding_of(tensor, expert is not None), expert))
+            sharding = declared.get(local_name) or _sharding_of(tensor, expert is not None)
+            out.append(SourceTensor(name, tensor.detach(), sharding, expert))
     return out
 
 

@@ -81,3 +81,41 @@ def test_layer_eleven_is_not_layer_one():
     [chunk] = [_chunk(12, grouped=False)]
     names = [t.name for t in walk_model_chunks([chunk], layout)]
     assert all(n.startswith("decoder.layers.11.") for n in names)
+
+
+class DotProductAttention(nn.Module):  # named like megatron-core's: the walk reads the class name
+    def __init__(self, heads_per_rank):
+        super().__init__()
+        self.softmax_offset = nn.Parameter(torch.zeros(heads_per_rank))  # no TP attributes, as in 0.16.1
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, tp):
+        super().__init__()
+        self.qk_dim, self.v_dim, self.num_value_heads = 8, 16, 4
+        self.in_proj = nn.Module()
+        self.in_proj.weight = _param((2 * 8 + 2 * 16 + 2 * 4) // tp, 6, tp=True, dim=0)
+        self.conv1d = nn.Conv1d((2 * 8 + 16) // tp, (2 * 8 + 16) // tp, 4, groups=(2 * 8 + 16) // tp, bias=False)
+        self.conv1d.weight.tensor_model_parallel = True  # set without partition_dim, as in 0.16.1
+        self.A_log = nn.Parameter(torch.zeros(4 // tp))
+        self.A_log.tensor_model_parallel = True
+
+
+def test_module_declared_splits_name_their_pieces():
+    chunk = nn.Module()
+    chunk.decoder = nn.Module()
+    layer = nn.Module()
+    layer.layer_number = 1
+    layer.self_attention = GatedDeltaNet(tp=2)
+    other = nn.Module()
+    other.layer_number = 2
+    other.self_attention = nn.Module()
+    other.self_attention.core_attention = DotProductAttention(heads_per_rank=2)
+    chunk.decoder.layers = nn.ModuleList([layer, other])
+    names = {t.name: t.sharding for t in walk_model_chunks([chunk], ParallelLayout(tp=2, tp_rank=1))}
+    assert names["decoder.layers.0.self_attention.in_proj.weight"].stride == (8, 8, 16, 16, 4, 4)
+    assert names["decoder.layers.0.self_attention.conv1d.weight"].stride == (8, 8, 16)
+    assert (names["decoder.layers.0.self_attention.A_log"].axis, names["decoder.layers.0.self_attention.A_log"].dim) \
+        == ("tp", 0)
+    sinks = names["decoder.layers.1.self_attention.core_attention.softmax_offset"]
+    assert (sinks.axis, sinks.dim, sinks.stride) == ("tp", 0, 1)

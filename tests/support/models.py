@@ -20,6 +20,7 @@ from converters.hf_config import HFConfig
 
 __all__ = [
     "ModelSpec",
+    "NOT_ON_REFERENCE_ENGINE",
     "family_traits",
     "megatron_config",
     "padded_vocab_size",
@@ -33,6 +34,12 @@ __all__ = [
 
 VOCAB_DIVISOR = 128  # Megatron-LM's default --make-vocab-size-divisible-by
 
+# Shipped families the reference engine (megatron_sync/engines/reference.py) cannot run at TP > 1 yet:
+# transformers stacks gpt-oss's experts and the engine has no place for one expert's tensors in that stack
+# (its FUSED_EXPERTS), so it refuses gpt-oss by name; its TP does not split a gated-delta-net layer, so
+# Qwen3-Next computes correctly on it at TP=1 only.
+NOT_ON_REFERENCE_ENGINE = ("gpt_oss", "qwen3_next")
+
 
 @dataclasses.dataclass(frozen=True)
 class FamilyTraits:
@@ -44,6 +51,9 @@ class FamilyTraits:
     moe: bool
     shared_experts: bool
     router_bias: bool
+    attention_sinks: bool = False  # gpt-oss: learnable softmax offsets, biased linears, clamped SwiGLU experts
+    linear_attention: bool = False  # Qwen3-Next: gated delta net + gated attention, zero-centered norms
+    shared_expert_gate: bool = False
 
 
 def family_traits(family: str) -> FamilyTraits:
@@ -59,8 +69,11 @@ def family_traits(family: str) -> FamilyTraits:
         qk_norm=has("self_attn.q_norm.weight"),
         mla=has("self_attn.kv_b_proj.weight"),
         moe=any("{expert}" in name for name in rows),
-        shared_experts=has("mlp.shared_experts.down_proj.weight"),
+        shared_experts=has("mlp.shared_experts.down_proj.weight") or has("mlp.shared_expert.down_proj.weight"),
         router_bias=bool(fam.buffers),
+        attention_sinks=has("self_attn.sinks"),
+        linear_attention=has("linear_attn.in_proj_qkvz.weight"),
+        shared_expert_gate=has("mlp.shared_expert_gate.weight"),
     )
 
 
@@ -96,6 +109,17 @@ class ModelSpec:
     qk_nope_head_dim: int = 16
     qk_rope_head_dim: int = 8
     v_head_dim: int = 16
+    # gpt-oss: the clamp of its SwiGLU; its sliding-window layers attend to this many tokens (HF sliding_window)
+    swiglu_limit: float = 7.0
+    sliding_window: int = 4
+    # Qwen3-Next: gated-delta-net heads, every full_attention_interval-th layer full attention, partial RoPE
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 16
+    linear_conv_kernel_dim: int = 4
+    full_attention_interval: int = 2
+    partial_rotary_factor: float = 0.25
     hf_model_type: str | None = None
 
     def __post_init__(self):
@@ -116,6 +140,21 @@ class ModelSpec:
     @property
     def is_mla(self) -> bool:
         return self.traits.mla
+
+    @property
+    def sliding_layers(self) -> list[bool]:
+        """Per layer, whether gpt-oss attends through its sliding window there (HF layer_types' default)."""
+        return [i % 2 == 0 for i in range(self.num_layers)]
+
+    @property
+    def linear_attention_layers(self) -> list[bool]:
+        """Per layer, whether Qwen3-Next runs gated delta net there (HF full_attention_interval's pattern)."""
+        return [(i + 1) % self.full_attention_interval != 0 for i in range(self.num_layers)]
+
+    @property
+    def rotary_percent(self) -> float:
+        """The fraction of each head's dims rotated by RoPE."""
+        return self.partial_rotary_factor if self.traits.linear_attention else 1.0
 
     @property
     def moe_layers(self) -> list[int]:
@@ -179,6 +218,10 @@ def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | Non
     )
     if spec.is_moe:
         kwargs.update(_moe_config(spec))
+    if spec.traits.attention_sinks:
+        kwargs.update(_gpt_oss_config(spec))
+    if spec.traits.linear_attention:
+        kwargs.update(_qwen3_next_config(spec))
     if spec.is_mla:
         kwargs.update(
             q_lora_rank=spec.q_lora_rank,
@@ -194,6 +237,35 @@ def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | Non
         )
         return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
+
+
+def _gpt_oss_config(spec: ModelSpec) -> dict:
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    return dict(
+        add_bias_linear=True,  # q/k/v/o, router and expert biases
+        softmax_type="learnable",  # attention sinks
+        # Megatron's window (w, 0) lets a token see w earlier tokens; HF's sliding_window counts the token too.
+        window_size=(spec.sliding_window - 1, 0),
+        window_attn_skip_freq=[int(sliding) for sliding in spec.sliding_layers],
+        activation_func=quick_gelu,  # x * sigmoid(1.702 x): gpt-oss's swiglu_alpha
+        glu_linear_offset=1.0,  # (up + 1) * glu
+        activation_func_clamp_value=spec.swiglu_limit,
+    )
+
+
+def _qwen3_next_config(spec: ModelSpec) -> dict:
+    return dict(
+        layernorm_zero_centered_gamma=True,
+        attention_output_gate=True,
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=[int(linear) for linear in spec.linear_attention_layers],
+        linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
+        linear_key_head_dim=spec.linear_key_head_dim,
+        linear_value_head_dim=spec.linear_value_head_dim,
+        linear_num_key_heads=spec.linear_num_key_heads,
+        linear_num_value_heads=spec.linear_num_value_heads,
+    )
 
 
 def _moe_config(spec: ModelSpec) -> dict:
@@ -215,18 +287,23 @@ def _moe_config(spec: ModelSpec) -> dict:
             moe_router_score_function="sigmoid",
             moe_router_enable_expert_bias=True,
             moe_router_topk_scaling_factor=1.0,
-            moe_shared_expert_intermediate_size=spec.moe_ffn_hidden_size * spec.num_shared_experts,
         )
     else:
         common.update(moe_router_score_function="softmax")
+    if spec.traits.shared_experts:
+        common.update(moe_shared_expert_intermediate_size=spec.moe_ffn_hidden_size * spec.num_shared_experts,
+                      moe_shared_expert_gate=spec.traits.shared_expert_gate)
     return common
 
 
 def _layer_specs(spec: ModelSpec, config, vp_stage, pp_rank):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    from tests.support.cpu_hybrid import hybrid_block_spec
     from tests.support.cpu_shim import use_cpu_core_attention
 
+    if spec.traits.linear_attention:
+        return hybrid_block_spec(config, spec.linear_attention_layers, vp_stage=vp_stage, pp_rank=pp_rank)
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=False, normalization="RMSNorm",
         vp_stage=vp_stage, pp_rank=pp_rank,
@@ -276,6 +353,7 @@ def build_model_chunks(spec: ModelSpec, *, vpp: int | None = None, pg_collection
             share_embeddings_and_output_weights=spec.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=spec.rope_theta,
+            rotary_percent=spec.rotary_percent,
             vp_stage=stage,
             pg_collection=pg_collection,
         )
@@ -322,6 +400,29 @@ _ARCHITECTURE_KWARGS = {
         decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0,
     ),
     "deepseek_v3": _deepseek_v3_kwargs,
+    "gpt_oss": lambda s: dict(
+        head_dim=s.head_dim, num_local_experts=s.num_experts, num_experts_per_tok=s.moe_topk,
+        intermediate_size=s.moe_ffn_hidden_size,  # gpt-oss sizes its experts by intermediate_size
+        sliding_window=s.sliding_window, swiglu_limit=s.swiglu_limit, swiglu_alpha=1.702, attention_bias=True,
+        layer_types=["sliding_attention" if w else "full_attention" for w in s.sliding_layers],
+        router_aux_loss_coef=0.0,
+        # vLLM's gpt_oss always builds YaRN RoPE; factor 1 makes it the plain RoPE Megatron applies.
+        rope_parameters={"rope_type": "yarn", "rope_theta": s.rope_theta, "factor": 1.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": s.max_position_embeddings},
+    ),
+    "qwen3_next": lambda s: dict(
+        head_dim=s.head_dim, attention_bias=False, num_experts=s.num_experts, num_experts_per_tok=s.moe_topk,
+        moe_intermediate_size=s.moe_ffn_hidden_size,
+        shared_expert_intermediate_size=s.moe_ffn_hidden_size * s.num_shared_experts,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0,
+        linear_num_key_heads=s.linear_num_key_heads, linear_num_value_heads=s.linear_num_value_heads,
+        linear_key_head_dim=s.linear_key_head_dim, linear_value_head_dim=s.linear_value_head_dim,
+        linear_conv_kernel_dim=s.linear_conv_kernel_dim,
+        layer_types=["linear_attention" if la else "full_attention" for la in s.linear_attention_layers],
+        rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta,
+                         "partial_rotary_factor": s.partial_rotary_factor},
+    ),
 }
 
 
@@ -353,8 +454,23 @@ def hf_config(spec: ModelSpec):
 # ---------------------------------------------------------------- reference weights
 
 
-def _attention_shapes(spec: ModelSpec) -> dict[str, tuple]:
+def _gated_delta_net_shapes(spec: ModelSpec) -> dict[str, tuple]:
+    qk, v, heads = spec.linear_num_key_heads * spec.linear_key_head_dim, \
+        spec.linear_num_value_heads * spec.linear_value_head_dim, spec.linear_num_value_heads
+    return {
+        "self_attention.in_proj.weight": (2 * qk + 2 * v + 2 * heads, spec.hidden_size),
+        "self_attention.conv1d.weight": (2 * qk + v, 1, spec.linear_conv_kernel_dim),
+        "self_attention.A_log": (heads,),
+        "self_attention.dt_bias": (heads,),
+        "self_attention.out_norm.weight": (spec.linear_value_head_dim,),
+        "self_attention.out_proj.weight": (spec.hidden_size, v),
+    }
+
+
+def _attention_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple]:
     h, d = spec.hidden_size, spec.head_dim
+    if spec.traits.linear_attention and spec.linear_attention_layers[layer]:
+        return _gated_delta_net_shapes(spec)
     if spec.is_mla:
         q_head = spec.qk_nope_head_dim + spec.qk_rope_head_dim
         return {
@@ -367,13 +483,17 @@ def _attention_shapes(spec: ModelSpec) -> dict[str, tuple]:
                 spec.num_heads * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank),
             "self_attention.linear_proj.weight": (h, spec.num_heads * spec.v_head_dim),
         }
-    qkv_rows = (spec.num_heads + 2 * spec.num_kv_heads) * d
+    gated = spec.traits.linear_attention  # Qwen3-Next's full attention: a gate head per query head
+    qkv_rows = ((2 if gated else 1) * spec.num_heads + 2 * spec.num_kv_heads) * d
     shapes = {
         "self_attention.linear_qkv.weight": (qkv_rows, h),
         "self_attention.linear_proj.weight": (h, spec.num_heads * d),
     }
     if spec.traits.qkv_bias:
         shapes["self_attention.linear_qkv.bias"] = (qkv_rows,)
+    if spec.traits.attention_sinks:
+        shapes["self_attention.linear_proj.bias"] = (h,)
+        shapes["self_attention.core_attention.softmax_offset"] = (spec.num_heads,)
     if spec.traits.qk_norm:
         shapes["self_attention.q_layernorm.weight"] = (d,)
         shapes["self_attention.k_layernorm.weight"] = (d,)
@@ -386,16 +506,24 @@ def _mlp_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple]:
         f = spec.ffn_hidden_size
         return {"mlp.linear_fc1.weight": (2 * f, h), "mlp.linear_fc2.weight": (h, f)}
     f = spec.moe_ffn_hidden_size
+    biased = spec.traits.attention_sinks  # gpt-oss: router and experts have biases
     shapes = {"mlp.router.weight": (spec.num_experts, h)}
+    if biased:
+        shapes["mlp.router.bias"] = (spec.num_experts,)
     for e in range(spec.num_experts):
         shapes[f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
         shapes[f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)
+        if biased:
+            shapes[f"mlp.experts.local_experts.{e}.linear_fc1.bias"] = (2 * f,)
+            shapes[f"mlp.experts.local_experts.{e}.linear_fc2.bias"] = (h,)
     if spec.traits.router_bias:
         shapes["mlp.router.expert_bias"] = (spec.num_experts,)
     if spec.traits.shared_experts:
         fs = f * spec.num_shared_experts
         shapes["mlp.shared_experts.linear_fc1.weight"] = (2 * fs, h)
         shapes["mlp.shared_experts.linear_fc2.weight"] = (h, fs)
+    if spec.traits.shared_expert_gate:
+        shapes["mlp.shared_experts.gate_weight"] = (1, h)
     return shapes
 
 
@@ -405,7 +533,7 @@ def reference_shapes(spec: ModelSpec) -> dict[str, tuple]:
     shapes = {"embedding.word_embeddings.weight": (spec.vocab_size, h)}
     for i in range(spec.num_layers):
         layer = {"input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,)}
-        layer.update(_attention_shapes(spec))
+        layer.update(_attention_shapes(spec, i))
         layer.update(_mlp_shapes(spec, i))
         shapes.update({f"decoder.layers.{i}.{k}": v for k, v in layer.items()})
     shapes["decoder.final_layernorm.weight"] = (h,)
@@ -414,17 +542,31 @@ def reference_shapes(spec: ModelSpec) -> dict[str, tuple]:
     return shapes
 
 
-def _reference_tensor(name: str, shape: tuple, seed: int) -> torch.Tensor:
+def _norm_value(noise: torch.Tensor, zero_centered: bool) -> torch.Tensor:
+    return (0.0 if zero_centered else 1.0) + 0.1 * noise  # gamma near 1 (stored as gamma - 1 when zero-centered)
+
+
+# Values by name ending, first match (norms near their gamma, biases small, sink logits and A_log O(1));
+# any other tensor is a weight scaled by its fan-in, which keeps activations O(1).
+_REFERENCE_VALUES = (
+    ("layernorm.weight", _norm_value),
+    ("out_norm.weight", _norm_value),
+    ("expert_bias", lambda noise, zc: 0.1 * noise),  # non-zero, large enough to change some top-k choices
+    (".bias", lambda noise, zc: 0.1 * noise),
+    ("dt_bias", lambda noise, zc: 0.1 * noise),
+    ("softmax_offset", lambda noise, zc: noise),
+    ("A_log", lambda noise, zc: 0.5 * noise),
+)
+
+
+def _reference_tensor(name: str, shape: tuple, seed: int, zero_centered: bool = False) -> torch.Tensor:
     # One generator per name: a tensor's values do not depend on which other tensors exist.
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     noise = torch.randn(shape, generator=gen, dtype=torch.float32)
-    if name.endswith("layernorm.weight"):
-        return 1.0 + 0.1 * noise
-    if name.endswith("expert_bias"):
-        return 0.1 * noise  # non-zero, large enough to change some top-k choices
-    if name.endswith(".bias"):
-        return 0.1 * noise
-    return noise / math.sqrt(shape[1])  # fan-in scaling keeps activations O(1)
+    for suffix, value in _REFERENCE_VALUES:
+        if name.endswith(suffix):
+            return value(noise, zero_centered)
+    return noise / math.sqrt(math.prod(shape[1:]))
 
 
 def reference_weights(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
@@ -434,7 +576,8 @@ def reference_weights(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     indices); vocabulary rows are ``spec.vocab_size`` (unpadded); the router
     ``expert_bias`` buffer is included where the family has one.
     """
-    return {name: _reference_tensor(name, shape, seed)
+    zero_centered = spec.traits.linear_attention  # Qwen3-Next's norms store gamma - 1
+    return {name: _reference_tensor(name, shape, seed, zero_centered)
             for name, shape in reference_shapes(spec).items()}
 
 
