@@ -37,10 +37,19 @@ class FieldRow:
     to_hf: Callable[[Any, Values], Any] = lambda value, megatron: value  # the HF spelling (None: does not apply)
     hf_default: Any = None  # what an HF config that states none of `hf` means (None: skip the row)
     agree: Callable[[Any, Any], bool] = lambda megatron, hf: megatron == hf
+    hf_means: Callable[[Any, Values], Any] = lambda stated, hf: stated  # an HF value in its plainest spelling
 
 
 def _unless_mla(value: Any, megatron: Values) -> Any:
     return None if megatron.get("multi_latent_attention") else value
+
+
+def _dense_mlp(size: Any, megatron: Values) -> Any:
+    """The dense MLP size, when some layer has a dense MLP (HF's intermediate_size is the experts' size in
+    a model whose every layer is MoE, gpt-oss)."""
+    freq = megatron.get("moe_layer_freq")
+    all_moe = megatron.get("num_moe_experts") and (freq == 1 or (isinstance(freq, (list, tuple)) and all(freq)))
+    return None if all_moe else size
 
 
 def _activation(name: Any, megatron: Values) -> Any:
@@ -67,10 +76,16 @@ def _rope_type(megatron_type: Any, megatron: Values) -> Any:
     return {"rope": "default", "yarn": "yarn", "llama3": "llama3"}.get(megatron_type)
 
 
+def _plain_rope_type(stated: Any, hf: Values) -> Any:
+    """YaRN with factor 1 is the plain RoPE (gpt-oss checkpoints state it so)."""
+    return "default" if stated == "yarn" and hf.get("rope_parameters.factor", 1.0) == 1.0 else stated
+
+
 MEGATRON_TO_HF: tuple[FieldRow, ...] = (
     FieldRow("num_layers", ("num_hidden_layers",), "number of layers", "num_layers (--num-layers)"),
     FieldRow("hidden_size", ("hidden_size",), "hidden size", "hidden_size (--hidden-size)"),
-    FieldRow("ffn_hidden_size", ("intermediate_size",), "MLP size", "ffn_hidden_size (--ffn-hidden-size)"),
+    FieldRow("ffn_hidden_size", ("intermediate_size",), "MLP size", "ffn_hidden_size (--ffn-hidden-size)",
+             to_hf=_dense_mlp),
     FieldRow("num_attention_heads", ("num_attention_heads",), "attention heads",
              "num_attention_heads (--num-attention-heads)"),
     FieldRow("num_query_groups", ("num_key_value_heads",), "KV groups", "num_query_groups (--num-query-groups)",
@@ -91,7 +106,8 @@ MEGATRON_TO_HF: tuple[FieldRow, ...] = (
     FieldRow("rotary_percent", ("rope_parameters.partial_rotary_factor", "partial_rotary_factor"),
              "rotary fraction of the head dim", "rotary_percent (--rotary-percent)", hf_default=1.0),
     FieldRow("rope_type", ("rope_parameters.rope_type",), "RoPE scaling type",
-             "rope_scaling / rope_type (--use-rope-scaling, --rope-type)", to_hf=_rope_type, hf_default="default"),
+             "rope_scaling / rope_type (--use-rope-scaling, --rope-type)", to_hf=_rope_type, hf_default="default",
+             hf_means=_plain_rope_type),
     FieldRow("num_moe_experts", ("num_experts", "n_routed_experts", "num_local_experts"), "routed experts",
              "num_moe_experts (--num-experts)"),
     FieldRow("moe_ffn_hidden_size", ("moe_intermediate_size",), "expert MLP size",
@@ -151,7 +167,7 @@ def disagreements(megatron: Values, hf: Values) -> list[str]:
             continue
         value = row.to_hf(megatron[row.megatron], megatron)
         field = next((name for name in row.hf if hf.get(name) is not None), None)
-        stated = hf[field] if field is not None else row.hf_default
+        stated = row.hf_means(hf[field], hf) if field is not None else row.hf_default
         if value is None or stated is None or row.agree(value, stated):
             continue
         shown = f"{row.megatron}={megatron[row.megatron]!r}"
@@ -181,6 +197,7 @@ def megatron_values(chunk: Any) -> dict[str, Any]:
     values = {row.megatron: getattr(config, row.megatron) for row in MEGATRON_TO_HF if hasattr(config, row.megatron)}
     activation = getattr(config, "activation_func", None)
     values.update(
+        moe_layer_freq=getattr(config, "moe_layer_freq", None),
         activation=getattr(activation, "__name__", None),
         gated_linear_unit=getattr(config, "gated_linear_unit", False),
         multi_latent_attention=getattr(config, "multi_latent_attention", False),

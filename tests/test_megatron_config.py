@@ -22,12 +22,13 @@ QWEN3_MOE = {  # what megatron_values reads off the tiny Qwen3-MoE (tests/suppor
     "moe_router_score_function": "softmax", "moe_router_pre_softmax": False, "moe_router_topk_scaling_factor": None,
     "moe_router_num_groups": None, "moe_router_group_topk": None, "moe_shared_expert_intermediate_size": None,
     "activation": "silu", "gated_linear_unit": True, "multi_latent_attention": False, "padded_vocab_size": 256,
-    "share_embeddings_and_output_weights": False,
+    "share_embeddings_and_output_weights": False, "moe_layer_freq": [1, 1, 1, 1],
 }
 DEEPSEEK_V3 = {**QWEN3_MOE, "num_query_groups": 4, "moe_router_score_function": "sigmoid",
                "moe_router_topk_scaling_factor": 1.0, "moe_shared_expert_intermediate_size": 32,
                "multi_latent_attention": True, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_head_dim": 16,
-               "qk_pos_emb_head_dim": 8, "v_head_dim": 16}
+               "qk_pos_emb_head_dim": 8, "v_head_dim": 16, "moe_layer_freq": [0, 1, 1, 1]}
+DENSE = {**QWEN3_MOE, "num_moe_experts": None, "moe_layer_freq": 1}
 
 
 def _hf(family: str) -> dict:
@@ -93,6 +94,8 @@ def test_a_disagreement_is_named_with_both_values_and_the_option_to_set(megatron
     ({"qk_head_dim": 32}, {}, "qk_head_dim=32, the HF config qk_nope_head_dim=16"),
     ({"qk_pos_emb_head_dim": 16}, {}, "qk_pos_emb_head_dim=16, the HF config qk_rope_head_dim=8"),
     ({"v_head_dim": 8}, {}, "v_head_dim=8, the HF config v_head_dim=16"),
+    ({"ffn_hidden_size": 256}, {}, "MLP size: the Megatron model has ffn_hidden_size=256, the HF config "
+                                   "intermediate_size=128"),  # its first layer is dense
 ])
 def test_deepseek_routing_and_mla_disagreements_are_named(megatron, hf, words):
     problems = disagreements({**DEEPSEEK_V3, **megatron}, {**_hf("deepseek_v3"), **hf})
@@ -105,8 +108,19 @@ def test_values_that_only_look_different_agree():
     assert disagreements({**DEEPSEEK_V3, "moe_router_num_groups": None, "moe_router_topk_scaling_factor": None},
                          {**hf, "n_group": 1, "routed_scaling_factor": 1.0}) == []
     assert disagreements({**QWEN3_MOE, "rotary_base": 10000}, {**_hf("qwen3_moe"), "rope_parameters.rope_theta": 1e4}) == []
-    dense = {k: v for k, v in QWEN3_MOE.items()} | {"num_moe_experts": None}
-    assert disagreements(dense, _hf("qwen3")) == []  # no MoE rows for a dense model
+    assert disagreements(DENSE, _hf("qwen3")) == []  # no MoE rows for a dense model
+    # every layer MoE: HF's intermediate_size is not the (unused) dense MLP size (gpt-oss states the experts')
+    assert disagreements({**QWEN3_MOE, "ffn_hidden_size": 256}, _hf("qwen3_moe")) == []
+    yarn = {"rope_parameters.rope_type": "yarn", "rope_parameters.factor": 1.0}
+    assert disagreements(DENSE, {**_hf("qwen3"), **yarn}) == []  # YaRN of factor 1 is the plain RoPE
+
+
+def test_what_only_looks_alike_is_told_apart():
+    assert "MLP size: the Megatron model has ffn_hidden_size=256" in disagreements(
+        {**DENSE, "ffn_hidden_size": 256}, _hf("qwen3"))[0]
+    yarn = {"rope_parameters.rope_type": "yarn", "rope_parameters.factor": 32.0}
+    assert "rope_type='rope' (HF: 'default'), the HF config rope_parameters.rope_type='yarn'" in disagreements(
+        DENSE, {**_hf("qwen3"), **yarn})[0]
 
 
 def test_every_row_names_hf_fields_the_rendezvous_compares():
@@ -129,5 +143,7 @@ def _read_real_models(rank: int, world_size: int, families: list[str]) -> dict:
 
 @pytest.mark.multiproc
 def test_values_read_off_real_megatron_models_agree_with_their_hf_configs():
-    families = ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"]
+    from converters import BUILTIN_FAMILIES
+
+    families = list(BUILTIN_FAMILIES)
     assert run_distributed(_read_real_models, 1, families, timeout=240)[0] == {f: [] for f in families}

@@ -85,7 +85,8 @@ SHARED_SETTINGS = [  # (transport, trainer's settings, inference job's settings,
     ("p2p", {"p2p_backend": "mooncake", "p2p_protocol": "tcp"}, {"p2p_backend": "mooncake", "p2p_protocol": "rdma"},
      "trainer runs Mooncake over 'tcp', this inference job over 'rdma' (set weight_sync.p2p_protocol alike"),
     ("p2p", {"p2p_protocol": "tcp"}, {"p2p_protocol": "rdma"}, None),  # the torch mover has no protocol
-    ("p2p", {"checksum": "xxh3"}, {"checksum": "crc32"}, None),  # P2P checks every range with its own checksum
+    ("p2p", {"checksum": "xxh3"}, {"checksum": "crc32"},
+     "trainer checks every bucket with 'xxh3', this inference job with 'crc32' (set weight_sync.checksum alike"),
     ("p2p", {"bucket_size_mb": 1.0}, {"bucket_size_mb": 2.0},
      "trainer cuts buckets of 1.0 MiB, this inference job expects 2.0 (set weight_sync.bucket_size_mb alike"),
 ]

@@ -106,7 +106,7 @@ class P2PTransport(Transport):
     """One endpoint of the P2P transport: a trainer rank (any) or an inference rank."""
 
     name = "p2p"
-    shares = ("p2p_backend", "p2p_protocol")  # one mover (and Mooncake protocol) on both sides
+    shares = ("checksum", "p2p_backend", "p2p_protocol")  # every range is checked; one mover (and protocol)
 
     @classmethod
     def trainer_joins(cls, layout: "ParallelLayout") -> bool:

@@ -43,7 +43,7 @@ class Expectation:
 def _checksum(config: "WeightSyncConfig", trainer_stages: int, backend: str) -> str:
     import torch
 
-    from megatron_sync.bucket import resolve_checksum  # what "auto" means where the buckets live
+    from megatron_sync.checksum import resolve_checksum  # what "auto" means where the bytes live
 
     return resolve_checksum(config.checksum, torch.device("cuda" if backend == "nccl" else "cpu"))
 
