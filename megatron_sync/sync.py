@@ -275,7 +275,6 @@ class TrainerWeightSync:
             self.session.close()
             self.session = None
 
-
     def _stop_engines(self, reason: Optional[str]) -> None:
         """Post "stop", end any transfer still in flight, and wait for every engine rank to acknowledge.
 
