@@ -1,0 +1,97 @@
+"""Store calls against a host that is stopped (SIGSTOP), not dead: bounded by timeout_s, named, and known after.
+
+A real TCPStore hosted by a real session in a child process, which the test stops. The negative
+control shows why `transport/store.py` exists: the plain client's `check` is still blocked long after
+its own timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from megatron_sync.errors import StoreSilentError
+from megatron_sync.transport.session import connect
+from tests.support.dist import free_port
+
+TIMEOUT_S = 3.0
+MARGIN_S = 5.0  # a loaded machine; what a bound adds to TIMEOUT_S
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
+
+HOST = """
+import sys, time
+from megatron_sync.transport.rendezvous import Identity
+from megatron_sync.transport.session import SyncSession
+SyncSession.host("127.0.0.1", {port}, Identity(job="T", role="trainer", member=0), members={{"trainer": 1}},
+                 timeout_s={timeout})
+print("hosting", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def stopped_host():
+    """Yield the port of a session host that is then stopped; the host is killed afterwards."""
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", HOST.format(port=port, timeout=TIMEOUT_S)], stdout=subprocess.PIPE,
+                            text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        assert host.stdout.readline().strip() == "hosting"
+        client = connect("127.0.0.1", port, timeout_s=TIMEOUT_S)
+        assert client.check(["rdzv/session"])  # it answers while it runs
+        os.kill(host.pid, signal.SIGSTOP)
+        yield port, client
+    finally:
+        host.kill()
+        host.wait(30)
+
+
+def test_every_call_ends_within_timeout_s_and_later_calls_fail_at_once(stopped_host):
+    _, client = stopped_host
+    start = time.monotonic()
+    with pytest.raises(StoreSilentError, match=r"accepts connections but has not answered for 3[.0-9]*s \(check "
+                                               r"\['rdzv/ready'\]\): its host is stopped \(e\.g\. SIGSTOP\) or hung"):
+        client.check(["rdzv/ready"])
+    first = time.monotonic() - start
+    assert TIMEOUT_S <= first < TIMEOUT_S + MARGIN_S, first
+    for call in (lambda: client.get("rdzv/session"), lambda: client.add("rdzv/acks", 1),
+                 lambda: client.set("x", b"1")):
+        start = time.monotonic()
+        with pytest.raises(StoreSilentError):
+            call()
+        assert time.monotonic() - start < 1.0  # known silent: nobody waits for it a second time
+    assert client.silent
+
+
+def test_a_shorter_bound_raises_without_declaring_the_host_silent(stopped_host):
+    _, client = stopped_host
+    start = time.monotonic()
+    with pytest.raises(StoreSilentError, match=r"did not answer \(check \['rdzv/ready'\]\) within 2s"):
+        client.check(["rdzv/ready"], bound=0.1)  # MIN_BOUND_S: never less than 2 s
+    assert 2.0 <= time.monotonic() - start < 2.0 + MARGIN_S
+    assert not client.silent
+    with pytest.raises(StoreSilentError, match="has not answered for"):  # queued behind the stuck call:
+        client.get("rdzv/session")  # silent once that call is timeout_s old, not timeout_s after this one
+    assert time.monotonic() - start < TIMEOUT_S + MARGIN_S
+
+
+def test_negative_control_the_plain_client_is_still_blocked_long_after_its_timeout(stopped_host):
+    _, client = stopped_host
+    done = threading.Event()
+
+    def plain_check() -> None:
+        try:
+            client.raw.check(["rdzv/ready"])  # the c10d client itself, timeout=3s
+        except Exception:  # noqa: BLE001 — only whether it returns matters
+            pass
+        done.set()
+
+    threading.Thread(target=plain_check, daemon=True).start()
+    assert not done.wait(3 * TIMEOUT_S)  # no bound: it returns only when the host dies (the fixture kills it)
