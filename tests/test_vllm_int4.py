@@ -17,7 +17,7 @@ import torch
 
 from tests.support.dist import free_port, run_distributed
 from tests.support.quant_refs import INT4_EXPERTS
-from tests.support.real_engines import QWEN3, VLLMServer, megatron_job_syncs, write_model_dir
+from tests.support.real_engines import QWEN3, megatron_job_syncs, serving
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
 
@@ -27,15 +27,9 @@ PROMPTS = [[5, 17, 42, 99, 7], [3, 3, 8]]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vllm_int4")
-    write_model_dir(str(folder / "model"), QWEN3, seed=0, dtype=torch.bfloat16, quantization_config=INT4_DENSE)
-    server = VLLMServer(str(folder / "model"), log_path=str(folder / "server.log"), dtype="bfloat16",
-                        env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
-    try:
-        server.wait_ready()
+    with serving(str(tmp_path_factory.mktemp("vllm_int4")), QWEN3, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+                 dtype=torch.bfloat16, quantization_config=INT4_DENSE) as (server, _):
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.mark.timeout(420)

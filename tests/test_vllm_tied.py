@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.dist import free_port, run_distributed
-from tests.support.real_engines import QWEN2_TIED, VLLMServer, megatron_job_syncs, write_model_dir
+from tests.support.real_engines import QWEN2_TIED, megatron_job_syncs, serving
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
 
@@ -24,15 +24,9 @@ PROMPTS = [[5, 17, 42, 99, 7], [3, 3, 8]]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vllm_tied")
-    write_model_dir(str(folder / "model"), QWEN2_TIED, seed=0)
-    server = VLLMServer(str(folder / "model"), "--tensor-parallel-size", str(WORKERS),
-                        log_path=str(folder / "server.log"), env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    try:
-        server.wait_ready()
+    with serving(str(tmp_path_factory.mktemp("vllm_tied")), QWEN2_TIED, "--tensor-parallel-size", str(WORKERS),
+                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as (server, _):
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.mark.timeout(420)

@@ -168,10 +168,11 @@ class VLLMModelAdapter:
         finalize a partially received layer."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+        aliases = alias_names(self.model)  # of the live model: the reload gives each layer its own tensors
         initialize_layerwise_reload(self.model)
         try:
             loaded = self.model.load_weights(items)
-            problems = _incomplete_layers(self.model, alias_names(self.model))
+            problems = _incomplete_layers(self.model, aliases)
             if problems:
                 raise RuntimeError(
                     f"vLLM's load_weights left {len(problems)} layer(s) incomplete: "

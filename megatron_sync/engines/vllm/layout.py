@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -48,15 +48,51 @@ def _region(view: torch.Tensor) -> Region:
     return Region(view.storage_offset(), tuple(view.shape), tuple(view.stride()))
 
 
+def fit_region(indices: torch.Tensor) -> Optional[Region]:
+    """Return the strided region whose elements are the flat `indices` (same shape), or None when they are
+    not an arithmetic progression along every dim with non-negative steps."""
+    if indices.numel() == 0:
+        return Region(0, tuple(indices.shape), tuple(indices.stride()))
+    offset = int(indices.flatten()[0])
+    strides = [int((indices.narrow(d, 1, 1) - indices.narrow(d, 0, 1)).flatten()[0]) if n > 1 else 0
+               for d, n in enumerate(indices.shape)]
+    if any(st < 0 for st in strides):
+        return None
+    region = Region(offset, tuple(indices.shape), tuple(strides))
+    positions = torch.arange(offset + sum((n - 1) * st for n, st in zip(indices.shape, strides)) + 1)
+    return region if torch.equal(region.of(positions), indices) else None
+
+
 class _RecordCopies(TorchDispatchMode):
-    """Records every `copy_` into a known parameter from a view of a known stand-in; runs nothing else
-    that writes a parameter."""
+    """Records every `copy_` into a known parameter from (a view of) a known stand-in; runs nothing else
+    that writes a parameter.
+
+    A loader that rearranges a checkpoint tensor into a new one first (`.t().contiguous()`, a reshape
+    that copies) is followed too: the new tensor's storage gets an index map (which element of the
+    stand-in each of its elements is), and a copy out of it is recorded when those elements form a
+    strided region of the stand-in.
+    """
+
+    _REARRANGING = (torch.ops.aten.clone.default, torch.ops.aten._to_copy.default)
 
     def __init__(self, params: Mapping[tuple[str, int], str], sources: Mapping[tuple[str, int], str]) -> None:
         super().__init__()
         self.params, self.sources = params, sources
+        self.derived: dict[tuple[str, int], tuple[str, torch.Tensor]] = {}  # storage -> (hf name, index map)
         self.copies: list[tuple[str, Region, str, Region]] = []  # (param, dest, hf name, source)
         self.problems: list[str] = []
+
+    def _source(self, view: torch.Tensor) -> Optional[tuple[str, torch.Tensor]]:
+        """Return (hf name, flat stand-in indices of `view`'s elements), if `view` comes from a stand-in."""
+        if not view.is_meta:
+            return None
+        key = _storage_key(view)
+        if key in self.sources:
+            return self.sources[key], None
+        if key in self.derived:
+            name, flat = self.derived[key]
+            return name, flat.as_strided(tuple(view.shape), tuple(view.stride()), view.storage_offset())
+        return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -64,13 +100,18 @@ class _RecordCopies(TorchDispatchMode):
             dest, source = args[0], args[1]
             param = self.params.get(_storage_key(dest))
             if param is not None:
-                name = self.sources.get(_storage_key(source)) if source.is_meta else None
-                if name is None:
-                    self.problems.append(f"{param}: vLLM's loader copies a tensor derived from the checkpoint "
-                                         f"tensor in a way the recorder cannot follow (not a view of it)")
-                else:
-                    self.copies.append((param, _region(dest), name, _region(source)))
+                self._record(param, dest, source)
                 return dest
+        elif func in self._REARRANGING and args and isinstance(args[0], torch.Tensor):
+            found = self._source(args[0])
+            out = func(*args, **kwargs)
+            if found is not None and out.dtype == args[0].dtype:
+                name, indices = found
+                if indices is None:
+                    stand_in = torch.arange(args[0].untyped_storage().nbytes() // args[0].element_size())
+                    indices = stand_in.as_strided(tuple(args[0].shape), tuple(args[0].stride()), args[0].storage_offset())
+                self.derived[_storage_key(out)] = (name, indices.contiguous().flatten())
+            return out
         elif func._schema.is_mutable and args and isinstance(args[0], torch.Tensor) \
                 and _storage_key(args[0]) in self.params:
             zeroing = func is torch.ops.aten.zero_.default or (func is torch.ops.aten.fill_.Scalar and args[1] == 0)
@@ -79,6 +120,18 @@ class _RecordCopies(TorchDispatchMode):
                                      "(only copies of checkpoint regions and zeros can be recorded)")
             return args[0]
         return func(*args, **kwargs)
+
+    def _record(self, param: str, dest: torch.Tensor, source: torch.Tensor) -> None:
+        found = self._source(source)
+        region = None
+        if found is not None:
+            name, indices = found
+            region = _region(source) if indices is None else fit_region(indices.contiguous())
+        if region is None:
+            self.problems.append(f"{param}: vLLM's loader copies a tensor derived from a checkpoint tensor in a way "
+                                 "the recorder cannot follow (not a strided rearrangement of it)")
+            return
+        self.copies.append((param, _region(dest), name, region))
 
 
 def _reload_api() -> Any:
@@ -251,16 +304,18 @@ def load_params(model: torch.nn.Module, model_config: Any, params: Mapping[str, 
 
 
 def refresh_alias_layers(model: torch.nn.Module) -> None:
-    """Re-run the post-load processing of every layer whose parameter is another layer's (a tied lm_head):
+    """Re-run the post-load processing of every layer that holds another layer's parameter (a tied lm_head):
     the reload updated the parameter through its owner, but on CPU each layer packs its own copy of the
-    weight for its GEMM, and the alias's copy would keep the previous version."""
+    weight for its GEMM, and the alias's copy would keep the previous version. A layer registered twice
+    (a MoE gate under `mlp` and `mlp.experts`) is one layer, already processed."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-    modules = dict(model.named_modules())
-    for name in sorted(alias_names(model)):
-        layer = modules[name.rpartition(".")[0]]
+    owners: dict[int, torch.nn.Module] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        layer = model.get_submodule(name.rpartition(".")[0])
+        owner = owners.setdefault(id(param), layer)
         method = getattr(layer, "quant_method", None)
-        if isinstance(method, QuantizeMethodBase):
+        if owner is not layer and isinstance(method, QuantizeMethodBase):
             method.process_weights_after_loading(layer)
 
 
