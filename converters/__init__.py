@@ -15,6 +15,7 @@ import torch
 
 from converters.base import Converter, Family, HFTensor, Rule, Shard, Skip, keep_together_of
 from converters.deepseek_v3 import DEEPSEEK_V3
+from converters.glm4_moe import GLM4_MOE
 from converters.errors import (
     ConfigError, ConversionError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError,
     UnknownFamilyError, UnmappedParameterError,
@@ -23,7 +24,7 @@ from converters.llama import LLAMA, QWEN2
 from converters.qwen3 import QWEN3
 from converters.qwen3_moe import QWEN3_MOE
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V3)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V3, GLM4_MOE)}
 BUILTIN_FAMILIES: tuple[str, ...] = tuple(FAMILIES)  # the families this package ships (others register)
 
 
@@ -55,9 +56,12 @@ def family_of_model_type(model_type: str) -> Family:
 
 
 def get_converter(family: str, hf_config: Any, *, dtype: torch.dtype = torch.bfloat16,
-                  skip: Iterable[str] = ()) -> Converter:
-    """Return a `Converter` for `family` bound to `hf_config` (PretrainedConfig or config.json dict)."""
-    return Converter(get_family(family), hf_config, dtype=dtype, skip=skip)
+                  skip: Iterable[str] = (), draft: bool = True) -> Converter:
+    """Return a `Converter` for `family` bound to `hf_config` (PretrainedConfig or config.json dict).
+
+    `draft=False`: the engines hold no multi-token-prediction draft, so the layout has no draft layers
+    and Megatron's MTP block is skipped by name (see `Converter`)."""
+    return Converter(get_family(family), hf_config, dtype=dtype, skip=skip, draft=draft)
 
 
 __all__ = [
