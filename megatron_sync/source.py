@@ -1,5 +1,12 @@
 """Walk Megatron model chunks: every local parameter and needed buffer, with its global name
-and how it is sharded."""
+and how it is sharded.
+
+Global names are Megatron's single-rank names: decoder layers by their global index, routed
+experts by their global index, the multi-token-prediction block's layers (`mtp.layers.{d}`, on
+the last pipeline stage) by their global depth. A stage that holds the MTP block but not the
+first layer keeps Megatron's copy of the word embedding for it; that copy is named
+`MTP_STAGE_EMBEDDING`, apart from the first stage's embedding it mirrors.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +17,13 @@ from typing import Callable
 
 import torch
 
+from converters.mtp import MTP_STAGE_EMBEDDING
 from megatron_sync.parallel import ParallelLayout
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER_PART = re.compile(r"^transformer_layer\.(.+)$")  # the decoder layer inside an MTP depth
+_EMBEDDING = "embedding.word_embeddings.weight"
 # Routed experts in the two Megatron namings: SequentialMLP and TEGroupedMLP.
 _SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12]\.(?:weight|bias))(\d+)$")
@@ -30,7 +41,8 @@ class Sharding:
 
 @dataclass(frozen=True)
 class ExpertSlot:
-    """Where a routed expert tensor sits: its layer, its kind (name with {expert} left open)."""
+    """Where a routed expert tensor sits: its layer (an MTP depth d counts as layer num_layers + d),
+    its kind (name with {expert} left open)."""
 
     layer: int
     template: str  # global name with "{expert}" in place of the expert index
@@ -55,32 +67,55 @@ def unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def _layer_numbers(chunk: torch.nn.Module) -> list[int]:
-    decoder = getattr(chunk, "decoder", None)
-    if decoder is None:
+def _layer_numbers(chunk: torch.nn.Module, block: str) -> list[int]:
+    """Return the global 0-based index of each layer of the chunk's `block` ("decoder" or "mtp")."""
+    module = getattr(chunk, block, None)
+    if module is None:
         return []
-    return [layer.layer_number - 1 for layer in decoder.layers]  # Megatron counts from 1
+    return [layer.layer_number - 1 for layer in module.layers]  # Megatron counts from 1
 
 
-def _expert_slot(rest: str, layer: int, num_local: int, ep_rank: int) -> tuple[str, ExpertSlot] | None:
-    """Return (global name, slot) for a routed-expert name tail, or None if it is not one."""
+def _expert_slot(prefix: str, rest: str, layer: int, num_local: int, ep_rank: int) -> tuple[str, ExpertSlot] | None:
+    """Return (global name, slot) for a routed-expert name tail under the layer `prefix`, or None if it is not one."""
     seq = _SEQUENTIAL_EXPERT.match(rest)
     if seq:
         j, tail = int(seq.group(1)), seq.group(2)
-        template = f"decoder.layers.{layer}.mlp.experts.local_experts.{{expert}}.{tail}"
+        template = f"{prefix}mlp.experts.local_experts.{{expert}}.{tail}"
     else:
         grouped = _GROUPED_EXPERT.match(rest)
         if not grouped:
             return None
         tail, j = grouped.group(1), int(grouped.group(2))
-        template = f"decoder.layers.{layer}.mlp.experts.{tail}{{expert}}"
+        template = f"{prefix}mlp.experts.{tail}{{expert}}"
     if j >= num_local:
         raise ValueError(
-            f"local expert index {j} in decoder.layers.{layer}.{rest} is not below the "
+            f"local expert index {j} in {prefix}{rest} is not below the "
             f"{num_local} local experts implied by num_moe_experts/ep; check the model config"
         )
     slot = ExpertSlot(layer=layer, template=template, local_index=j, num_local=num_local)
     return template.format(expert=ep_rank * num_local + j), slot
+
+
+def _global_name(local_name: str, model: torch.nn.Module, num_local: int, ep_rank: int) -> tuple[str, ExpertSlot | None]:
+    """Return the global Megatron name of a chunk-local parameter name, and its expert slot if it is a routed expert."""
+    m = _LOCAL_LAYER.match(local_name)
+    if m:
+        layer = _layer_numbers(model, "decoder")[int(m.group(1))]
+        prefix, rest, slot_layer = f"decoder.layers.{layer}.", m.group(2), layer
+    else:
+        m = _LOCAL_MTP_LAYER.match(local_name)
+        if not m:
+            if local_name == _EMBEDDING and getattr(model, "mtp_process", False) and not model.pre_process:
+                return MTP_STAGE_EMBEDDING, None
+            return local_name, None
+        depth = _layer_numbers(model, "mtp")[int(m.group(1))]
+        inner = _MTP_LAYER_PART.match(m.group(2))
+        if not inner:  # the depth's own norms and projection
+            return f"mtp.layers.{depth}.{m.group(2)}", None
+        prefix, rest = f"mtp.layers.{depth}.transformer_layer.", inner.group(1)
+        slot_layer = model.config.num_layers + depth
+    found = _expert_slot(prefix, rest, slot_layer, num_local, ep_rank) if num_local else None
+    return found if found else (prefix + rest, None)
 
 
 def _sharding_of(param: torch.Tensor, is_expert: bool) -> Sharding:
@@ -102,12 +137,11 @@ def walk_chunk(
     """Return one model chunk's parameters, and the buffers `is_buffer` names, with global names.
 
     Layer indices get the chunk's PP/VPP offset (read from each layer's own
-    `layer_number`), routed experts get their global index
+    `layer_number`, MTP layers likewise), routed experts get their global index
     (`ep_rank * num_local + j`), and sharding comes from Megatron's
     `tensor_model_parallel` / `partition_dim` / `partition_stride` attributes.
     """
     model = unwrap_chunk(chunk)
-    layer_numbers = _layer_numbers(model)
     num_experts = getattr(getattr(model, "config", None), "num_moe_experts", None) or 0
     num_local = num_experts // layout.ep if num_experts else 0
     named = [(n, p, True) for n, p in model.named_parameters()]
@@ -115,15 +149,7 @@ def walk_chunk(
 
     out = []
     for local_name, tensor, is_param in named:
-        name, expert = local_name, None
-        m = _LOCAL_LAYER.match(local_name)
-        if m:
-            layer = layer_numbers[int(m.group(1))]
-            rest = m.group(2)
-            name = f"decoder.layers.{layer}.{rest}"
-            found = _expert_slot(rest, layer, num_local, layout.ep_rank) if num_local else None
-            if found:
-                name, expert = found
+        name, expert = _global_name(local_name, model, num_local, layout.ep_rank)
         if is_param or is_buffer(name):
             out.append(SourceTensor(name, tensor.detach(), _sharding_of(tensor, expert is not None), expert))
     return out
