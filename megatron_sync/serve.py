@@ -77,7 +77,8 @@ def build_reference_engine(hf_config: Any, config: WeightSyncConfig, *, tp_rank:
     from megatron_sync.engines.reference import ReferenceEngine
 
     return ReferenceEngine(hf_config, tp_rank=tp_rank, tp_size=config.engine_tp_size, group=group,
-                           dtype=dtype_from_name(config.dtype), family=config.require_family())
+                           dtype=dtype_from_name(config.dtype), family=config.require_family(),
+                           draft=config.draft == "sync")
 
 
 ENGINES: dict[str, Callable[..., Any]] = {"reference": build_reference_engine}

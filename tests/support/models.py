@@ -326,6 +326,7 @@ def _deepseek_v3_kwargs(spec: ModelSpec) -> dict:
         v_head_dim=spec.v_head_dim,
         rope_interleave=True,  # Megatron's MLA RoPE de-interleaves the same way
         attention_bias=False,
+        topk_method="noaux_tc", scoring_func="sigmoid",  # as DeepSeek-V3's config.json says (vLLM reads them)
     )
 
 
