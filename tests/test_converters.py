@@ -498,3 +498,13 @@ def test_kimi_k2_config_maps_onto_deepseek_v3_at_384_experts():
     assert stored["model.layers.60.mlp.experts.383.down_proj.weight"] == ((7168, 2048), torch.float8_e4m3fn)
     assert stored["model.layers.60.mlp.experts.383.down_proj.weight_scale_inv"] == ((56, 16), torch.float32)
     assert stored["model.layers.60.mlp.gate.weight"] == ((384, 7168), torch.float32)  # routers stay unquantized
+
+
+def test_a_glm_tensor_the_config_switches_off_is_refused_naming_the_switch():
+    conv = get_converter("glm4_moe", CONFIGS["glm4_moe_air"])  # use_qk_norm false
+    with pytest.raises(UnexpectedTensorError) as e:
+        conv.convert("decoder.layers.0.self_attention.q_layernorm.weight", torch.ones(3))
+    assert "model.layers.0.self_attn.q_norm.weight" in str(e.value) and "use_qk_norm" in str(e.value)
+    no_bias = get_converter("glm4_moe", dict(CONFIGS["glm4_moe"], attention_bias=False))
+    with pytest.raises(UnexpectedTensorError, match="attention_bias"):
+        no_bias.convert("decoder.layers.0.self_attention.linear_qkv.bias", torch.zeros(24))

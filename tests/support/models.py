@@ -306,9 +306,9 @@ def build_model_chunks(spec: ModelSpec, *, vpp: int | None = None, pg_collection
 # ---------------------------------------------------------------- Hugging Face side
 
 
-def _deepseek_v3_kwargs(spec: ModelSpec) -> dict:
+def _sigmoid_router_moe_kwargs(spec: ModelSpec) -> dict:
+    """DeepSeek-V3's and GLM-4.5's MoE config: routed + shared experts, dense first layers, MTP draft layers."""
     return dict(
-        num_key_value_heads=spec.num_heads,  # MLA: one latent KV per head
         moe_intermediate_size=spec.moe_ffn_hidden_size,
         n_routed_experts=spec.num_experts,
         n_shared_experts=spec.num_shared_experts,
@@ -319,6 +319,13 @@ def _deepseek_v3_kwargs(spec: ModelSpec) -> dict:
         norm_topk_prob=True,
         routed_scaling_factor=spec.routed_scaling_factor,
         num_nextn_predict_layers=spec.mtp_layers,
+    )
+
+
+def _deepseek_v3_kwargs(spec: ModelSpec) -> dict:
+    return dict(
+        **_sigmoid_router_moe_kwargs(spec),
+        num_key_value_heads=spec.num_heads,  # MLA: one latent KV per head
         q_lora_rank=spec.q_lora_rank,
         kv_lora_rank=spec.kv_lora_rank,
         qk_nope_head_dim=spec.qk_nope_head_dim,
@@ -332,21 +339,12 @@ def _deepseek_v3_kwargs(spec: ModelSpec) -> dict:
 
 def _glm4_moe_kwargs(spec: ModelSpec) -> dict:
     return dict(
+        **_sigmoid_router_moe_kwargs(spec),
         head_dim=spec.head_dim,
         attention_bias=True,  # GLM-4.5: q/k/v biases
         use_qk_norm=True,  # GLM-4.5 (GLM-4.5-Air has none)
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta,
                          "partial_rotary_factor": spec.partial_rotary_factor},
-        moe_intermediate_size=spec.moe_ffn_hidden_size,
-        n_routed_experts=spec.num_experts,
-        n_shared_experts=spec.num_shared_experts,
-        num_experts_per_tok=spec.moe_topk,
-        first_k_dense_replace=spec.first_k_dense_replace,
-        n_group=1,
-        topk_group=1,
-        norm_topk_prob=True,
-        routed_scaling_factor=spec.routed_scaling_factor,
-        num_nextn_predict_layers=spec.mtp_layers,
     )
 
 
