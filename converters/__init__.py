@@ -55,6 +55,16 @@ def family_of_model_type(model_type: str) -> Family:
     raise UnknownFamilyError(f"no model family converts HF model_type {model_type!r}; known: {known}")
 
 
+def config_model_type(model_type: str) -> str:
+    """Return the model_type whose transformers config class reads a config.json of `model_type`: its family's
+    first model type (Kimi-K2's "kimi_k2", which transformers has no class for, reads as "deepseek_v3", as vLLM
+    reads it); a model type no family converts, as is."""
+    for family in FAMILIES.values():
+        if model_type in family.hf_model_types:
+            return family.hf_model_types[0]
+    return model_type
+
+
 def get_converter(family: str, hf_config: Any, *, dtype: torch.dtype = torch.bfloat16,
                   skip: Iterable[str] = (), draft: bool = True) -> Converter:
     """Return a `Converter` for `family` bound to `hf_config` (PretrainedConfig or config.json dict).
@@ -65,7 +75,8 @@ def get_converter(family: str, hf_config: Any, *, dtype: torch.dtype = torch.bfl
 
 
 __all__ = [
-    "get_converter", "get_family", "register_family", "family_of_model_type", "FAMILIES", "BUILTIN_FAMILIES",
+    "get_converter", "get_family", "register_family", "family_of_model_type", "config_model_type", "FAMILIES",
+    "BUILTIN_FAMILIES",
     "Converter", "Family", "Rule", "HFTensor", "Shard", "Skip", "keep_together_of",
     "ConversionError", "ConfigError", "UnknownFamilyError", "UnmappedParameterError",
     "MissingTensorError", "UnexpectedTensorError", "ShapeMismatchError",

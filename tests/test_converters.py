@@ -508,3 +508,24 @@ def test_a_glm_tensor_the_config_switches_off_is_refused_naming_the_switch():
     no_bias = get_converter("glm4_moe", dict(CONFIGS["glm4_moe"], attention_bias=False))
     with pytest.raises(UnexpectedTensorError, match="attention_bias"):
         no_bias.convert("decoder.layers.0.self_attention.linear_qkv.bias", torch.zeros(24))
+
+
+def test_kimi_k2_config_json_is_read_and_compared_as_deepseek_v3(tmp_path):
+    """transformers has no kimi_k2 config class; engines read Kimi-K2's config.json as DeepSeek-V3's (vLLM does),
+    and the rendezvous compares a trainer's config.json dict with an engine's config of it field by field."""
+    import json
+
+    import transformers
+
+    from converters import config_model_type
+    from megatron_sync.model_digest import model_differences, model_fields
+    from megatron_sync.serve import load_model_config
+
+    assert config_model_type("kimi_k2") == "deepseek_v3" and config_model_type("qwen3") == "qwen3"
+    values = {k: v for k, v in KIMI_K2_INSTRUCT.items() if k != "quantization_config"}
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    config = load_model_config(str(tmp_path))
+    assert isinstance(config, transformers.DeepseekV3Config) and config.n_routed_experts == 384
+    assert model_differences(model_fields(values), model_fields(config)) == []
+    assert get_converter("deepseek_v3", config).expected_hf_tensors() == \
+        get_converter("deepseek_v3", values).expected_hf_tensors()
