@@ -96,25 +96,46 @@ def _expert_slot(prefix: str, rest: str, layer: int, num_local: int, ep_rank: in
     return template.format(expert=ep_rank * num_local + j), slot
 
 
-def _global_name(local_name: str, model: torch.nn.Module, num_local: int, ep_rank: int) -> tuple[str, ExpertSlot | None]:
+@dataclass(frozen=True)
+class _ChunkIndex:
+    """What naming a chunk's parameters globally needs, read once per chunk."""
+
+    decoder_layers: list[int]  # global 0-based index of each local decoder layer
+    mtp_depths: list[int]  # global depth of each local MTP layer
+    num_layers: int  # decoder layers of the whole model (an MTP depth's experts group as layer num_layers + d)
+    mtp_stage_embedding: bool  # the embedding is Megatron's copy for the MTP block, not the first stage's
+    num_local: int  # routed experts per EP rank (0: no MoE)
+    ep_rank: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, layout: ParallelLayout) -> "_ChunkIndex":
+        config = getattr(model, "config", None)
+        num_experts = getattr(config, "num_moe_experts", None) or 0
+        return cls(
+            decoder_layers=_layer_numbers(model, "decoder"), mtp_depths=_layer_numbers(model, "mtp"),
+            num_layers=getattr(config, "num_layers", 0) or 0,
+            mtp_stage_embedding=getattr(model, "mtp_process", False) and not getattr(model, "pre_process", True),
+            num_local=num_experts // layout.ep if num_experts else 0, ep_rank=layout.ep_rank,
+        )
+
+
+def _global_name(local_name: str, chunk: _ChunkIndex) -> tuple[str, ExpertSlot | None]:
     """Return the global Megatron name of a chunk-local parameter name, and its expert slot if it is a routed expert."""
     m = _LOCAL_LAYER.match(local_name)
     if m:
-        layer = _layer_numbers(model, "decoder")[int(m.group(1))]
+        layer = chunk.decoder_layers[int(m.group(1))]
         prefix, rest, slot_layer = f"decoder.layers.{layer}.", m.group(2), layer
     else:
         m = _LOCAL_MTP_LAYER.match(local_name)
         if not m:
-            if local_name == _EMBEDDING and getattr(model, "mtp_process", False) and not model.pre_process:
-                return MTP_STAGE_EMBEDDING, None
-            return local_name, None
-        depth = _layer_numbers(model, "mtp")[int(m.group(1))]
+            return (MTP_STAGE_EMBEDDING if local_name == _EMBEDDING and chunk.mtp_stage_embedding else local_name), None
+        depth = chunk.mtp_depths[int(m.group(1))]
         inner = _MTP_LAYER_PART.match(m.group(2))
         if not inner:  # the depth's own norms and projection
             return f"mtp.layers.{depth}.{m.group(2)}", None
         prefix, rest = f"mtp.layers.{depth}.transformer_layer.", inner.group(1)
-        slot_layer = model.config.num_layers + depth
-    found = _expert_slot(prefix, rest, slot_layer, num_local, ep_rank) if num_local else None
+        slot_layer = chunk.num_layers + depth
+    found = _expert_slot(prefix, rest, slot_layer, chunk.num_local, chunk.ep_rank) if chunk.num_local else None
     return found if found else (prefix + rest, None)
 
 
@@ -142,14 +163,13 @@ def walk_chunk(
     `tensor_model_parallel` / `partition_dim` / `partition_stride` attributes.
     """
     model = unwrap_chunk(chunk)
-    num_experts = getattr(getattr(model, "config", None), "num_moe_experts", None) or 0
-    num_local = num_experts // layout.ep if num_experts else 0
+    index = _ChunkIndex.of(model, layout)
     named = [(n, p, True) for n, p in model.named_parameters()]
     named += [(n, b, False) for n, b in model.named_buffers()]
 
     out = []
     for local_name, tensor, is_param in named:
-        name, expert = _global_name(local_name, model, num_local, layout.ep_rank)
+        name, expert = _global_name(local_name, index)
         if is_param or is_buffer(name):
             out.append(SourceTensor(name, tensor.detach(), _sharding_of(tensor, expert is not None), expert))
     return out
