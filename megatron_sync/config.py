@@ -21,6 +21,7 @@ from megatron_sync.transport import transport_names
 BACKENDS = ("gloo", "nccl", "auto")
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 INFLIGHT_POLICIES = ("abort", "wait", "recompute", "keep")
+DRAFT_CHOICES = ("sync", "skip")
 P2P_BACKENDS = ("torch", "mooncake")  # megatron_sync.transport.p2p.MOVERS
 P2P_PROTOCOLS = ("tcp", "rdma")
 CHECKSUM_CHOICES = ("auto", *CHECKSUMS)
@@ -97,6 +98,12 @@ class WeightSyncConfig:
 
     dtype: str = "bfloat16"
     """Dtype the engine computes with; converted tensors are cast to it."""
+
+    draft: str = "sync"
+    """The multi-token-prediction draft layers (DeepSeek-V3, GLM-4.5): "sync" sends Megatron's MTP block as the
+    draft layers the HF config declares (num_nextn_predict_layers), in the same version as the main weights;
+    "skip" says the engines run without the draft: no draft layers are expected, and the MTP block's
+    parameters are left out by name. Both jobs must agree (the plan handshake compares the tensor lists)."""
 
     metrics_path: Optional[str] = None
     """If set, each sync's metrics are appended to this file as one JSON line."""
@@ -210,6 +217,7 @@ class WeightSyncConfig:
         if self.metrics_path is not None and not isinstance(self.metrics_path, str):
             raise ValueError("metrics_path must be a file path string or null")
         _check_choice("inflight_policy", self.inflight_policy, INFLIGHT_POLICIES)
+        _check_choice("draft", self.draft, DRAFT_CHOICES)
         _check_choice("checksum", self.checksum, CHECKSUM_CHOICES)
         if self.run_id is not None and (not isinstance(self.run_id, str) or not _RUN_ID.fullmatch(self.run_id)):
             raise ValueError(f"run_id={self.run_id!r} is not valid: use 1-64 letters, digits, '.', '_' or '-' "

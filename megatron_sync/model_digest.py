@@ -102,7 +102,10 @@ def _with_transformers_defaults(values: dict[str, Any]) -> dict[str, Any]:
     try:
         from transformers import AutoConfig
 
-        return _as_dict(AutoConfig.for_model(model_type, **{k: v for k, v in values.items() if k != "model_type"}))
+        from converters import config_model_type  # kimi_k2 reads as deepseek_v3, on both sides alike
+
+        return _as_dict(AutoConfig.for_model(config_model_type(model_type),
+                                             **{k: v for k, v in values.items() if k != "model_type"}))
     except (ImportError, ValueError, KeyError, TypeError):
         return values  # a model_type transformers does not know: compare the fields as written
 

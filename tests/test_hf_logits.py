@@ -43,7 +43,7 @@ import pytest
 import torch
 
 from tests.support.dist import run_distributed
-from tests.support.models import ModelSpec
+from tests.support.models import KIMI_K2, ModelSpec
 
 pytestmark = pytest.mark.multiproc
 
@@ -58,8 +58,12 @@ CASES = {
     "deepseek_v3": ModelSpec(family="deepseek_v3"),
     "gpt_oss": ModelSpec(family="gpt_oss", num_experts=4, rms_norm_eps=1e-5),
     "qwen3_next": ModelSpec(family="qwen3_next", num_experts=4),
+    # GLM-4.5: q/k/v biases, QK norm, RoPE on half of each head, sigmoid router with correction bias
+    "glm4_moe": ModelSpec(family="glm4_moe", partial_rotary_factor=0.5),
+    # Kimi-K2's shape: 32 experts (8 per token), one dense layer, MLA, routed_scaling_factor 2.827
+    "kimi_k2": ModelSpec(**KIMI_K2),
 }
-MOE_CASES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
+MOE_CASES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "glm4_moe", "kimi_k2")
 EXPERT_BIAS_CASES = ("gpt_oss",)  # expert biases: megatron-core 0.16.1 wants expert TP 1
 
 
@@ -92,7 +96,7 @@ def _negative_controls(tensors: dict, spec: ModelSpec, tokens, reference: torch.
         down = experts + ("{}.down_proj" if f"{experts}0.down_proj" in tensors else "{}.down_proj.weight")
         variants["two experts swapped"] = {**tensors, down.format(0): tensors[down.format(1)],
                                            down.format(1): tensors[down.format(0)]}
-    if spec.family == "deepseek_v3":  # the bias only changes which experts are chosen
+    if spec.traits.router_bias:  # the bias only changes which experts are chosen
         variants["routing bias dropped"] = {
             n: torch.zeros_like(t) if n.endswith("e_score_correction_bias") else t for n, t in tensors.items()
         }

@@ -3,7 +3,8 @@
 Pure cases: each row of the table, changed on one side, is refused naming both values and the Megatron
 option to set; the values that only look different (None routing groups and n_group 1, a softmax after
 the top-k and norm_topk_prob) agree. One multi-process case reads the values off real Megatron models
-of every family and finds them equal to the tiny models' HF configs.
+of every built-in family (and Kimi-K2's shape, GLM-4.5 with partial rotary, routed scaling and an MTP
+layer) and finds them equal to the tiny models' HF configs.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def test_a_disagreement_is_named_with_both_values_and_the_option_to_set(megatron
 
 @pytest.mark.parametrize("megatron, hf, words", [
     ({"moe_router_score_function": "softmax"}, {}, "moe_router_score_function='softmax', the HF config "
-                                                   "scoring_func='sigmoid' (implied by its model_type 'deepseek_v3')"),
+                                                   "scoring_func='sigmoid'"),
     ({"moe_router_topk_scaling_factor": None}, {"routed_scaling_factor": 2.5},
      "moe_router_topk_scaling_factor=None (HF: 1.0), the HF config routed_scaling_factor=2.5"),
     ({}, {"n_group": 8}, "moe_router_num_groups=None (HF: 1), the HF config n_group=8"),
@@ -100,6 +101,12 @@ def test_a_disagreement_is_named_with_both_values_and_the_option_to_set(megatron
 def test_deepseek_routing_and_mla_disagreements_are_named(megatron, hf, words):
     problems = disagreements({**DEEPSEEK_V3, **megatron}, {**_hf("deepseek_v3"), **hf})
     assert len(problems) == 1 and words in problems[0], problems
+
+
+def test_a_value_its_architecture_implies_is_compared_when_the_config_is_silent():
+    hf = {name: value for name, value in _hf("deepseek_v3").items() if name != "scoring_func"}
+    (problem,) = disagreements({**DEEPSEEK_V3, "moe_router_score_function": "softmax"}, hf)
+    assert "the HF config scoring_func='sigmoid' (implied by its model_type 'deepseek_v3')" in problem
 
 
 def test_values_that_only_look_different_agree():
@@ -131,19 +138,21 @@ def test_every_row_names_hf_fields_the_rendezvous_compares():
         assert {name.split(".")[0] for name in row.hf} <= compared, row
 
 
-def _read_real_models(rank: int, world_size: int, families: list[str]) -> dict:
+def _read_real_models(rank: int, world_size: int, specs: list[dict]) -> list[list[str]]:
     from megatron_sync.megatron_config import megatron_values
     from tests.support.dist import init_megatron
     from tests.support.models import build_model_chunks
 
     init_megatron(seed=1)
-    return {family: disagreements(megatron_values(build_model_chunks(ModelSpec(family))[0]), _hf(family))
-            for family in families}
+    return [disagreements(megatron_values(build_model_chunks(ModelSpec(**spec))[0]),
+                          model_fields(hf_config(ModelSpec(**spec)))) for spec in specs]
 
 
 @pytest.mark.multiproc
 def test_values_read_off_real_megatron_models_agree_with_their_hf_configs():
     from converters import BUILTIN_FAMILIES
+    from tests.support.models import KIMI_K2
 
-    families = list(BUILTIN_FAMILIES)
-    assert run_distributed(_read_real_models, 1, families, timeout=240)[0] == {f: [] for f in families}
+    specs = [{"family": family} for family in BUILTIN_FAMILIES] + [
+        KIMI_K2, {"family": "glm4_moe", "partial_rotary_factor": 0.5, "routed_scaling_factor": 2.5, "mtp_layers": 1}]
+    assert run_distributed(_read_real_models, 1, specs, timeout=240)[0] == [[] for _ in specs]

@@ -168,6 +168,11 @@ def test_p2p_syncs_exact_shards_and_only_shard_bytes_through_the_drivers(backend
         assert all(ratio == 1.0 for ratio in ratios.values()), (version, ratios)
         sent_bytes = sum(json.loads(t["metrics"][version - 1])["bytes"] for t in trainers)
         assert sent_bytes == sum(shard_bytes), (version, sent_bytes, shard_bytes)
+        # Every phase P2P runs is measured (gather, convert and checksum on the senders; checksum on receivers).
+        for t in trainers:
+            phases = json.loads(t["metrics"][version - 1])["phases_s"]
+            assert all(phases[p] > 0 for p in ("gather", "convert", "checksum", "transfer", "commit")), phases
+        assert all(json.loads(m)["phases_s"]["checksum"] > 0 for m in reports), reports
     # The distributed replica: each rank holds its assigned share, none holds everything.
     total = sum(t["replica"]["assigned"] for t in trainers)
     for rank, t in enumerate(trainers):

@@ -30,7 +30,7 @@ from tests.support.models import NOT_ON_REFERENCE_ENGINE
 
 TP = 2
 VOCAB = 250
-FAMILY_NAMES = ["qwen3", "qwen3_moe", "llama", "qwen2", "deepseek_v3"]
+FAMILY_NAMES = ["qwen3", "qwen3_moe", "llama", "qwen2", "deepseek_v3", "glm4_moe"]
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
 
 
@@ -50,7 +50,12 @@ def tiny_config(family: str):
             num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
             n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
             q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-            tie_word_embeddings=False,
+            tie_word_embeddings=False, num_nextn_predict_layers=0,  # transformers' default is 1 draft layer
+        ),
+        "glm4_moe": dict(
+            **gqa, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, moe_intermediate_size=32,
+            n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+            tie_word_embeddings=False, num_nextn_predict_layers=0,
         ),
     }[family]
     return AutoConfig.for_model(family, **_COMMON, **kwargs)

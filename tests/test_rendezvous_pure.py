@@ -41,6 +41,7 @@ DISAGREEMENTS = [
     ({"dtype": "bfloat16"}, "trainer sends dtype 'float32', this inference job computes in 'bfloat16'"),
     ({"family": "llama"}, "trainer converts model family 'qwen3', this inference job serves 'llama'"),
     ({"bucket_size_mb": 64.0}, "trainer cuts buckets of 512.0 MiB, this inference job expects 64.0"),
+    ({"draft": "skip"}, "trainer handles the draft (MTP) layers with draft='sync', this inference job with 'skip'"),
 ]
 
 

@@ -45,6 +45,7 @@ from torch import nn
 
 from converters import Shard, family_of_model_type, get_converter
 from converters.patterns import compile_pattern
+from megatron_sync.engines.draft import build_causal_lm, draft_logits
 from megatron_sync.engines.tp_layers import ColumnParallelLinear, RowParallelLinear, all_reduce_, local_kv_heads
 from megatron_sync.layout.rank import RankLayout
 from megatron_sync.layout.regions import VOCAB_WHOLE, Sharding
@@ -100,7 +101,8 @@ class ReferenceEngine:
     `family` names the converters family (default: the one whose `hf_model_types`
     include the config's `model_type`). `group` is the torch.distributed group of
     this engine's ranks (None: the default group); `logits` and `generate` are
-    collective over it.
+    collective over it. The engine also holds the draft (multi-token-prediction)
+    layers the config declares (`engines/draft.py`), unless `draft=False`.
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class ReferenceEngine:
         group: dist.ProcessGroup | None = None,
         dtype: torch.dtype = torch.float32,
         family: str | None = None,
+        draft: bool = True,
     ):
         if not (tp_size >= 1 and 0 <= tp_rank < tp_size):
             raise ValueError(f"tp_rank={tp_rank} must lie in [0, tp_size={tp_size}) with tp_size >= 1")
@@ -124,7 +127,7 @@ class ReferenceEngine:
         self.family = family or family_of_model_type(getattr(hf_config, "model_type", None)).name
         self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
         self.config = copy.deepcopy(hf_config)
-        self.converter = get_converter(self.family, self.config, dtype=dtype)
+        self.converter = get_converter(self.family, self.config, dtype=dtype, draft=draft)
         self._expected = {m.name: m for m in self.converter.expected_metas()}  # as received (quantized names)
         self._weights = {m.name: m for m in self.converter.expected_metas(quantized=False)}  # as computed with
         self._roles = {name: self.converter.shard_role(name) for name in self._weights}
@@ -135,9 +138,7 @@ class ReferenceEngine:
         self._params = {p.name: p for p in self._layout.params}
         self._version = 0
         with torch.device("meta"):
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_config(self.config, dtype=dtype, experts_implementation="eager")
+            model = build_causal_lm(self.config, dtype=dtype, draft_layers=self.converter.draft_layers)
         self._index_checkpoint(model)
         with torch.device("meta"):
             self._parallelize(model)
@@ -211,6 +212,10 @@ class ReferenceEngine:
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Return full-vocabulary logits [B, S, V] for `tokens` [B, S], identical on every rank."""
         return self.model(input_ids=tokens, use_cache=False).logits
+
+    def draft_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Return the draft layers' next-token logits [depth, B, S, V] for `tokens` [B, S] (collective)."""
+        return draft_logits(self.model, tokens)
 
     @torch.no_grad()
     def forward_cached(self, tokens: torch.Tensor, cache: Cache | None = None) -> tuple[torch.Tensor, Cache]:

@@ -69,6 +69,8 @@ EXPECTATIONS: tuple[Expectation, ...] = (
                 lambda config, stages, backend: config.dtype),
     Expectation("bucket_size_mb", "{host} cuts buckets of {h} MiB, this {joiner} job expects {j}",
                 "weight_sync.bucket_size_mb", lambda config, stages, backend: config.bucket_size_mb),
+    Expectation("draft", "{host} handles the draft (MTP) layers with draft={h}, this {joiner} job with {j}",
+                "weight_sync.draft", lambda config, stages, backend: config.draft),
     Expectation("checksum", "{host} checks every bucket with {h}, this {joiner} job with {j}", "weight_sync.checksum",
                 _checksum),
     Expectation("p2p_backend", "{host} moves P2P bytes with {h}, this {joiner} job with {j}",
@@ -79,7 +81,7 @@ EXPECTATIONS: tuple[Expectation, ...] = (
 """What the two jobs compare before any byte moves, in the order a refusal lists differences."""
 
 COMMON = ("transport", "backend", "num_inference_ranks", "engine_tp_size", "trainer_stages", "family", "dtype",
-          "bucket_size_mb")
+          "bucket_size_mb", "draft")
 """The rows every transport that meets at the store compares; a transport adds its own (`Transport.shares`)."""
 
 

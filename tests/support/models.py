@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from converters import get_family
 from converters.hf_config import HFConfig
+from converters.mtp import MTP_STAGE_EMBEDDING
 
 __all__ = [
     "ModelSpec",
@@ -30,6 +31,8 @@ __all__ = [
     "reference_weights",
     "load_reference_weights",
     "megatron_logits",
+    "megatron_draft_logits",
+    "KIMI_K2",
 ]
 
 VOCAB_DIVISOR = 128  # Megatron-LM's default --make-vocab-size-divisible-by
@@ -97,12 +100,16 @@ class ModelSpec:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    # MoE (qwen3_moe, deepseek_v3)
+    partial_rotary_factor: float | None = None  # RoPE on this fraction of each head (Megatron rotary_percent);
+    # None: the family's usual (Qwen3-Next 0.25, else 1.0)
+    # MoE (qwen3_moe, deepseek_v3, glm4_moe)
     num_experts: int = 8
     moe_topk: int = 2
     moe_ffn_hidden_size: int = 32
-    num_shared_experts: int = 1  # deepseek_v3 only
-    first_k_dense_replace: int = 1  # deepseek_v3 only
+    num_shared_experts: int = 1  # deepseek_v3, glm4_moe
+    first_k_dense_replace: int = 1  # deepseek_v3, glm4_moe
+    routed_scaling_factor: float = 1.0  # deepseek_v3, glm4_moe: routing weights times this
+    mtp_layers: int = 0  # multi-token-prediction draft layers (deepseek_v3, glm4_moe): mtp_num_layers
     # Multi-Latent Attention (deepseek_v3)
     q_lora_rank: int = 32
     kv_lora_rank: int = 32
@@ -119,7 +126,6 @@ class ModelSpec:
     linear_value_head_dim: int = 16
     linear_conv_kernel_dim: int = 4
     full_attention_interval: int = 2
-    partial_rotary_factor: float = 0.25
     hf_model_type: str | None = None
 
     def __post_init__(self):
@@ -128,6 +134,8 @@ class ModelSpec:
             object.__setattr__(self, "hf_model_type", family.hf_model_types[0])
         if self.traits.shared_experts and not 0 < self.first_k_dense_replace < self.num_layers:
             raise ValueError("first_k_dense_replace must leave at least one MoE layer")
+        if self.mtp_layers and get_family(self.family).draft_layers_key is None:
+            raise ValueError(f"family {self.family!r} has no draft layers; use mtp_layers=0")
 
     @property
     def traits(self) -> FamilyTraits:
@@ -154,15 +162,18 @@ class ModelSpec:
     @property
     def rotary_percent(self) -> float:
         """The fraction of each head's dims rotated by RoPE."""
-        return self.partial_rotary_factor if self.traits.linear_attention else 1.0
+        if self.partial_rotary_factor is not None:
+            return self.partial_rotary_factor
+        return 0.25 if self.traits.linear_attention else 1.0
 
     @property
     def moe_layers(self) -> list[int]:
-        """Global indices of the layers whose MLP is a mixture of experts (the family's own rule)."""
+        """Global indices of the layers whose MLP is a mixture of experts (the family's own rule), the
+        draft layers (num_layers + d) included."""
         if not self.is_moe:
             return []
         config = HFConfig(hf_config(self), self.family)
-        return [i for i in range(self.num_layers) if get_family(self.family).is_moe_layer(config, i)]
+        return [i for i in range(self.num_layers + self.mtp_layers) if get_family(self.family).is_moe_layer(config, i)]
 
 
 def padded_vocab_size(spec: ModelSpec, tp: int) -> int:
@@ -222,6 +233,8 @@ def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | Non
         kwargs.update(_gpt_oss_config(spec))
     if spec.traits.linear_attention:
         kwargs.update(_qwen3_next_config(spec))
+    if spec.mtp_layers:
+        kwargs.update(mtp_num_layers=spec.mtp_layers, mtp_loss_scaling_factor=0.1)
     if spec.is_mla:
         kwargs.update(
             q_lora_rank=spec.q_lora_rank,
@@ -273,7 +286,7 @@ def _moe_config(spec: ModelSpec) -> dict:
         num_moe_experts=spec.num_experts,
         moe_router_topk=spec.moe_topk,
         moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-        moe_layer_freq=[1 if i in spec.moe_layers else 0 for i in range(spec.num_layers)],
+        moe_layer_freq=[1 if i in spec.moe_layers else 0 for i in range(spec.num_layers)],  # MTP: like the last
         moe_grouped_gemm=False,  # SequentialMLP: mlp.experts.local_experts.{j}
         moe_token_dispatcher_type="allgather",  # alltoall builds a torch.cuda.Stream
         moe_router_load_balancing_type="none",
@@ -286,7 +299,7 @@ def _moe_config(spec: ModelSpec) -> dict:
         common.update(
             moe_router_score_function="sigmoid",
             moe_router_enable_expert_bias=True,
-            moe_router_topk_scaling_factor=1.0,
+            moe_router_topk_scaling_factor=spec.routed_scaling_factor,
         )
     else:
         common.update(moe_router_score_function="softmax")
@@ -297,20 +310,25 @@ def _moe_config(spec: ModelSpec) -> dict:
 
 
 def _layer_specs(spec: ModelSpec, config, vp_stage, pp_rank):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    """Return (decoder block spec, MTP block spec or None) of this stage; the MTP layer is built like the
+    stage's last decoder layer (megatron-core's rule) and exists only on the last stage."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 
     from tests.support.cpu_hybrid import hybrid_block_spec
     from tests.support.cpu_shim import use_cpu_core_attention
 
-    if spec.traits.linear_attention:
-        return hybrid_block_spec(config, spec.linear_attention_layers, vp_stage=vp_stage, pp_rank=pp_rank)
+    if spec.traits.linear_attention:  # Qwen3-Next's MTP layers are not mapped (README)
+        return hybrid_block_spec(config, spec.linear_attention_layers, vp_stage=vp_stage, pp_rank=pp_rank), None
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=False, normalization="RMSNorm",
         vp_stage=vp_stage, pp_rank=pp_rank,
     )
     if spec.is_mla:
         block.layer_specs = [use_cpu_core_attention(s) for s in block.layer_specs]
-    return block
+    mtp = None
+    if spec.mtp_layers:
+        mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=False, vp_stage=vp_stage, pp_rank=pp_rank)
+    return block, mtp
 
 
 def build_model_chunks(spec: ModelSpec, *, vpp: int | None = None, pg_collection=None) -> list:
@@ -343,9 +361,11 @@ def build_model_chunks(spec: ModelSpec, *, vpp: int | None = None, pg_collection
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
+        block, mtp_block = _layer_specs(spec, config, stage, pp_rank)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=_layer_specs(spec, config, stage, pp_rank),
+            transformer_layer_spec=block,
+            mtp_block_spec=mtp_block,
             vocab_size=padded_vocab_size(spec, tp),
             max_sequence_length=spec.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -365,9 +385,9 @@ def build_model_chunks(spec: ModelSpec, *, vpp: int | None = None, pg_collection
 # ---------------------------------------------------------------- Hugging Face side
 
 
-def _deepseek_v3_kwargs(spec: ModelSpec) -> dict:
+def _sigmoid_router_moe_kwargs(spec: ModelSpec) -> dict:
+    """DeepSeek-V3's and GLM-4.5's MoE config: routed + shared experts, dense first layers, MTP draft layers."""
     return dict(
-        num_key_value_heads=spec.num_heads,  # MLA: one latent KV per head
         moe_intermediate_size=spec.moe_ffn_hidden_size,
         n_routed_experts=spec.num_experts,
         n_shared_experts=spec.num_shared_experts,
@@ -376,7 +396,15 @@ def _deepseek_v3_kwargs(spec: ModelSpec) -> dict:
         n_group=1,
         topk_group=1,
         norm_topk_prob=True,
-        routed_scaling_factor=1.0,
+        routed_scaling_factor=spec.routed_scaling_factor,
+        num_nextn_predict_layers=spec.mtp_layers,
+    )
+
+
+def _deepseek_v3_kwargs(spec: ModelSpec) -> dict:
+    return dict(
+        **_sigmoid_router_moe_kwargs(spec),
+        num_key_value_heads=spec.num_heads,  # MLA: one latent KV per head
         q_lora_rank=spec.q_lora_rank,
         kv_lora_rank=spec.kv_lora_rank,
         qk_nope_head_dim=spec.qk_nope_head_dim,
@@ -384,8 +412,25 @@ def _deepseek_v3_kwargs(spec: ModelSpec) -> dict:
         v_head_dim=spec.v_head_dim,
         rope_interleave=True,  # Megatron's MLA RoPE de-interleaves the same way
         attention_bias=False,
+        topk_method="noaux_tc", scoring_func="sigmoid",  # as DeepSeek-V3's config.json says (vLLM reads them)
     )
 
+
+def _glm4_moe_kwargs(spec: ModelSpec) -> dict:
+    return dict(
+        **_sigmoid_router_moe_kwargs(spec),
+        head_dim=spec.head_dim,
+        attention_bias=True,  # GLM-4.5: q/k/v biases
+        use_qk_norm=True,  # GLM-4.5 (GLM-4.5-Air has none)
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta,
+                         "partial_rotary_factor": spec.rotary_percent},
+    )
+
+
+# Kimi-K2 is DeepSeek-V3's architecture (its config.json: model_type "kimi_k2", DeepseekV3ForCausalLM) with
+# many more experts, one dense layer, and routed_scaling_factor 2.827; scaled down here, with 32 tiny experts.
+KIMI_K2 = dict(family="deepseek_v3", num_experts=32, moe_topk=8, moe_ffn_hidden_size=16, first_k_dense_replace=1,
+               num_shared_experts=1, routed_scaling_factor=2.827)
 
 # transformers' config arguments per architecture (HF model_type), beyond the common ones.
 _ARCHITECTURE_KWARGS = {
@@ -421,8 +466,9 @@ _ARCHITECTURE_KWARGS = {
         linear_conv_kernel_dim=s.linear_conv_kernel_dim,
         layer_types=["linear_attention" if la else "full_attention" for la in s.linear_attention_layers],
         rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta,
-                         "partial_rotary_factor": s.partial_rotary_factor},
+                         "partial_rotary_factor": s.rotary_percent},
     ),
+    "glm4_moe": _glm4_moe_kwargs,
 }
 
 
@@ -500,6 +546,13 @@ def _attention_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple]:
     return shapes
 
 
+def _layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple]:
+    """Return the shapes of decoder layer `layer` (a draft layer when >= num_layers), names relative to it."""
+    h = spec.hidden_size
+    return {"input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
+            **_attention_shapes(spec, layer), **_mlp_shapes(spec, layer)}
+
+
 def _mlp_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple]:
     h = spec.hidden_size
     if layer not in spec.moe_layers:
@@ -532,11 +585,13 @@ def reference_shapes(spec: ModelSpec) -> dict[str, tuple]:
     h = spec.hidden_size
     shapes = {"embedding.word_embeddings.weight": (spec.vocab_size, h)}
     for i in range(spec.num_layers):
-        layer = {"input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,)}
-        layer.update(_attention_shapes(spec, i))
-        layer.update(_mlp_shapes(spec, i))
-        shapes.update({f"decoder.layers.{i}.{k}": v for k, v in layer.items()})
+        shapes.update({f"decoder.layers.{i}.{k}": v for k, v in _layer_shapes(spec, i).items()})
     shapes["decoder.final_layernorm.weight"] = (h,)
+    for d in range(spec.mtp_layers):  # megatron-core's MultiTokenPredictionLayer
+        m = f"mtp.layers.{d}."
+        shapes.update({m + "enorm.weight": (h,), m + "hnorm.weight": (h,), m + "eh_proj.weight": (h, 2 * h)})
+        shapes.update({f"{m}transformer_layer.{k}": v for k, v in _layer_shapes(spec, spec.num_layers + d).items()})
+        shapes[m + "final_layernorm.weight"] = (h,)
     if not spec.tie_word_embeddings:
         shapes["output_layer.weight"] = (spec.vocab_size, h)
     return shapes
@@ -549,8 +604,7 @@ def _norm_value(noise: torch.Tensor, zero_centered: bool) -> torch.Tensor:
 # Values by name ending, first match (norms near their gamma, biases small, sink logits and A_log O(1));
 # any other tensor is a weight scaled by its fan-in, which keeps activations O(1).
 _REFERENCE_VALUES = (
-    ("layernorm.weight", _norm_value),
-    ("out_norm.weight", _norm_value),
+    ("norm.weight", _norm_value),  # every RMSNorm: *layernorm, GDN's out_norm, MTP's enorm / hnorm
     ("expert_bias", lambda noise, zc: 0.1 * noise),  # non-zero, large enough to change some top-k choices
     (".bias", lambda noise, zc: 0.1 * noise),
     ("dt_bias", lambda noise, zc: 0.1 * noise),
@@ -583,7 +637,7 @@ def reference_weights(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------- loading a rank's slice
 
-_VOCAB_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
+_VOCAB_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight", MTP_STAGE_EMBEDDING)
 
 
 def _rank_slice(full: torch.Tensor, local, spec: ModelSpec, layout) -> torch.Tensor:
@@ -638,6 +692,8 @@ def load_reference_weights(chunks: list, full: dict[str, torch.Tensor], spec: Mo
         name = local.name
         if name == "output_layer.weight" and spec.tie_word_embeddings:
             name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied weight
+        if name == MTP_STAGE_EMBEDDING:
+            name = "embedding.word_embeddings.weight"  # the MTP stage's copy of the embedding
         if name not in full:
             raise KeyError(f"local tensor {local.name!r} has no reference tensor")
         piece = _rank_slice(full[name], local, spec, layout)
@@ -663,13 +719,27 @@ def megatron_logits(chunks: list, tokens: torch.Tensor, vocab_size: int | None =
     p2p schedule allocates on CUDA. The padded vocabulary is trimmed to
     ``vocab_size`` (default: the spec the chunks were built from).
     """
+    return _gathered(chunks, tokens, vocab_size, draft=False)
+
+
+def megatron_draft_logits(chunks: list, tokens: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+    """Return the MTP block's logits ``[depth, batch, seq, vocab]`` from Megatron's own forward, on every rank.
+
+    Depth d at position i predicts token i + 2 + d from the main model's hidden state at i and the
+    embedding of token i + 1 + d (megatron-core rolls the input ids left, so the last d + 1
+    positions see padding); every rank gets them, gathered over TP like ``megatron_logits``.
+    """
+    return _gathered(chunks, tokens, vocab_size, draft=True)
+
+
+def _gathered(chunks: list, tokens: torch.Tensor, vocab_size: int | None, *, draft: bool) -> torch.Tensor:
     from megatron.core import parallel_state as ps
 
     vocab_size = vocab_size or chunks[0].megatron_sync_spec.vocab_size
     for chunk in chunks:
         chunk.eval()
     with torch.no_grad():
-        logits = _pipeline_forward(chunks, tokens)
+        logits = _pipeline_forward(chunks, tokens, draft)
     tp = ps.get_tensor_model_parallel_world_size()
     if tp > 1:
         pieces = [torch.empty_like(logits) for _ in range(tp)]
@@ -678,14 +748,36 @@ def megatron_logits(chunks: list, tokens: torch.Tensor, vocab_size: int | None =
     return logits[..., :vocab_size]
 
 
-def _pipeline_forward(chunks: list, tokens: torch.Tensor) -> torch.Tensor:
+def _run_chunk(chunk, tokens: torch.Tensor, positions: torch.Tensor, draft: bool) -> torch.Tensor:
+    """Return one chunk's output: hidden states, or on the last stage its local logits ([B, S, V/tp]; with
+    `draft`, the MTP block's [D, B, S, V/tp]).
+
+    megatron-core 0.16.1's GPTModel runs its MTP block only to compute the MTP loss, which needs labels.
+    Without post_process it returns the hidden states of the main model and of every depth, concatenated
+    along the sequence; the chunk's own output layer turns each into logits.
+    """
+    if not (chunk.post_process and getattr(chunk, "mtp_process", False)):
+        assert not (draft and chunk.post_process), "this model has no MTP block (ModelSpec.mtp_layers=0)"
+        return chunk(input_ids=tokens, position_ids=positions, attention_mask=None)
+    chunk.post_process = False
+    try:
+        hidden = chunk(input_ids=tokens, position_ids=positions, attention_mask=None)  # [(1 + D) * S, B, H]
+    finally:
+        chunk.post_process = True
+    weight = chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights else None
+    logits, _ = chunk.output_layer(hidden, weight=weight)
+    main, *depths = (part.transpose(0, 1) for part in logits.chunk(1 + chunk.config.mtp_num_layers, dim=0))
+    return torch.stack(depths) if draft else main
+
+
+def _pipeline_forward(chunks: list, tokens: torch.Tensor, draft: bool = False) -> torch.Tensor:
     """Run the chunks of every stage in order; return the last stage's local logits on every rank."""
     from megatron.core import parallel_state as ps
 
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     pp = ps.get_pipeline_model_parallel_world_size()
     if pp == 1 and len(chunks) == 1:
-        return chunks[0](input_ids=tokens, position_ids=positions, attention_mask=None)
+        return _run_chunk(chunks[0], tokens, positions, draft)
     rank = ps.get_pipeline_model_parallel_rank()
     group = ps.get_pipeline_model_parallel_group()
     hidden_size = chunks[0].config.hidden_size
@@ -700,13 +792,14 @@ def _pipeline_forward(chunks: list, tokens: torch.Tensor) -> torch.Tensor:
                 hidden = torch.empty(hidden_shape, dtype=chunk.config.params_dtype)
                 torch.distributed.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank(), group=group)
                 chunk.set_input_tensor(hidden)
-            out = chunk(input_ids=tokens, position_ids=positions, attention_mask=None)
+            out = _run_chunk(chunk, tokens, positions, draft)
             if chunk.post_process:
                 logits = out
             else:
                 torch.distributed.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank(), group=group)
     last = torch.distributed.get_global_rank(group, pp - 1)
-    shape = torch.tensor(list(logits.shape) if logits is not None else [0, 0, 0])
+    rank_of = 4 if draft else 3
+    shape = torch.tensor(list(logits.shape) if logits is not None else [0] * rank_of)
     torch.distributed.broadcast(shape, src=last, group=group)
     if logits is None:
         logits = torch.empty(tuple(shape.tolist()), dtype=chunks[0].config.params_dtype)

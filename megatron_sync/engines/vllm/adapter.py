@@ -82,13 +82,13 @@ class VLLMModelAdapter:
         self._version = 0
         self._live: Any = None  # the live version's params (or version 0's checkpoint), what a failed load restores
 
-    def configure(self, family: str, dtype: torch.dtype) -> None:
+    def configure(self, family: str, dtype: torch.dtype, draft: bool = True) -> None:
         """Derive the expected HF tensors from the served model's config, check the dtype agrees, and record
         this worker's layout from vLLM's loaders.
 
         Raises ValueError naming the fix when the trainer's dtype is not the one vLLM serves (vLLM would
-        silently cast, and exactness would be lost), or when vLLM's loaders need a tensor the trainer's
-        family does not produce.
+        silently cast, and exactness would be lost), when draft (MTP) layers are involved (`_refuse_draft`),
+        or when vLLM's loaders need a tensor the trainer's family does not produce.
         """
         model_config = self.vllm_config.model_config
         if model_config.dtype != dtype:
@@ -98,11 +98,29 @@ class VLLMModelAdapter:
                 f"or set weight_sync.dtype: {dtype_name(model_config.dtype)}"
             )
         hf_config = model_config.hf_config.to_dict()
-        self._expected = get_converter(family, hf_config, dtype=dtype).expected_metas()
+        converter = get_converter(family, hf_config, dtype=dtype, draft=draft)
+        self._refuse_draft(converter.draft_layers)
+        self._expected = converter.expected_metas()
         self._layout = record_rank_layout(self.model, self._expected, who=self.label)
         self._layout.check_against({m.name: m for m in self._expected}, who=self.label)
         if self._live is None:
             self._live = CheckpointWeights(self.vllm_config, self.model, [m.name for m in self._expected])
+
+    def _refuse_draft(self, draft_layers: int) -> None:
+        """Raise ValueError when a version would carry draft layers, or vLLM runs a draft model: this
+        adapter loads vLLM's target model only (the engine vLLM hands a weight-transfer backend), whose
+        `load_weights` skips draft-layer names, so a draft would silently keep its old weights."""
+        speculative = getattr(self.vllm_config, "speculative_config", None)
+        if getattr(speculative, "draft_model_config", None) is not None:
+            raise ValueError(
+                f"{self.label}: this vLLM server runs a speculative draft model ({speculative.method}), which "
+                "megatron_sync's vLLM backend does not update (it loads the target model only); the draft would "
+                "keep its start-up weights. Serve without --speculative-config")
+        if draft_layers:
+            raise ValueError(
+                f"{self.label}: the served config declares {draft_layers} draft (MTP) layer(s) "
+                "(num_nextn_predict_layers), which vLLM's target model drops on load; set weight_sync.draft: skip "
+                "(or num_nextn_predict_layers: 0 in the served config.json)")
 
     @property
     def version(self) -> int:

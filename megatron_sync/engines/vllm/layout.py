@@ -199,7 +199,8 @@ def record_rank_layout(model: torch.nn.Module, checkpoint: Iterable[TensorMeta],
         params = {name: p for name, p in model.named_parameters(remove_duplicate=False) if name not in aliases}
         keys = {_storage_key(p): name for name, p in params.items()}
         stand_ins, sources = [], {}
-        for m in checkpoint:
+        checkpoint_metas = list(checkpoint)
+        for m in checkpoint_metas:
             stand_in = torch.empty(m.shape, dtype=m.dtype, device="meta")
             sources[_storage_key(stand_in)] = m.name
             stand_ins.append((m.name, stand_in))
@@ -219,11 +220,31 @@ def record_rank_layout(model: torch.nn.Module, checkpoint: Iterable[TensorMeta],
     if recorder.problems:
         raise ValueError(f"{who}: {len(recorder.problems)} parameter write(s) cannot be recorded: "
                          f"{'; '.join(recorder.problems[:6])}")
-    return _layout_of(recorder.copies, specs, loadable, who=who)
+    return _layout_of(recorder.copies, specs, loadable, {m.name: m.dtype for m in checkpoint_metas}, who=who)
 
 
-def _layout_of(copies, specs: Mapping[str, ParamSpec], loadable: set[str], *, who: str) -> RankLayout:
+def _staged_dtypes(copies, specs: Mapping[str, ParamSpec], dtypes: Mapping[str, torch.dtype], *,
+                   who: str) -> dict[str, ParamSpec]:
+    """Return the params as staged: in the dtype of the checkpoint tensors copied into them. A loader's
+    `copy_` may cast (Qwen3-Next keeps A_log in float32 under a bfloat16 checkpoint); the staging holds the
+    bytes as sent, and the load's copy into the parameter casts them as vLLM's loader would."""
+    sources: dict[str, set[torch.dtype]] = defaultdict(set)
+    for param, _, name, _ in copies:
+        sources[param].add(dtypes[name])
+    staged = dict(specs)
+    for param, found in sources.items():
+        if len(found) > 1:
+            raise ValueError(f"{who}: {param} is filled from checkpoint tensors of different dtypes {sorted(map(str, found))}")
+        (dtype,) = found
+        if dtype != specs[param].dtype:
+            staged[param] = ParamSpec(param, specs[param].shape, dtype)
+    return staged
+
+
+def _layout_of(copies, specs: Mapping[str, ParamSpec], loadable: set[str], dtypes: Mapping[str, torch.dtype], *,
+               who: str) -> RankLayout:
     """Return the layout of the recorded copies; a later copy over the same bytes replaces the earlier."""
+    specs = _staged_dtypes(copies, specs, dtypes, who=who)
     by_param: dict[str, list[Placement]] = defaultdict(list)
     for param, dest, name, source in copies:
         for placement in placements_of_copy(name, source, specs[param], dest):
