@@ -128,6 +128,36 @@ class WeightSyncConfig:
     """Sync the trainer's weights once as `WeightSyncCallback.from_config` returns (version 1), before the
     first optimizer update: for engines that start without the trainer's current weights."""
 
+    # ---- an elastic fleet of engines (see the README's "A fleet that keeps serving") ----
+
+    fleet: bool = False
+    """Engines join and leave the running session one by one: each engine is its own launched job (`engine_id`)
+    with its own link to the trainer. An engine that fails or vanishes is dropped (one log line) and the sync goes
+    on with the rest; a restarted or new engine joins at the next sync and gets the current version.
+    num_inference_ranks is the initial fleet (the trainer waits up to timeout_s for it at start-up, then goes on
+    with at least min_engines). Both jobs must agree. Transport "broadcast"."""
+
+    engine_id: Optional[int] = None
+    """Fleet, inference job: which engine this job is (0, 1, ...). A restarted engine presents its id again and
+    replaces its earlier self; a new id joins as a new engine. Driven engines get their index in `engines`."""
+
+    min_engines: int = 1
+    """Fleet: the trainer fails, naming the engines gone, when fewer than this many engines remain."""
+
+    wave_size: int = 0
+    """Fleet: how many engines update at once (0: all). Engines outside the current wave keep serving the
+    version they hold; every response says which version produced each token."""
+
+    relay: bool = False
+    """Fleet: an engine that committed a version sends it (its committed shards, rank to rank, checksummed) to
+    an engine of the same layout in the next wave, so the trainer sends one copy per layout per version. A
+    relay that fails falls back to the trainer."""
+
+    max_staleness: int = 0
+    """Fleet: 0: a sync returns once every wave committed. 1: it returns after the first wave, and the later
+    waves update while the trainer trains on; the next sync first waits for them, so no engine serving is more
+    than one version behind (each sync's metrics state the staleness)."""
+
     # ---- transport "disk_delta" (weights through shared storage; see the README's "Disk-delta transport") ----
 
     delta_dir: Optional[str] = None
@@ -223,6 +253,7 @@ class WeightSyncConfig:
             raise ValueError(f"run_id={self.run_id!r} is not valid: use 1-64 letters, digits, '.', '_' or '-' "
                              "(or null to let the trainer name the session)")
         _check_bool("sync_on_start", self.sync_on_start)
+        self._check_fleet()
         if isinstance(self.engines, str) or not isinstance(self.engines, (list, tuple)):
             raise ValueError(f"engines must be a list of KIND=URL entries, got {self.engines!r}")
         object.__setattr__(self, "engines", tuple(self.engines))  # YAML and flags give lists
@@ -249,6 +280,32 @@ class WeightSyncConfig:
         if self.p2p_local_hostname is not None and (not isinstance(self.p2p_local_hostname, str)
                                                     or not self.p2p_local_hostname):
             raise ValueError("p2p_local_hostname must be a host name or IP this rank is reachable at, or null")
+
+    def _check_fleet(self) -> None:
+        _check_bool("fleet", self.fleet)
+        _check_bool("relay", self.relay)
+        _check_int("min_engines", self.min_engines, minimum=1)
+        _check_int("wave_size", self.wave_size, minimum=0)
+        _check_int("max_staleness", self.max_staleness, minimum=0)
+        if self.max_staleness > 1:
+            raise ValueError(f"max_staleness={self.max_staleness} is not supported; use 0 (every wave before "
+                             "sync() returns) or 1 (later waves while training goes on)")
+        if self.engine_id is not None:
+            _check_int("engine_id", self.engine_id, minimum=0)
+        if not self.fleet:
+            changed = [name for name, default in (("engine_id", None), ("min_engines", 1), ("wave_size", 0),
+                                                  ("relay", False), ("max_staleness", 0))
+                       if getattr(self, name) != default]
+            if changed:
+                raise ValueError(f"{changed} apply to a fleet of engines only; set fleet: true (each engine its "
+                                 "own job with its engine_id), or drop them")
+            return
+        if self.transport != "broadcast":
+            raise ValueError(f"fleet: true runs over transport 'broadcast' (one link per engine, rebuilt as "
+                             f"engines come and go); transport {self.transport!r} is not elastic yet")
+        if self.min_engines > self.num_engines and not self.engines:
+            raise ValueError(f"min_engines={self.min_engines} is more than the initial fleet of {self.num_engines} "
+                             f"engine(s) (num_inference_ranks / engine_tp_size); lower min_engines")
 
     def replace(self, **changes: Any) -> "WeightSyncConfig":
         """Return a copy with `changes` applied (validated like a new config)."""

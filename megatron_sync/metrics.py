@@ -68,6 +68,19 @@ class SyncMetrics:
     """Host or device memory a receiver keeps between syncs (staging sets, receive buffers)."""
     timeline: Optional[Timeline] = None
     """Per-bucket start/end events, when the sender or receiver was asked to record them."""
+    started_at: float = 0.0
+    ended_at: float = 0.0
+    """Wall-clock time (time.time()) this rank's part of the sync began and ended (a receiver: the window in
+    which its engine was taking the version in)."""
+    source: str = ""
+    """A fleet receiver: where the version came from ("trainer", or "engine N" for a relay)."""
+    fleet: list = field(default_factory=list)
+    """A fleet trainer: one row per engine per version (engine, generation, wave, source trainer/engine N,
+    outcome committed/aborted/failed, seconds from the sync's start until it served the version) and the
+    membership events since the last sync (joined, left, rejoined)."""
+    staleness: int = 0
+    """A fleet trainer: how many versions the furthest-behind engine still serving was behind when sync()
+    returned (0 unless max_staleness lets later waves run on while training goes on)."""
 
     def add(self, phase: str, seconds: float) -> None:
         """Add `seconds` to `phase`."""
@@ -93,6 +106,10 @@ class SyncMetrics:
             "bytes": self.bytes, "gbps": round(self.gbps, 4),
             "overlap_s": round(self.overlap_s, 6), "num_buckets": self.num_buckets,
             "shard_bytes": self.shard_bytes, "copied_bytes": self.copied_bytes, "held_bytes": self.held_bytes,
+            **({"started_at": round(self.started_at, 6), "ended_at": round(self.ended_at, 6)}
+               if self.started_at else {}),
+            **({"source": self.source} if self.source else {}),
+            **({"fleet": self.fleet, "staleness": self.staleness} if self.fleet else {}),
         }, sort_keys=True)
 
     @classmethod
@@ -105,7 +122,8 @@ class SyncMetrics:
             d["version"], role=d["role"], rank=d["rank"], phases=phases,
             bytes=d["bytes"], overlap_s=d["overlap_s"], num_buckets=d["num_buckets"],
             shard_bytes=d.get("shard_bytes", 0), copied_bytes=d.get("copied_bytes", 0),
-            held_bytes=d.get("held_bytes", 0),
+            held_bytes=d.get("held_bytes", 0), started_at=d.get("started_at", 0.0), ended_at=d.get("ended_at", 0.0),
+            source=d.get("source", ""), fleet=d.get("fleet", []), staleness=d.get("staleness", 0),
         )
 
     def append_to(self, path: Optional[str]) -> None:

@@ -21,7 +21,7 @@ params, held between syncs.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -94,11 +94,44 @@ class WeightReceiver(Receiver):
         metrics = SyncMetrics(version, role="receiver", rank=self.transport.rank,
                               timeline=Timeline() if self.record_timeline else None,
                               shard_bytes=self.layout.shard_bytes, held_bytes=self.buffer_bytes)
+        metrics.started_at = time.time()
         with PhaseTimer(metrics, "total"):
             staged = self.staging.begin()
             error = self._receive_all(version, metrics)
             self._agreed(version, error, staged, metrics)
             self.staging.committed(version)
+        metrics.ended_at = time.time()
+        self.history.append(metrics)
+        metrics.append_to(self.metrics_path)
+        return metrics
+
+    def live_set(self) -> Optional[tuple[int, torch.Tensor]]:
+        """Return (version, flat bytes) of the staging set the engine runs on, or None when the engine does not
+        run on a version this receiver committed (e.g. its start-up weights): what a fleet engine relays."""
+        held = self.staging.live_buffer(self.engine.version)
+        return None if held is None else (self.engine.version, held)
+
+    def receive_relayed(self, version: int, fill: Callable[[torch.Tensor], None]) -> SyncMetrics:
+        """Commit `version` received from another engine: `fill(target set bytes)` writes the whole staging
+        set (raising when the bytes are not intact), then both agreement rounds run with the trainer as for a
+        version received from it, so the engine's ranks commit it all or none."""
+        metrics = SyncMetrics(version, role="receiver", rank=self.transport.rank,
+                              shard_bytes=self.layout.shard_bytes, held_bytes=self.buffer_bytes)
+        metrics.started_at = time.time()
+        with PhaseTimer(metrics, "total"):
+            staged = self.staging.begin()
+            error = None
+            try:
+                with PhaseTimer(metrics, "transfer"):
+                    fill(self.staging.buffer(self.staging.target))
+                metrics.bytes = metrics.copied_bytes = self.staging.set_bytes
+            except PeerFailureError as e:
+                error = f"the relay broke off: {e}"
+            except Exception as e:  # noqa: BLE001 — agreed on, then raised on every rank
+                error = f"{type(e).__name__}: {e}"
+            self._agreed(version, error, staged, metrics)
+            self.staging.committed(version)
+        metrics.ended_at = time.time()
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
         return metrics

@@ -64,6 +64,8 @@ class WeightSender(Sender):
         # checksum still covers the bucket's own bytes, as if the wire had corrupted them.
         self._corrupt_wire = corrupt_wire
         self.replica: Optional[HostReplica] = None
+        self._replica_version: Optional[int] = None  # the version the replica holds in full
+        self._sealed: dict[int, int] = {}  # bucket index -> checksum of the replica's version (for resends)
         self.checksum = "none"
         if stream.is_source:
             if transport is None or plan is None:
@@ -88,6 +90,20 @@ class WeightSender(Sender):
         if self.replica is None:
             return {}
         return {e.name: self.replica.view(e.name) for b in self.replica.buckets for e in b.entries}
+
+    def resend(self, version: int) -> SyncMetrics:
+        """Send `version` again from the replica, without walking the stream (stage sources only): what a
+        fleet's later wave gets from the trainer. The replica must hold `version` (the last `sync`)."""
+        assert self.replica is not None, "only a stage source resends"
+        if self._replica_version != version:
+            raise ValueError(f"the host replica holds version {self._replica_version}, not {version}; a resend "
+                             "repeats the last version synced")
+        metrics = SyncMetrics(version, role="sender", rank=self.transport.rank)
+        with PhaseTimer(metrics, "total"):
+            self._sync_source(version, metrics, produce=False)
+        self.history.append(metrics)
+        metrics.append_to(self.metrics_path)
+        return metrics
 
     def sync(self, version: int) -> SyncMetrics:
         """Send `version` and return its metrics once every rank committed it.
@@ -130,7 +146,7 @@ class WeightSender(Sender):
             if close is not None:
                 close()
 
-    def _sync_source(self, version: int, metrics: SyncMetrics) -> None:
+    def _sync_source(self, version: int, metrics: SyncMetrics, *, produce: bool = True) -> None:
         stage = self.stream.stage
         others = [b for b in self.plan.buckets if b.stage != stage]
         scratch = [self.transport.alloc(self.plan.max_bucket_bytes) for _ in range(2)] if others else []
@@ -139,7 +155,10 @@ class WeightSender(Sender):
         self._earlier = _Relay(self.transport, [b for b in others if b.stage < stage], scratch)
         error = None
         try:
-            self._send_own_stage(version, metrics)
+            if produce:
+                self._send_own_stage(version, metrics)
+            else:
+                self._resend_own_stage(version, metrics)
         except SyncError:
             raise
         except Exception as e:  # noqa: BLE001 — agreed failure: tell every rank instead of leaving them waiting
@@ -155,6 +174,8 @@ class WeightSender(Sender):
 
     def _send_own_stage(self, version: int, metrics: SyncMetrics) -> None:
         own = self.replica.buckets
+        self._replica_version = None  # until the whole version is in it
+        self._sealed.clear()
         self.replica.begin(version)
         self._sent = 0  # own buckets issued so far (read by _send_aborted)
         self._seal_error: Optional[str] = None
@@ -195,11 +216,33 @@ class WeightSender(Sender):
                 "that its metadata() listed"
             )
         self.replica.finish()
+        self._replica_version = version
 
-    def _issue(self, version: int, bucket: BucketPlan, metrics: SyncMetrics) -> "_InFlight":
-        """Start the bucket's broadcast; its checksum is computed while the payload travels."""
-        self.replica.fill_host(bucket.index)  # device buckets: host copy on a side stream
-        payload = self.replica.payload(bucket.index)
+    def _resend_own_stage(self, version: int, metrics: SyncMetrics) -> None:
+        """Send every own bucket from the replica's host bytes (checksums as computed when it was filled)."""
+        self._sent = 0
+        self._seal_error = None
+        in_flight: collections.deque[_InFlight] = collections.deque()
+        with PhaseTimer(metrics, "transfer"):
+            self._earlier.join()
+        try:
+            for bucket in self.replica.buckets:
+                if len(in_flight) >= self.max_in_flight:
+                    self._finish(in_flight.popleft(), metrics)
+                in_flight.append(self._issue(version, bucket, metrics, payload=self.replica.data(bucket.index)))
+                self._sent += 1
+        finally:
+            while in_flight:
+                self._finish(in_flight.popleft(), metrics)
+
+    def _issue(self, version: int, bucket: BucketPlan, metrics: SyncMetrics,
+               payload: Optional[torch.Tensor] = None) -> "_InFlight":
+        """Start the bucket's broadcast; its checksum is computed while the payload travels (a resend of
+        the replica's `payload` reuses the checksum computed when it was filled)."""
+        resend = payload is not None
+        if not resend:
+            self.replica.fill_host(bucket.index)  # device buckets: host copy on a side stream
+            payload = self.replica.payload(bucket.index)
         wire = payload
         if self._corrupt_wire is not None:
             wire = self._corrupt_wire(bucket.index, payload)
@@ -207,9 +250,12 @@ class WeightSender(Sender):
         sealed = [0.0]
 
         def seal() -> BucketHeader:
+            if resend and bucket.index in self._sealed:
+                return BucketHeader(version, bucket.index, bucket.nbytes, self._sealed[bucket.index])
             with PhaseTimer(metrics, "checksum", ("checksum", bucket.index)) as timer:
                 try:
                     value = checksum(payload, self.checksum)
+                    self._sealed[bucket.index] = value
                 except Exception as e:  # noqa: BLE001 — receivers drop the bucket; the sync fails everywhere
                     self._seal_error = self._seal_error or f"checksum of bucket {bucket.index}: {describe(e, limit=3)}"
                     return BucketHeader(version, bucket.index, ABORTED_NBYTES, 0)

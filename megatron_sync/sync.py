@@ -26,6 +26,8 @@ from megatron_sync.engines.fleet import EngineFleet, clients_from_config
 from megatron_sync.engines.serving import GenerationServer
 from megatron_sync.errors import (AgreedFailure, PeerFailureError, RendezvousError, StoreSilentError,
                                   SyncAbortedError, SyncStoppedError, TrainerGoneError)
+from megatron_sync.fleet.engine import Relays, await_link, hello
+from megatron_sync.fleet.trainer import FleetDriver, link_config
 from megatron_sync.megatron_config import check_model_config
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.metrics import SyncMetrics
@@ -110,6 +112,7 @@ class TrainerWeightSync:
         self._transfer_broken = False  # the last sync failed without an agreed abort
         self._syncing = False  # a sync is under way (a watchdog closing from its own thread sees it)
         self.engines = EngineFleet([], driven=False)
+        self.fleet: Optional[FleetDriver] = None  # weight_sync.fleet: engines come and go (megatron_sync.fleet)
         self._gather = torch_gather(trainer_group)
         transport_cls = get_transport(config.transport)
         if converter is None or hf_config is not None:
@@ -153,6 +156,9 @@ class TrainerWeightSync:
             if self.stream.is_source:
                 check_model_complete(all_stage_metadata(self.stream), converter)
         self.engines = self._engine_fleet(config, engine_clients, transport_cls.trainer_joins(self.layout))
+        if config.fleet:
+            self._start_fleet(transport_cls, converter)
+            return
         with failing_together("checking the driven engines and starting their joins", self._gather):
             # Driven engines join this session only (run_id), like a launched inference job would.
             joining = config.replace(run_id=self.session.id) if self.session is not None else config
@@ -165,6 +171,21 @@ class TrainerWeightSync:
                     self.transport = transport_cls.connect_trainer(config, self.layout, session=self.session)
                 self.sender = transport_cls.make_sender(self.transport, self.stream, config,
                                                         converter.keep_together)
+
+    def _start_fleet(self, transport_cls: Any, converter: Any) -> None:
+        """A fleet: the session is ready for the trainer ranks; link the initial engines (megatron_sync.fleet)."""
+        with failing_together("checking the driven engines and starting their joins", self._gather):
+            joining = self.config.replace(run_id=self.session.id) if self.session is not None else self.config
+            self.engines.start_joins(joining, num_trainer_stages=self.layout.pp)
+        with failing_together("linking the fleet's engines", self._gather):
+            if self.session is not None:
+                self.session.wait_ready()
+            with self.engines.joined():  # driven engines' workers join as their links open
+                self.fleet = FleetDriver(self.config, self.layout, session=self.session, transport_cls=transport_cls,
+                                         stream=self.stream, keep_together=converter.keep_together,
+                                         gather=self._gather, clients=self.engines.clients)
+                self.fleet.start()
+                self.sender = self.fleet.sender
 
     def _engine_fleet(self, config: WeightSyncConfig, clients: Optional[Sequence[EngineClient]],
                       joins: bool) -> EngineFleet:
@@ -193,9 +214,12 @@ class TrainerWeightSync:
         where = (self.config.master_address, self.config.master_port)
         with failing_together("hosting the sync session", self._gather):
             if me == 0:
-                self.session = SyncSession.host(*where, identity, timeout_s=self.config.timeout_s,
-                                                members={"trainer": len(members),
-                                                         "inference": self.config.num_inference_ranks})
+                fleet = self.config.fleet  # a fleet's engines join whenever they come (not members)
+                self.session = SyncSession.host(
+                    *where, identity, timeout_s=self.config.timeout_s,
+                    members={"trainer": len(members)} if fleet else {"trainer": len(members),
+                                                                      "inference": self.config.num_inference_ranks},
+                    engine_ranks=self.config.engine_tp_size if fleet else None)
                 log.info("hosting weight-sync session %s at %s:%d (model digest %s)", self.session.id, *where,
                          model_digest(identity.model or {})[:12])
         with failing_together("joining the sync session", self._gather):
@@ -204,7 +228,9 @@ class TrainerWeightSync:
 
     @property
     def is_leader(self) -> bool:
-        """True on the rank that talks to the engines (the transport's rank 0)."""
+        """True on the rank that talks to the engines (the transport's rank 0; a fleet's rendezvous host)."""
+        if self.fleet is not None:
+            return self.fleet.is_leader
         return self.transport is not None and self.transport.is_leader
 
     def sync(self) -> SyncMetrics:
@@ -214,6 +240,15 @@ class TrainerWeightSync:
         trainer rank if any rank failed (the engines then keep the previous version).
         """
         version = self.version + 1
+        if self.fleet is not None:  # per-engine outcomes; raises only when the trainer failed or too few remain
+            self._syncing = True
+            try:
+                metrics = self.fleet.sync(version)
+            finally:
+                self._syncing = False
+                self.sender = self.fleet.sender
+            self.version = version
+            return metrics
         if self.engines.driven:
             with failing_together(f"pausing the engines for version {version}", self._gather):
                 self.engines.before_sync(version)
@@ -244,6 +279,9 @@ class TrainerWeightSync:
     def send_app_message(self, payload: dict) -> None:
         """Send an application message (JSON-serialisable) to every inference rank (leader only)."""
         assert self.is_leader, "only the leader talks to the engines"
+        if self.fleet is not None:
+            self.fleet.send_app_message(payload)
+            return
         self.transport.control.send(ControlMessage(ControlOp.APP, self.version, payload))
 
     def receiver_metrics(self, version: int) -> list[SyncMetrics]:
@@ -267,6 +305,9 @@ class TrainerWeightSync:
         the middle of a sync (a trainer stopped by SIGTERM): see `_stop_engines`.
         """
         self.engines.close()  # driven engines' workers acknowledge "stop" as they leave
+        if self.fleet is not None:
+            self.fleet.close(reason, broken=self._syncing)
+            self.fleet = None
         if self.transport is not None:
             if self.is_leader:
                 self._stop_engines(reason)
@@ -323,11 +364,16 @@ class InferenceWeightSync:
         hf_config: Any = None,
         job_id: Optional[str] = None,
     ):
-        if not 0 <= inference_rank < config.num_inference_ranks:
-            raise ValueError(
-                f"inference_rank={inference_rank} is outside num_inference_ranks={config.num_inference_ranks}"
-            )
+        if config.fleet and config.engine_id is None:
+            raise ValueError("weight_sync.fleet is on: say which engine this job is with weight_sync.engine_id "
+                             "(0, 1, ...; a restarted engine presents its id again)")
+        ranks = config.engine_tp_size if config.fleet else config.num_inference_ranks
+        if not 0 <= inference_rank < ranks:
+            raise ValueError(f"inference_rank={inference_rank} is outside " + (
+                f"the engine's {ranks} ranks (engine_tp_size; a fleet's engine is its own job)" if config.fleet
+                else f"num_inference_ranks={ranks}"))
         self.config = config
+        self.relays: Optional[Relays] = None  # a fleet engine's relays to and from other engines
         self.engine = engine
         self.stop_reason: Optional[str] = None  # why the trainer stopped the session, when it said
         self.synced_version = 0  # the last version the trainer synced here (its numbering), for a "left" report
@@ -343,7 +389,8 @@ class InferenceWeightSync:
         identity = Identity(job=job_id or "", role="inference", member=inference_rank,
                             expects=expectations(config, trainer_stages=num_trainer_stages, backend=backend,
                                                  shares=transport_cls.shares),
-                            model=model_fields(hf_config) if hf_config is not None else None, session=config.run_id)
+                            model=model_fields(hf_config) if hf_config is not None else None, session=config.run_id,
+                            engine=config.engine_id if config.fleet else None)
         if hf_config is None and transport_cls.meets_at_store:
             log.warning("[inference rank %d] no HF config given: the trainer cannot check that this engine's "
                         "model-defining config fields equal its own", inference_rank)
@@ -352,9 +399,17 @@ class InferenceWeightSync:
         try:
             if self.session is not None:
                 self.session.wait_ready()
+            session, settings = self.session, config
+            if config.fleet:  # this engine's own link, opened by the trainer at a sync boundary
+                session = self.session.part(await_link(self.session, config.engine_id, IDLE_TIMEOUT_S))
+                settings = link_config(config)
             self.transport = transport_cls.connect_inference(
-                config, num_trainer_stages=num_trainer_stages, inference_rank=inference_rank, session=self.session)
-            self.receiver = self.transport.make_receiver(engine, config, keep_together, commit=self.server.commit)
+                settings, num_trainer_stages=num_trainer_stages, inference_rank=inference_rank, session=session)
+            self.receiver = self.transport.make_receiver(engine, settings, keep_together, commit=self.server.commit)
+            if config.fleet:
+                hello(self.transport, self.receiver)
+                self.relays = Relays(self.session, self.receiver, self.transport, config, rank=inference_rank,
+                                     ranks=config.engine_tp_size)
         except BaseException as e:
             if self.session is not None and not isinstance(e, RendezvousError):
                 self.session.fail(f"{identity.describe()} failed while connecting: {type(e).__name__}: {e}")
@@ -385,7 +440,7 @@ class InferenceWeightSync:
             raise TrainerGoneError(f"{what}; no sync was running, the engine holds version {self.engine.version}"
                                    ) from e
 
-    def apply(self, version: int) -> Optional[SyncMetrics]:
+    def apply(self, version: int, relay: Optional[ControlMessage] = None) -> Optional[SyncMetrics]:
         """Receive `version`; return metrics, or None if the sync was aborted on every rank.
 
         An aborted sync leaves the engine on its previous version and the
@@ -398,7 +453,7 @@ class InferenceWeightSync:
         the host, then, if it answers, a look for "stop").
         """
         try:
-            metrics = self.receiver.receive(version)
+            metrics = self.relays.receive(relay) if relay is not None else self.receiver.receive(version)
         except SyncAbortedError as e:
             log.error("%s", e)
             why = "; ".join(f"[transport rank {rank}] {message.splitlines()[0]}" for rank, message in e.failures)
@@ -449,6 +504,12 @@ class InferenceWeightSync:
             return False
         if message.op is ControlOp.SYNC:
             self.apply(message.version)
+            return True
+        if message.op is ControlOp.RELAY_RECEIVE:  # a fleet: the version comes from another engine
+            self.apply(message.version, relay=message)
+            return True
+        if message.op is ControlOp.RELAY_SEND:
+            self.relays.send(message)
             return True
         name = message.payload.get("name")
         if name not in handlers:

@@ -57,6 +57,13 @@ class StagingSets:
             return self._params[self._live]
         return None
 
+    def live_buffer(self, engine_version: int) -> Optional[torch.Tensor]:
+        """Return the flat bytes of the set the engine runs on, if it runs on the version we last committed
+        (what a fleet engine relays to another engine of the same layout)."""
+        if self._live is not None and self._versions[self._live] == engine_version:
+            return self.buffer(self._live)
+        return None
+
     def committed(self, version: int) -> None:
         """The target set is now live as `version`."""
         target = self.target

@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import enum
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Protocol
@@ -26,6 +27,8 @@ class ControlOp(str, enum.Enum):
     SYNC = "sync"  # receive and commit `version`
     STOP = "stop"  # acknowledge and leave; the engine keeps the version it holds (payload: optional reason)
     APP = "app"  # an application message: `payload` goes to the application's handler
+    RELAY_SEND = "relay_send"  # fleet: send the committed `version` to engine payload["to"] over payload["part"]
+    RELAY_RECEIVE = "relay_receive"  # fleet: receive `version` from engine payload["from"] and commit it
 
 
 class Report(str, enum.Enum):
@@ -93,10 +96,12 @@ class StoreControlChannel(ControlChannel):
         self._group = board
         self._sent = 0
         self._received = 0
+        self._sending = threading.Lock()  # a fleet's later waves announce from a thread of their own
 
     def send(self, message: ControlMessage) -> None:
-        self._sent += 1
-        self._group.post(f"control/{self._sent}", message.to_bytes())
+        with self._sending:
+            self._sent += 1
+            self._group.post(f"control/{self._sent}", message.to_bytes())
 
     def next(self, timeout_s: float) -> ControlMessage:
         raw = self._group.fetch(f"control/{self._received + 1}", timeout_s=timeout_s)

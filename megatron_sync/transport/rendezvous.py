@@ -71,6 +71,8 @@ EXPECTATIONS: tuple[Expectation, ...] = (
                 "weight_sync.bucket_size_mb", lambda config, stages, backend: config.bucket_size_mb),
     Expectation("draft", "{host} handles the draft (MTP) layers with draft={h}, this {joiner} job with {j}",
                 "weight_sync.draft", lambda config, stages, backend: config.draft),
+    Expectation("fleet", "{host} runs {h_fleet}, this {joiner} job {j_fleet}", "weight_sync.fleet",
+                lambda config, stages, backend: config.fleet),
     Expectation("checksum", "{host} checks every bucket with {h}, this {joiner} job with {j}", "weight_sync.checksum",
                 _checksum),
     Expectation("p2p_backend", "{host} moves P2P bytes with {h}, this {joiner} job with {j}",
@@ -81,7 +83,7 @@ EXPECTATIONS: tuple[Expectation, ...] = (
 """What the two jobs compare before any byte moves, in the order a refusal lists differences."""
 
 COMMON = ("transport", "backend", "num_inference_ranks", "engine_tp_size", "trainer_stages", "family", "dtype",
-          "bucket_size_mb", "draft")
+          "bucket_size_mb", "draft", "fleet")
 """The rows every transport that meets at the store compares; a transport adds its own (`Transport.shares`)."""
 
 
@@ -106,9 +108,12 @@ class Identity:
     model: Optional[Mapping[str, Any]] = None  # model_digest.model_fields of its HF config
     session: Optional[str] = None  # the session it asks for (None: whichever the host runs)
     failure: Optional[str] = None  # set when the rank failed while starting: a report, not a join
+    engine: Optional[int] = None  # fleet: the engine this inference rank belongs to (`member`: its rank in it)
 
     def describe(self) -> str:
-        """Return "inference rank 1 of job 'j'" (how messages name a rank)."""
+        """Return "inference rank 1 of job 'j'" (how messages name a rank; "rank 1 of engine 2" in a fleet)."""
+        if self.engine is not None:
+            return f"{self.role} rank {self.member} of engine {self.engine} (job {self.job!r})"
         return f"{self.role} rank {self.member} of job {self.job!r}"
 
     def to_json(self) -> bytes:
@@ -126,6 +131,7 @@ class Decision:
     accepted: bool
     reason: str
     fatal: bool = False  # the session cannot complete: the host fails too, quoting `reason`
+    generation: Optional[int] = None  # fleet: the generation of the engine an accepted rank joined
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -141,7 +147,8 @@ def disagreements(host: Identity, joiner: Identity) -> list[str]:
     for row in EXPECTATIONS:
         h, j = host.expects.get(row.key), joiner.expects.get(row.key)
         if (row.key in host.expects or row.key in joiner.expects) and h != j:
-            words = row.says.format(host=host.role, joiner=joiner.role, h=_show(h), j=_show(j))
+            words = row.says.format(host=host.role, joiner=joiner.role, h=_show(h), j=_show(j),
+                                    h_fleet=_fleet_words(h), j_fleet=_fleet_words(j))
             out.append(f"{words} (set {row.fix} alike on both jobs)")
     if host.model is not None and joiner.model is not None:
         for name, h, j in model_differences(host.model, joiner.model):
@@ -161,6 +168,8 @@ class Admission:
     failure: Optional[str] = None
     presented: dict[str, dict[int, str]] = field(default_factory=dict)  # role -> member -> job, of every rank
     # of the session's jobs that presented itself (admitted or not); a role's job is its first one
+    engine_ranks: Optional[int] = None  # fleet: inference ranks join any time, as engines of this many ranks
+    seats: dict[int, "EngineSeat"] = field(default_factory=dict)  # fleet: engine id -> its latest job
 
     def __post_init__(self) -> None:
         self.admitted.setdefault(self.host.role, {})[self.host.member] = self.host.job
@@ -202,6 +211,8 @@ class Admission:
         if joiner.session is not None and joiner.session != self.session:
             return Decision(False, f"this job asked for session {joiner.session!r}, but the rendezvous runs "
                                    f"{where}; give both jobs the same weight_sync.run_id")
+        if self.engine_ranks is not None and joiner.role == "inference":
+            return self._judge_engine(joiner, where)
         own_job = self.job_of(joiner.role) in (None, joiner.job)  # the job that could complete the session
         if joiner.failure is not None:
             return Decision(False, f"{joiner.describe()} failed while starting: {joiner.failure}", fatal=own_job)
@@ -223,6 +234,56 @@ class Admission:
             return Decision(False, f"{joiner.role} rank {joiner.member} of {where} was already taken by job "
                                    f"{taken[joiner.member]!r}")
         return Decision(True, f"accepted into {where} as {joiner.role} rank {joiner.member}")
+
+
+    def _judge_engine(self, joiner: Identity, where: str) -> Decision:
+        """A fleet's engine rank: admitted whenever it comes, into its engine's latest generation. A new job
+        presenting an engine id supersedes the job that held it (a restarted engine); a superseded job is
+        refused from then on. A refusal is never fatal: the fleet goes on without that engine."""
+        if joiner.failure is not None:
+            return Decision(False, f"{joiner.describe()} failed while starting: {joiner.failure}")
+        if not isinstance(joiner.engine, int) or joiner.engine < 0:
+            return Decision(False, f"{where} is a fleet: an inference job must say which engine it is "
+                                   "(weight_sync.engine_id: 0, 1, ...)")
+        problems = disagreements(self.host, joiner)
+        if problems:
+            return Decision(False, f"{joiner.describe()} cannot join {where}: " + "; ".join(problems))
+        if not 0 <= joiner.member < self.engine_ranks:
+            return Decision(False, f"the engines of {where} have {self.engine_ranks} ranks (engine_tp_size); "
+                                   f"this is rank {joiner.member}")
+        seat = self.seats.get(joiner.engine)
+        if seat is not None and joiner.job in seat.superseded:
+            return Decision(False, f"engine {joiner.engine} of {where} is now job {seat.job!r} (generation "
+                                   f"{seat.generation}); job {joiner.job!r} was superseded")
+        if seat is None or seat.job != joiner.job:
+            seat = EngineSeat(joiner.job, 0 if seat is None else seat.generation + 1,
+                              superseded=set() if seat is None else {*seat.superseded, seat.job})
+            self.seats[joiner.engine] = seat
+        if joiner.member in seat.ranks:
+            return Decision(False, f"rank {joiner.member} of engine {joiner.engine} was already taken by job "
+                                   f"{seat.job!r}")
+        seat.ranks.add(joiner.member)
+        return Decision(True, f"accepted into {where} as rank {joiner.member} of engine {joiner.engine} "
+                              f"(generation {seat.generation})", generation=seat.generation)
+
+    def complete_engines(self) -> dict[int, tuple[int, str]]:
+        """Fleet: engine id -> (generation, job) of every engine whose ranks were all admitted."""
+        return {engine: (seat.generation, seat.job) for engine, seat in self.seats.items()
+                if len(seat.ranks) == self.engine_ranks}
+
+
+@dataclass
+class EngineSeat:
+    """A fleet engine's latest job at the rendezvous: its generation and the ranks admitted so far."""
+
+    job: str
+    generation: int
+    ranks: set[int] = field(default_factory=set)
+    superseded: set[str] = field(default_factory=set)  # the engine's earlier jobs, refused from now on
+
+
+def _fleet_words(fleet: Any) -> str:
+    return "a fleet (each engine its own job, weight_sync.engine_id)" if fleet else "one inference job of fixed size"
 
 
 def _show(value: Any) -> str:

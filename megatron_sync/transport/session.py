@@ -68,6 +68,7 @@ class SyncSession:
         self._answering: Optional[threading.Thread] = None
         self._answered = 0  # tickets answered (host)
         self._ready = False
+        self.generation: Optional[int] = None  # fleet: the generation of this engine's job (set on joining)
 
     @property
     def is_host(self) -> bool:
@@ -81,8 +82,11 @@ class SyncSession:
 
     @classmethod
     def host(cls, address: str, port: int, identity: Identity, *, members: Mapping[str, int],
-             timeout_s: float) -> "SyncSession":
-        """Host the session (this rank is `identity`, admitted already) and start answering joiners."""
+             timeout_s: float, engine_ranks: Optional[int] = None) -> "SyncSession":
+        """Host the session (this rank is `identity`, admitted already) and start answering joiners.
+
+        `engine_ranks` (a fleet): inference ranks are not `members`; they join whenever they come, as
+        engines of that many ranks (`admitted_engines`)."""
         session_id = identity.session or new_session_id()
         identity = dataclasses.replace(identity, session=session_id)
         try:
@@ -90,7 +94,7 @@ class SyncSession:
                                   wait_for_workers=False)
         except _STORE_ERRORS as e:
             raise RendezvousError(_hosting_problem(address, port, e)) from e
-        admission = Admission(session_id, identity, dict(members))
+        admission = Admission(session_id, identity, dict(members), engine_ranks=engine_ranks)
         session = cls(store, session_id=session_id, identity=identity, address=address, port=port,
                       timeout_s=timeout_s, admission=admission)
         store.set("rdzv/session", identity.to_json())
@@ -144,8 +148,22 @@ class SyncSession:
             raise RendezvousError(f"the rendezvous at {address}:{port} refused this rank: {decision.reason}")
         host = Identity.from_json(_read(store, "rdzv/session", f"{address}:{port}"))
         log.info("%s joined session %s", identity.describe(), host.session)
-        return cls(store, session_id=host.session, identity=identity, address=address, port=port,
-                   timeout_s=timeout_s)
+        session = cls(store, session_id=host.session, identity=identity, address=address, port=port,
+                      timeout_s=timeout_s)
+        session.generation = decision.generation
+        return session
+
+    # ---- a fleet's engines ----
+
+    def admitted_engines(self) -> dict[int, tuple[int, str]]:
+        """Host of a fleet: engine id -> (generation, job) of every engine whose ranks were all admitted."""
+        with self._lock:
+            return self._admission.complete_engines()
+
+    def part(self, name: str) -> "SessionPart":
+        """Return a part of this session with its own id (`<id>/<name>`) over the same store: what a
+        transport connects over for one engine's link, or a relay between two engines."""
+        return SessionPart(self, name)
 
     # ---- both ----
 
@@ -258,6 +276,25 @@ class SyncSession:
             if (everyone and _add(self.store, "rdzv/acks", 0) >= expected) or time.monotonic() > deadline:
                 return
             time.sleep(POLL_S)
+
+
+class SessionPart:
+    """A part of a sync session (`SyncSession.part`): `store`, `id` and `timeout_s`, as a transport uses them.
+
+    Groups built over it live under the part's own prefix, so each link of a fleet, and each relay, is a
+    separate process group that can be built, shut down and built again while the session goes on."""
+
+    def __init__(self, session: SyncSession, name: str) -> None:
+        self.session, self.name = session, name
+        self.id = f"{session.id}/{name}"
+        self.timeout_s = session.timeout_s
+
+    @property
+    def store(self) -> Optional[BoundedStore]:
+        return self.session.store
+
+    def host_state(self, probe_s: float = DIAGNOSE_S) -> tuple[bool, str]:
+        return self.session.host_state(probe_s)
 
 
 def report_failure(address: str, port: int, identity: Identity, reason: str, *, timeout_s: float) -> bool:
