@@ -223,7 +223,7 @@ def test_after_an_engine_rank_died_mid_sync_the_trainer_does_not_wait_timeout_s_
     from megatron_sync.sync import ACK_AFTER_BREAK_S
     from tests.support.jobs import run_pair
 
-    timeout_s = 60.0
+    timeout_s = 120.0  # also how long the trainer waits for the engines to join: spawned on a loaded machine
     case = {"spec": {"family": "qwen3"}, "engines": 2, "engine_tp": 1, "timeout_s": timeout_s}
     trainer, engines = run_pair(case, timeout=240, trainer=_trainer_timing_its_close,
                                 engine=_engines_one_dying_at_version_2, outcomes=True)
@@ -232,7 +232,7 @@ def test_after_an_engine_rank_died_mid_sync_the_trainer_does_not_wait_timeout_s_
     assert "weight sync of version 2 failed" in result["failure"] and "PeerFailureError" in result["failure"], \
         result["failure"]
     assert result["fail_s"] < timeout_s / 2, result  # the dead rank's sockets closed: the sync failed at once
-    assert result["close_s"] < ACK_AFTER_BREAK_S + MARGIN_S, result  # not timeout_s (60 s)
+    assert result["close_s"] < ACK_AFTER_BREAK_S + MARGIN_S, result  # not timeout_s (120 s)
     assert engines[1] == ("exited", 17), engines
     assert engines[0] == ("ok", 0), engines  # the survivor read "stop" and left on its version
 
