@@ -66,6 +66,9 @@ class SyncMetrics:
     """Bytes a receiver copied into its staging set (0 where the transport writes there itself)."""
     held_bytes: int = 0
     """Host or device memory a receiver keeps between syncs (staging sets, receive buffers)."""
+    media_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes this rank moved per medium during the sync, where the transport counts them (ipc: "shm"
+    through shared memory, "socket" in control messages over the store); empty otherwise."""
     timeline: Optional[Timeline] = None
     """Per-bucket start/end events, when the sender or receiver was asked to record them."""
 
@@ -93,6 +96,7 @@ class SyncMetrics:
             "bytes": self.bytes, "gbps": round(self.gbps, 4),
             "overlap_s": round(self.overlap_s, 6), "num_buckets": self.num_buckets,
             "shard_bytes": self.shard_bytes, "copied_bytes": self.copied_bytes, "held_bytes": self.held_bytes,
+            **({"media_bytes": self.media_bytes} if self.media_bytes else {}),
         }, sort_keys=True)
 
     @classmethod
@@ -105,7 +109,7 @@ class SyncMetrics:
             d["version"], role=d["role"], rank=d["rank"], phases=phases,
             bytes=d["bytes"], overlap_s=d["overlap_s"], num_buckets=d["num_buckets"],
             shard_bytes=d.get("shard_bytes", 0), copied_bytes=d.get("copied_bytes", 0),
-            held_bytes=d.get("held_bytes", 0),
+            held_bytes=d.get("held_bytes", 0), media_bytes=dict(d.get("media_bytes", {})),
         )
 
     def append_to(self, path: Optional[str]) -> None:
