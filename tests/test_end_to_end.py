@@ -73,6 +73,9 @@ CASES = [
     pytest.param("e2e_deepseek_v3_ep2_bf16.yaml", (), id="deepseek_v3-ep2-to-engine-tp2-bf16-mixed-dtype-buckets"),
     # every trainer rank dumps its own share of the distributed replica; together they are the checkpoint
     pytest.param("e2e_qwen3_tp2_to_2x_tp1.yaml", ("--weight-sync-transport", "p2p"), id="p2p-qwen3-tp2-to-2-engines-tp1"),
+    # colocated: the two jobs on one host hand every bucket over in shared memory
+    pytest.param("e2e_qwen3_tp2_to_2x_tp1.yaml", ("--weight-sync-transport", "ipc"), id="ipc-qwen3-tp2-to-2-engines-tp1"),
+    pytest.param("demo_qwen3_moe_ep2.yaml", ("--weight-sync-transport", "ipc"), id="ipc-qwen3_moe-ep2-to-engine-tp2"),
 ]
 
 
