@@ -8,7 +8,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-PHASES = ("gather", "convert", "pack", "checksum", "transfer", "apply", "commit", "total")
+PHASES = ("gather", "convert", "pack", "checksum", "transfer", "apply", "commit", "release", "restore", "total")
+"""Seconds per phase of a sync; "release" / "restore" time the memory handoff of colocated jobs
+(`megatron_sync.handoff`, rows of role "handoff")."""
 
 TIMELINE_PHASES = ("gather", "convert", "pack", "checksum", "wire", "verify", "stage", "load", "commit")
 """Event kinds of a `Timeline`: what one rank did, per unit or bucket, from start to end."""

@@ -82,6 +82,10 @@ class WeightReceiver(Receiver):
         """Bytes this receiver holds between syncs: receive buffers plus both staging sets."""
         return sum(b.numel() for b in self._buffers if b is not None) + self.staging.nbytes
 
+    def live_shards(self, version: int) -> Optional[dict[str, torch.Tensor]]:
+        """Return the staging set the engine runs on, when it runs `version` (else None)."""
+        return self.staging.live_params(version)
+
     @property
     def commit(self) -> Commit:
         """What makes an agreed version live: `commit(staged shards, version)`."""

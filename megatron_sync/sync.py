@@ -25,6 +25,7 @@ from megatron_sync.engines.base import EngineAdapter, EngineClient
 from megatron_sync.engines.fleet import EngineFleet, clients_from_config
 from megatron_sync.engines.serving import GenerationServer
 from megatron_sync.errors import PeerFailureError, RendezvousError, SyncAbortedError, TrainerGoneError
+from megatron_sync.handoff import EngineHandoff
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.metrics import SyncMetrics
 from megatron_sync.model_digest import model_digest, model_fields
@@ -100,6 +101,9 @@ class TrainerWeightSync:
         self.version = 0
         self.transport = None
         self.session: Optional[SyncSession] = None
+        self.engines_released = False  # the engines freed their memory for training (`release_engines`)
+        self.handoff_rows: list[SyncMetrics] = []  # the engines' restore rows of the last sync that restored them
+        self._handoffs = 0
         self.engines = EngineFleet([], driven=False)
         self._gather = torch_gather(trainer_group)
         transport_cls = get_transport(config.transport)
@@ -202,12 +206,52 @@ class TrainerWeightSync:
                     raise self.engines.named(e, self.transport)
         except BaseException:
             self.engines.after_sync(version, ok=False)  # resumes them on the previous version; never raises
+            self.engines_released = False  # a released engine restored itself for the sync, whatever its outcome
             raise
+        if self.engines_released:
+            self.handoff_rows = self._handoff_rows(Report.RESTORED) if self.is_leader else []
+            self.engines_released = False
         if self.engines.driven:
             with failing_together(f"committing version {version} on the engines", self._gather):
                 self.engines.after_sync(version, ok=True)
         self.version = version
         return metrics
+
+    def release_engines(self) -> list[SyncMetrics]:
+        """Have every inference rank free its live weights, and wait until all did; return their rows
+        (leader; [] elsewhere). Collective on every trainer rank: afterwards the trainer may take the
+        memory. The next sync (or `restore_engines`) gives it back. See `megatron_sync.handoff`."""
+        return self._hand_over(ControlOp.RELEASE, Report.RELEASED, "releasing the engines' memory")
+
+    def restore_engines(self) -> list[SyncMetrics]:
+        """Have every released inference rank take its memory back and reload the version it holds, for
+        generation without a sync first; return their rows (leader). Collective on every trainer rank."""
+        if not self.engines_released:
+            return []
+        return self._hand_over(ControlOp.RESTORE, Report.RESTORED, "restoring the engines' memory")
+
+    def _hand_over(self, op: ControlOp, kind: Report, what: str) -> list[SyncMetrics]:
+        if self.engines.driven:
+            raise ValueError(f"{what}: engines driven over their own API (weight_sync.engines) release memory "
+                             "through their own sleep mode, not through the sync's control channel")
+        if op is ControlOp.RELEASE:
+            self._handoffs += 1
+        rows: list[SyncMetrics] = []
+        with failing_together(what, self._gather):
+            if self.is_leader:
+                self.transport.control.send(ControlMessage(op, self.version, {"handoff": self._handoffs}))
+                rows = self._handoff_rows(kind)
+        self.engines_released = op is ControlOp.RELEASE
+        return rows
+
+    def _handoff_rows(self, kind: Report) -> list[SyncMetrics]:
+        """Return every inference rank's row of the current handoff (leader); raise naming the ranks that failed."""
+        reports = self.transport.control.collect(kind, self._handoffs, self.transport.inference_ranks)
+        answers = {rank: json.loads(raw.decode()) for rank, raw in reports.items()}
+        failed = [f"inference rank {rank}: {a['error']}" for rank, a in answers.items() if a["error"]]
+        if failed:
+            raise RuntimeError(f"{kind.value} on the engines failed: " + "; ".join(failed))
+        return [SyncMetrics.from_json(a["row"]) for a in answers.values()]
 
     def send_app_message(self, payload: dict) -> None:
         """Send an application message (JSON-serialisable) to every inference rank (leader only)."""
@@ -295,6 +339,7 @@ class InferenceWeightSync:
             self.transport = transport_cls.connect_inference(
                 config, num_trainer_stages=num_trainer_stages, inference_rank=inference_rank, session=self.session)
             self.receiver = self.transport.make_receiver(engine, config, keep_together, commit=self.server.commit)
+            self.handoff = EngineHandoff(engine, self.transport.rank, self.receiver.live_shards, config.metrics_path)
         except BaseException as e:
             if self.session is not None and not isinstance(e, RendezvousError):
                 self.session.fail(f"{identity.describe()} failed while connecting: {type(e).__name__}: {e}")
@@ -326,12 +371,28 @@ class InferenceWeightSync:
         transport ready for the next one; a dead peer raises PeerFailureError.
         """
         try:
-            metrics = self.receiver.receive(version)
+            with self.handoff.around_sync(version, report=lambda row: self._report_handoff(
+                    Report.RESTORED, self.handoff.handoff, row, None)):  # a released engine takes its memory back
+                metrics = self.receiver.receive(version)
         except SyncAbortedError as e:
             log.error("[inference rank %d] %s", self.transport.rank, e)
             return None
         self.transport.control.report(Report.METRICS, version, self.transport.rank, metrics.to_json().encode())
         return metrics
+
+    def _hand_over(self, message: ControlMessage) -> None:
+        """Release the engine's memory (RELEASE) or take it back (RESTORE); report the row, or the error."""
+        release = message.op is ControlOp.RELEASE
+        handoff = int(message.payload["handoff"])
+        try:
+            row, error = (self.handoff.release(handoff) if release else self.handoff.restore()), None
+        except Exception as e:  # noqa: BLE001 — the trainer raises it, naming this rank
+            row, error = None, f"{type(e).__name__}: {e}"
+        self._report_handoff(Report.RELEASED if release else Report.RESTORED, handoff, row, error)
+
+    def _report_handoff(self, kind: Report, handoff: int, row: Optional[SyncMetrics], error: Optional[str]) -> None:
+        payload = {"row": row.to_json() if row is not None else None, "error": error}
+        self.transport.control.report(kind, handoff, self.transport.rank, json.dumps(payload).encode())
 
     def apply_in_background(self, version: int) -> Future:
         """Receive `version` while the engine keeps generating; the switch obeys `inflight_policy`."""
@@ -352,6 +413,9 @@ class InferenceWeightSync:
             return False
         if message.op is ControlOp.SYNC:
             self.apply(message.version)
+            return True
+        if message.op in (ControlOp.RELEASE, ControlOp.RESTORE):
+            self._hand_over(message)
             return True
         name = message.payload.get("name")
         if name not in handlers:

@@ -75,6 +75,11 @@ class Receiver(abc.ABC):
     def receive(self, version: int) -> SyncMetrics:
         """Receive, verify and (once every rank agrees) commit `version`; return its metrics."""
 
+    def live_shards(self, version: int) -> Optional[Mapping[str, torch.Tensor]]:
+        """Return this receiver's own copy of the engine's live params when the engine runs `version`
+        (what a released engine is restored from, `megatron_sync.handoff`); None when it keeps none."""
+        return None
+
 
 class Transport(abc.ABC):
     """One endpoint of a transport. Subclasses register under `name` in `megatron_sync.transport`."""

@@ -25,6 +25,8 @@ class ControlOp(str, enum.Enum):
     SYNC = "sync"  # receive and commit `version`
     STOP = "stop"  # acknowledge and leave; the engine keeps the version it holds (payload: optional reason)
     APP = "app"  # an application message: `payload` goes to the application's handler
+    RELEASE = "release"  # free the engine's memory while the trainer trains (megatron_sync.handoff)
+    RESTORE = "restore"  # take it back and load the live version again (no sync comes before generation)
 
 
 class Report(str, enum.Enum):
@@ -32,6 +34,8 @@ class Report(str, enum.Enum):
 
     METRICS = "metrics"  # SyncMetrics JSON of one committed version
     STOPPED = "stopped"  # the rank read "stop"; payload: the version it holds
+    RELEASED = "released"  # the rank's handoff row of a release (or its error), JSON
+    RESTORED = "restored"  # the rank's handoff row of a restore, at a sync or on "restore" (or its error), JSON
 
 
 @dataclass(frozen=True)
