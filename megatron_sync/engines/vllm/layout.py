@@ -256,7 +256,9 @@ def refresh_alias_layers(model: torch.nn.Module) -> None:
     weight for its GEMM, and the alias's copy would keep the previous version."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-    modules = dict(model.named_modules())
+    # every path of a module registered twice: vLLM's Qwen3-MoE block holds its router as `mlp.gate` and
+    # again inside its experts (`mlp.experts.gate`), and the router's weight is an alias under the second
+    modules = dict(model.named_modules(remove_duplicate=False))
     for name in sorted(alias_names(model)):
         layer = modules[name.rpartition(".")[0]]
         method = getattr(layer, "quant_method", None)
