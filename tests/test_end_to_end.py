@@ -13,6 +13,7 @@ every sync and exit non-zero on a mismatch.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -116,6 +117,12 @@ def test_every_sync_lands_exactly_on_every_engine_rank(tmp_path, config, flags):
 
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) >= versions  # one line per sync and rank
+    if "ipc" in flags:  # every bucket through shared memory; only control messages over the store's socket
+        rows = [row for row in map(json.loads, lines) if row["rank"] >= 0]  # trainer ranks that send nothing: -1
+        assert {r["role"] for r in rows} == {"sender", "receiver"}
+        for r in rows:
+            assert r["media_bytes"]["shm"] == r["bytes"] > 0, r
+            assert r["media_bytes"]["socket"] < 200 * r["num_buckets"] + 2000, r
 
 
 @pytest.mark.multiproc
