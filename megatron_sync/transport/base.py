@@ -236,6 +236,10 @@ class BucketTransport(Transport):
         """Where this endpoint's bucket bytes live (what `alloc` returns; the CPU unless overridden)."""
         return torch.device("cpu")
 
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """Return an uninitialised byte buffer of `nbytes` on this endpoint's `device`."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
     @abc.abstractmethod
     def send_bucket(self, bucket: BucketPlan, data: torch.Tensor, seal: Callable[[], BucketHeader]) -> Waitable:
         """Start sending one bucket of this rank's stage, then its header; return the in-flight handle

@@ -190,18 +190,6 @@ class IpcTransport(PlanBucketTransport):
     def device(self) -> torch.device:
         return self._device
 
-    @property
-    def inference_ranks(self) -> range:
-        return range(self.num_stages, self.world_size)
-
-    @property
-    def is_source(self) -> bool:
-        return self.rank < self.num_stages
-
-    def alloc(self, nbytes: int) -> torch.Tensor:
-        """Return an uninitialised buffer where this endpoint keeps bucket bytes (staging sets)."""
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
     def all_gather_json(self, obj: Any) -> list[Any]:
         return self._gather(obj)
 
