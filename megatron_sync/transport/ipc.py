@@ -163,7 +163,8 @@ class IpcTransport(PlanBucketTransport):
         self.session_id, self.timeout_s = session.id, config.timeout_s
         on_gpu = config.resolved_backend(torch.cuda.is_available()) == "nccl"
         self._device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        self.media = {"shm": 0, "socket": 0}
+        self.media = {"shm": 0, "socket": 0}  # counted by this endpoint's calling thread
+        self._worker_media = {"shm": 0, "socket": 0}  # counted by a source's worker thread
         prefix = f"ipc/{session.id}/"
         # Control messages poll the session's own connection (an idle engine waits there for hours); the data
         # path and the agreement rounds wait on connections of their own (`WaitingBoard`).
@@ -178,9 +179,9 @@ class IpcTransport(PlanBucketTransport):
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._worker_board: Optional[WaitingBoard] = None
 
-    def _board_for_this_thread(self) -> WaitingBoard:
+    def _board_for_this_thread(self, media: Optional[dict[str, int]] = None) -> WaitingBoard:
         return WaitingBoard(self._store.clone(), prefix=f"ipc/{self.session_id}/", timeout_s=self.timeout_s,
-                            media=self.media, failure=self._fail)
+                            media=self.media if media is None else media, failure=self._fail)
 
     def _fail(self, op: str, error: BaseException) -> PeerFailureError:
         return PeerFailureError(f"[transport rank {self.rank}] {op} on the ipc transport's store failed or timed out "
@@ -195,9 +196,10 @@ class IpcTransport(PlanBucketTransport):
 
     def take_media_bytes(self) -> dict[str, int]:
         """Return (and reset) the bytes moved through shared memory and over the store since the last call."""
-        taken = dict(self.media)
-        for key in self.media:
-            self.media[key] = 0
+        taken = {key: self.media[key] + self._worker_media[key] for key in self.media}
+        for counts in (self.media, self._worker_media):
+            for key in counts:
+                counts[key] = 0
         return taken
 
     def exchange_metadata(self, stage_metas: Optional[list[TensorMeta]]) -> list[list[TensorMeta]]:
@@ -250,7 +252,7 @@ class IpcTransport(PlanBucketTransport):
             raise
         self.segments[self.rank] = segment
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatron-sync-ipc")
-        self._worker_board = self._board_for_this_thread()
+        self._worker_board = self._board_for_this_thread(self._worker_media)  # its own counters: no shared +=
         self.board.post(f"segment/{self.rank}", segment.info.to_bytes())
 
     def _unlink_all(self) -> None:
@@ -293,7 +295,7 @@ class IpcTransport(PlanBucketTransport):
         target[: bucket.nbytes].copy_(data[: bucket.nbytes])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the bytes are in place before anyone is told
-        self.media["shm"] += bucket.nbytes
+        self._worker_media["shm"] += bucket.nbytes
         sealed: BucketHeader = header.result()
         self._worker_board.post(f"bucket/{stage}/{sequence}", json.dumps(
             [sealed.version, sealed.index, sealed.nbytes, sealed.checksum, slot]).encode())
