@@ -10,7 +10,8 @@ from typing import Iterable, Optional
 
 PHASES = ("gather", "convert", "pack", "checksum", "transfer", "apply", "commit", "release", "restore", "total")
 """Seconds per phase of a sync; "release" / "restore" time the memory handoff of colocated jobs
-(`megatron_sync.handoff`, rows of role "handoff")."""
+(`megatron_sync.handoff`, rows of roles "engine-handoff" and "trainer-handoff")."""
+HANDOFF_PHASES = ("release", "restore")
 
 TIMELINE_PHASES = ("gather", "convert", "pack", "checksum", "wire", "verify", "stage", "load", "commit")
 """Event kinds of a `Timeline`: what one rank did, per unit or bucket, from start to end."""
@@ -151,7 +152,10 @@ def align(header: list[str], rows: Iterable[list[str]]) -> str:
 
 
 def format_table(rows: Iterable[SyncMetrics]) -> str:
-    """Return an aligned text table: one row per sync, one column per phase (seconds)."""
-    header = ["version", "role", "rank", *PHASES, "overlap", "MB", "GB/s"]
-    return align(header, ([str(m.version), m.role, str(m.rank), *(f"{m.phases[p]:.4f}" for p in PHASES),
+    """Return an aligned text table: one row per sync, one column per phase (seconds; the handoff's
+    release / restore only when some row has them)."""
+    rows = list(rows)
+    phases = [p for p in PHASES if p not in HANDOFF_PHASES or any(m.phases[p] for m in rows)]
+    header = ["version", "role", "rank", *phases, "overlap", "MB", "GB/s"]
+    return align(header, ([str(m.version), m.role, str(m.rank), *(f"{m.phases[p]:.4f}" for p in phases),
                            f"{m.overlap_s:.4f}", f"{m.bytes / 2**20:.2f}", f"{m.gbps:.3f}"] for m in rows))
