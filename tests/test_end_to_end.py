@@ -127,12 +127,18 @@ def test_every_sync_lands_exactly_on_every_engine_rank(tmp_path, config, flags):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(360)
-def test_engine_rank_dying_mid_sync_fails_the_trainer_and_leaves_survivors_on_the_previous_version(tmp_path):
+@pytest.mark.parametrize("transport", ["broadcast", "ipc"])
+def test_engine_rank_dying_mid_sync_fails_the_trainer_and_leaves_survivors_on_the_previous_version(tmp_path, transport):
+    from megatron_sync.transport.segments import leftover_segments
+
     timeout_s = 10
     path, job = _write_job(tmp_path, "demo_qwen3_moe_ep2.yaml")
+    segments_before = set(leftover_segments())
     start = time.monotonic()
-    done = _run_demo(path, "--weight-sync-timeout-s", str(timeout_s), "--test-exit-during-version", "2")
+    done = _run_demo(path, "--weight-sync-timeout-s", str(timeout_s), "--test-exit-during-version", "2",
+                     "--weight-sync-transport", transport)
     elapsed = time.monotonic() - start
+    assert set(leftover_segments()) <= segments_before, "a shared-memory segment outlived the run"
     output = done.stdout + done.stderr
     assert done.returncode != 0
     assert "fault injection: exiting while receiving version 2" in output

@@ -264,11 +264,12 @@ def test_twenty_versions_add_no_segment_handle_mapping_or_memory():
 @pytest.mark.multiproc
 @pytest.mark.parametrize("victim", [0, 1], ids=["store-host", "other-stage"])
 def test_a_stage_source_killed_mid_handoff_fails_every_survivor_within_timeout(victim):
-    """Stage source `victim` is SIGKILLed with its second bucket of version 2 in its slot, unannounced. The
-    engines report a dead peer (at once when the victim hosted the session's store, else within
-    timeout_s) and hold version 1 exactly; the other stage source reports it too; nothing is left in
-    /dev/shm (each segment's name went when every rank had mapped it)."""
-    timeout = 8.0
+    """Stage source `victim` is SIGKILLed with its second bucket of version 2 in its slot, unannounced. Every
+    survivor reports a dead peer: the session's store went with the victim that hosted it; a victim that did
+    not host it is named by the survivors' watch on their colocated peers (long before timeout_s). The
+    engines hold version 1 exactly, and nothing is left in /dev/shm (each segment's name went when every
+    rank had mapped it)."""
+    timeout = 60.0
     out = _run({"versions": [1, 2], "timeout": timeout,
                 "kill_source": {"rank": victim, "version": 2, "bucket": 1}})
     assert out[victim] == ("exited", -signal.SIGKILL), out[victim]
@@ -277,27 +278,36 @@ def test_a_stage_source_killed_mid_handoff_fails_every_survivor_within_timeout(v
         assert status == "ok", (rank, log)
         assert log[0][1:4] == ("ok", 1, True)
         assert log[1][1:4] == ("PeerFailureError", 1, True), log[1]  # still version 1, bit for bit
-        assert log[1][5] < timeout + 5, log[1]
+        assert log[1][5] < timeout, log[1]
+        if victim == 1:
+            assert "transport rank 1 (pid" in log[1][4] and "died while this rank waited" in log[1][4], log[1]
     survivor = 1 - victim
     status, log = out[survivor]
-    assert status == "ok" and log[1][1] == "PeerFailureError" and log[1][3] < timeout + 5, (status, log)
+    assert status == "ok" and log[1][1] == "PeerFailureError" and log[1][3] < timeout, (status, log)
 
 
 @pytest.mark.multiproc
 def test_an_engine_rank_killed_mid_apply_fails_the_trainer_within_timeout_and_the_survivor_keeps_its_version():
-    timeout = 8.0
+    """Engine rank 3 exits while copying its regions of version 2: every survivor reports a dead peer long
+    before timeout_s (whoever waits for rank 3 names it, from its watch on colocated peers; a rank that
+    learns of it later finds the store's host, stage 0's source, gone with the failure); the surviving
+    engine rank holds version 1 exactly."""
+    timeout = 60.0
     die_after = len(ALL_METAS) + 3  # dies while staging version 2
     out = _run({"versions": [1, 2], "die": {3: die_after}, "timeout": timeout})
     assert out[3] == ("exited", 17), out[3]
+    messages = []
     for rank in range(P):
         status, log = out[rank]
         assert status == "ok", log
-        assert log[0][1] == "ok" and log[1][1] == "PeerFailureError", log
-        assert log[1][3] < timeout + 5, log[1]
+        assert log[0][1] == "ok" and log[1][1] == "PeerFailureError" and log[1][3] < timeout, log
+        messages.append(log[1][2])
     status, log = out[2]
     assert status == "ok", log
-    assert log[1][1:4] == ("PeerFailureError", 1, True), log[1]
-    assert log[1][5] < timeout + 5, log[1]
+    assert log[1][1:4] == ("PeerFailureError", 1, True) and log[1][5] < timeout, log[1]
+    messages.append(log[1][4])
+    assert any("transport rank 3 (pid" in m and "died while this rank waited" in m for m in messages), messages
+    assert all("transport rank 3 (pid" in m or "Connection was likely closed" in m for m in messages), messages
 
 
 @pytest.mark.gpu

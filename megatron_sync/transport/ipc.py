@@ -38,6 +38,7 @@ GPU memory shared by CUDA IPC; gloo: host shared memory).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import datetime
 import json
 import secrets
@@ -56,6 +57,7 @@ from megatron_sync.transport.base import BucketHeader, PendingBucket, Receiver, 
 from megatron_sync.transport.buckets import PlanBucketTransport
 from megatron_sync.transport.control import StoreControlChannel
 from megatron_sync.transport.group import StoreBoard
+from megatron_sync.transport.liveness import PeerWatch, ProcessId, death_notice
 from megatron_sync.transport.segments import (
     SLOTS, CudaSegment, HostSegment, Segment, SegmentInfo, segment_name, slot_bytes_for, unlink_session_segments,
 )
@@ -102,6 +104,7 @@ class WaitingBoard:
                  failure: Callable[[str, BaseException], PeerFailureError]) -> None:
         self._store, self._prefix, self.timeout_s = store, prefix, timeout_s
         self._media, self._failure = media, failure
+        self.watch: Optional[PeerWatch] = None  # once set, a peer that dies while we wait is named at once
 
     def post(self, key: str, value: bytes) -> None:
         self._media["socket"] += len(key) + len(value)
@@ -113,7 +116,8 @@ class WaitingBoard:
     def fetch(self, key: str, timeout_s: Optional[float] = None) -> bytes:
         limit = self.timeout_s if timeout_s is None else timeout_s
         try:
-            self._store.wait([self._prefix + key], datetime.timedelta(seconds=limit))
+            with self.watch.waiting(key) if self.watch is not None else contextlib.nullcontext():
+                self._store.wait([self._prefix + key], datetime.timedelta(seconds=limit))
             value = self._store.get(self._prefix + key)
         except dist.DistStoreError as e:
             if "timeout" not in str(e):
@@ -122,6 +126,9 @@ class WaitingBoard:
         except (RuntimeError, dist.DistError) as e:
             raise self._failure(f"waiting for {key!r}", e) from e
         self._media["socket"] += len(key) + len(value)
+        died = death_notice(value)
+        if died is not None:
+            raise PeerFailureError(f"{died} died while this rank waited for {key!r}")
         return value
 
     def remove(self, key: str) -> None:
@@ -178,6 +185,8 @@ class IpcTransport(PlanBucketTransport):
         self._asked = [0] * num_stages  # per stage, buckets this inference rank asked for so far
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._worker_board: Optional[WaitingBoard] = None
+        self._watch: Optional[PeerWatch] = None
+        self.board.post(f"process/{rank}", ProcessId.mine().to_bytes())
 
     def _board_for_this_thread(self, media: Optional[dict[str, int]] = None) -> WaitingBoard:
         return WaitingBoard(self._store.clone(), prefix=f"ipc/{self.session_id}/", timeout_s=self.timeout_s,
@@ -228,6 +237,7 @@ class IpcTransport(PlanBucketTransport):
                         raise RuntimeError(f"trainer stage {stage} could not create its segment: {info.name}")
                     self.segments[stage] = (CudaSegment.attach(info) if info.kind == "cuda"
                                             else HostSegment.attach(info))
+            peers = {r: ProcessId.from_bytes(self.board.fetch(f"process/{r}")) for r in range(self.world_size)}
         except PeerFailureError:
             self._unlink_all()
             raise
@@ -237,6 +247,10 @@ class IpcTransport(PlanBucketTransport):
             self.agree(error, what="mapping the ipc transport's shared segments")
         finally:
             self._unlink_all()
+        self._watch = PeerWatch(self._store.clone(), f"ipc/{self.session_id}/", peers)
+        for board in (self.board, self._worker_board):
+            if board is not None:
+                board.watch = self._watch
 
     def _create_own(self, plan: SyncPlan) -> None:
         own = [b.nbytes for b in plan.buckets if b.stage == self.rank]
@@ -321,6 +335,8 @@ class IpcTransport(PlanBucketTransport):
         for segment in self.segments.values():
             segment.close()
         self.segments.clear()
+        if self._watch is not None:
+            self._watch.close()
         self.board.close()
         if self._worker_board is not None:
             self._worker_board.close()
