@@ -30,9 +30,12 @@ every control message) are counted per sync in `SyncMetrics.media_bytes`.
 
 Lifetime: a segment's name is unlinked as soon as every rank agreed it mapped
 it, so nothing is left in /dev/shm whatever way the processes end; any rank
-that fails before that unlinks the session's names itself. The transport runs
-over no process group, so `backend` only says where the buffers live (nccl:
-GPU memory shared by CUDA IPC; gloo: host shared memory).
+that fails before that unlinks the session's names itself. A peer that dies
+while a rank waits for it is named within a second (`transport.liveness`: the
+ranks share a host, so they watch each other's processes); `timeout_s` bounds
+every wait. The transport runs over no process group, so `backend` only says
+where the buffers live (nccl: GPU memory shared by CUDA IPC; gloo: host
+shared memory).
 """
 
 from __future__ import annotations
