@@ -2,6 +2,11 @@
 
     NPROC=1 launch/train.sh --module examples.custom_loop -- --config train.yaml --steps 3
 
+With `--handoff` it is a colocated loop (trainer and engines taking turns on the same devices, e.g. one
+job from launch/colocate.sh with `transport: ipc`): before each step the engines free their weights and
+the trainer takes back its gradient buffers and optimizer state; after it, the trainer gives them up and
+the engines take their memory back as the sync begins (megatron_sync.handoff).
+
 `train.yaml` holds the `weight_sync:` section (family, hf_config_path, rendezvous,
 engine layout...). The only lines a real job adds to its loop are marked
 "weight sync". Building the model is the user's own code; on this CPU-only
@@ -22,6 +27,7 @@ import torch.distributed as dist
 
 from megatron_sync.callback import WeightSyncCallback
 from megatron_sync.config import WeightSyncConfig, add_weight_sync_args, explicit_flags
+from megatron_sync.handoff import TrainerMemory
 from megatron_sync.parallel import ParallelLayout
 
 
@@ -48,6 +54,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rotary-base", type=float, default=None, help="the model's RoPE base (Megatron's own)")
+    parser.add_argument("--handoff", action="store_true", help="colocated: hand memory over around every step")
     add_weight_sync_args(parser, defaults=False)  # weight sync: --weight-sync-* flags override the YAML
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="[trainer] %(message)s")
@@ -62,16 +69,28 @@ def main(argv=None) -> int:
     # weight sync: collective on every trainer rank; connects to the engines, checks the model, and (with
     # sync_on_start) sends the initial weights as version 1. Leaving the block (also on SIGTERM / SIGINT)
     # tells the engines to stop.
-    with WeightSyncCallback.from_config(config, model, layout=layout) as callback:
+    memory = TrainerMemory(model, optimizer, rank=dist.get_rank()) if args.handoff else None  # weight sync
+    with WeightSyncCallback.from_config(config, model, layout=layout, memory=memory) as callback:
         for step in range(args.steps):
+            if args.handoff:
+                to_training = callback.to_training()  # weight sync: the engines' memory to the trainer
             tokens = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
             loss = train_step(model, optimizer, tokens, layout)
             metrics = callback.after_optimizer_step(update_successful=True)  # weight sync
             if dist.get_rank() == 0:
                 print(f"[custom loop] step {step + 1}: loss {loss:.4f}, synced version "
                       f"{metrics.version if metrics else '-'}", flush=True)
+                if args.handoff:
+                    print(f"[custom loop] handoff: {_handoff_summary(to_training + callback.handoff_rows)}", flush=True)
     dist.destroy_process_group()
     return 0
+
+
+def _handoff_summary(rows) -> str:
+    """One line: per role and rank, what changed hands (rows of steps with nothing to do are left out)."""
+    steps = [(r, phase) for r in rows for phase in ("release", "restore") if r.phases[phase] > 0]
+    return "; ".join(f"{r.role} {r.rank} {phase} {r.bytes / 2**20:.2f} MiB in {r.phases[phase] * 1e3:.1f} ms"
+                     for r, phase in steps)
 
 
 if __name__ == "__main__":

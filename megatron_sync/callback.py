@@ -8,6 +8,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
+from megatron_sync.handoff import TrainerMemory
 from megatron_sync.lifecycle import stop_on_signals
 from megatron_sync.sync import TrainerWeightSync
 
@@ -64,14 +65,18 @@ class WeightSyncCallback:
     that first tells the engines.
     """
 
-    def __init__(self, syncer: Syncer | None, chunks: list[torch.nn.Module], *, every_n_steps: int = 1):
+    def __init__(self, syncer: Syncer | None, chunks: list[torch.nn.Module], *, every_n_steps: int = 1,
+                 memory: Optional[TrainerMemory] = None):
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.syncer = syncer
         self.chunks = chunks
         self.every_n_steps = every_n_steps
+        self.memory = memory  # what this trainer rank releases while the engines generate (colocated jobs)
         self.updates = 0
         self.initial_metrics: Any = None  # the start-up sync's metrics (weight_sync.sync_on_start)
+        self.handoff_rows: list[Any] = []  # the rows of the last handoff step (megatron_sync.handoff)
+        self._training = False  # to_training() handed the memory to training; the next update hands it back
         self._signals = ExitStack()
 
     @classmethod
@@ -83,8 +88,9 @@ class WeightSyncCallback:
         (version 1; its metrics in `initial_metrics`). `sync_kwargs` go to `TrainerWeightSync`
         (converter or hf_config, layout, trainer_group, engine_clients).
         """
+        memory = sync_kwargs.pop("memory", None)
         syncer = TrainerWeightSync(config, chunks, **sync_kwargs) if config.enabled else None
-        callback = cls(syncer, chunks, every_n_steps=config.every_n_steps)
+        callback = cls(syncer, chunks, every_n_steps=config.every_n_steps, memory=memory)
         if config.enabled and config.sync_on_start:
             try:
                 callback.initial_metrics = callback.sync_now()
@@ -99,12 +105,37 @@ class WeightSyncCallback:
         Skipped updates (loss-scale overflow: `update_successful=False`) leave
         the weights unchanged and are not counted.
         """
-        if not update_successful:
+        handing_back, self._training = self._training, False
+        if handing_back and self.memory is not None:  # first this rank's memory goes, then the engines take theirs
+            self.handoff_rows = [self.memory.release(self._version())]
+        if update_successful:
+            self.updates += 1
+        if not update_successful or self.updates % self.every_n_steps:
+            if handing_back and self.syncer is not None:
+                self.handoff_rows += self.syncer.restore_engines()  # no sync now: they reload what they hold
             return None
-        self.updates += 1
-        if self.updates % self.every_n_steps:
-            return None
-        return self.sync_now()
+        metrics = self.sync_now()  # a released engine takes its memory back as the sync begins
+        if handing_back and self.syncer is not None:
+            self.handoff_rows += self.syncer.handoff_rows
+        return metrics
+
+    def to_training(self) -> list[Any]:
+        """Hand the memory to training (colocated jobs, `megatron_sync.handoff`); return the steps' rows.
+
+        Every engine rank frees its live weights and all have done so when this returns; then this rank
+        takes back what `memory` released. Call it before each training step; the next
+        `after_optimizer_step` hands the memory back (this rank's first, then the engines take theirs
+        as the sync begins). Collective on every trainer rank.
+        """
+        rows = self.syncer.release_engines() if self.syncer is not None else []
+        if self.memory is not None:
+            rows.append(self.memory.restore(self._version()))
+        self._training = True
+        self.handoff_rows = rows
+        return rows
+
+    def _version(self) -> int:
+        return getattr(self.syncer, "version", 0)
 
     def sync_now(self) -> Any:
         """Sync the current weights at once (e.g. the initial weights before training); return metrics

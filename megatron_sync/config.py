@@ -59,8 +59,8 @@ class WeightSyncConfig:
 
     transport: str = "broadcast"
     """How bytes move: a name registered in `megatron_sync.transport` ("broadcast"; "p2p": every trainer
-    rank sends its own share, with the p2p_* settings below; or "disk_delta": through shared storage,
-    with the delta_* settings below)."""
+    rank sends its own share, with the p2p_* settings below; "disk_delta": through shared storage,
+    with the delta_* settings below; or "ipc": trainer and engines on one host, through shared memory)."""
 
     backend: str = "auto"
     """Collective backend of the transport group: "gloo", "nccl", or "auto"
@@ -273,6 +273,10 @@ class WeightSyncConfig:
             raise ValueError(f"transport 'p2p' writes each rank's shard into its staging memory, which SGLang's "
                              f"update API does not expose (engines {sglang}); use transport 'sglang' for SGLang, "
                              "or 'p2p' with megatron-sync inference ranks and vLLM servers")
+        if self.transport == "ipc" and sglang:
+            raise ValueError(f"transport 'ipc' hands buckets to megatron-sync receivers in shared memory, which "
+                             f"SGLang's update API does not run (engines {sglang}); use transport 'sglang' for "
+                             "SGLang, or 'ipc' with megatron-sync inference ranks and vLLM servers")
         _check_choice("p2p_backend", self.p2p_backend, P2P_BACKENDS)
         _check_choice("p2p_protocol", self.p2p_protocol, P2P_PROTOCOLS)
         if not isinstance(self.p2p_device_name, str):

@@ -8,7 +8,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-PHASES = ("gather", "convert", "pack", "checksum", "transfer", "apply", "commit", "total")
+PHASES = ("gather", "convert", "pack", "checksum", "transfer", "apply", "commit", "release", "restore", "total")
+"""Seconds per phase of a sync; "release" / "restore" time the memory handoff of colocated jobs
+(`megatron_sync.handoff`, rows of roles "engine-handoff" and "trainer-handoff")."""
+HANDOFF_PHASES = ("release", "restore")
 
 TIMELINE_PHASES = ("gather", "convert", "pack", "checksum", "wire", "verify", "stage", "load", "commit")
 """Event kinds of a `Timeline`: what one rank did, per unit or bucket, from start to end."""
@@ -66,6 +69,9 @@ class SyncMetrics:
     """Bytes a receiver copied into its staging set (0 where the transport writes there itself)."""
     held_bytes: int = 0
     """Host or device memory a receiver keeps between syncs (staging sets, receive buffers)."""
+    media_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes this rank moved per medium during the sync, where the transport counts them (ipc: "shm"
+    through shared memory, "socket" in control messages over the store); empty otherwise."""
     timeline: Optional[Timeline] = None
     """Per-bucket start/end events, when the sender or receiver was asked to record them."""
     started_at: float = 0.0
@@ -110,6 +116,7 @@ class SyncMetrics:
                if self.started_at else {}),
             **({"source": self.source} if self.source else {}),
             **({"fleet": self.fleet, "staleness": self.staleness} if self.fleet else {}),
+            **({"media_bytes": self.media_bytes} if self.media_bytes else {}),
         }, sort_keys=True)
 
     @classmethod
@@ -124,6 +131,7 @@ class SyncMetrics:
             shard_bytes=d.get("shard_bytes", 0), copied_bytes=d.get("copied_bytes", 0),
             held_bytes=d.get("held_bytes", 0), started_at=d.get("started_at", 0.0), ended_at=d.get("ended_at", 0.0),
             source=d.get("source", ""), fleet=d.get("fleet", []), staleness=d.get("staleness", 0),
+            media_bytes=dict(d.get("media_bytes", {})),
         )
 
     def append_to(self, path: Optional[str]) -> None:
@@ -163,7 +171,10 @@ def align(header: list[str], rows: Iterable[list[str]]) -> str:
 
 
 def format_table(rows: Iterable[SyncMetrics]) -> str:
-    """Return an aligned text table: one row per sync, one column per phase (seconds)."""
-    header = ["version", "role", "rank", *PHASES, "overlap", "MB", "GB/s"]
-    return align(header, ([str(m.version), m.role, str(m.rank), *(f"{m.phases[p]:.4f}" for p in PHASES),
+    """Return an aligned text table: one row per sync, one column per phase (seconds; the handoff's
+    release / restore only when some row has them)."""
+    rows = list(rows)
+    phases = [p for p in PHASES if p not in HANDOFF_PHASES or any(m.phases[p] for m in rows)]
+    header = ["version", "role", "rank", *phases, "overlap", "MB", "GB/s"]
+    return align(header, ([str(m.version), m.role, str(m.rank), *(f"{m.phases[p]:.4f}" for p in phases),
                            f"{m.overlap_s:.4f}", f"{m.bytes / 2**20:.2f}", f"{m.gbps:.3f}"] for m in rows))

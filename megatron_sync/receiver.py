@@ -67,8 +67,10 @@ class WeightReceiver(Receiver):
         self.staging = StagingSets(self.layout, transport.alloc)
         self._agreed = AgreedCommit.over(transport, engine, commit, rollback=rollback,
                                          live_shards=self.staging.live_params)
-        # Two receive buffers: bucket k+1 arrives while bucket k is verified and staged.
-        self._buffers = [transport.alloc(self.plan.max_bucket_bytes) for _ in range(2)]
+        # Two receive buffers: bucket k+1 arrives while bucket k is verified and staged (none when the
+        # transport hands each bucket over where it already lies).
+        self._buffers = [None if transport.delivers_in_place else transport.alloc(self.plan.max_bucket_bytes)
+                         for _ in range(2)]
 
     @property
     def snapshots_taken(self) -> int:
@@ -78,7 +80,11 @@ class WeightReceiver(Receiver):
     @property
     def buffer_bytes(self) -> int:
         """Bytes this receiver holds between syncs: receive buffers plus both staging sets."""
-        return sum(b.numel() for b in self._buffers) + self.staging.nbytes
+        return sum(b.numel() for b in self._buffers if b is not None) + self.staging.nbytes
+
+    def live_shards(self, version: int) -> Optional[dict[str, torch.Tensor]]:
+        """Return the staging set the engine runs on, when it runs `version` (else None)."""
+        return self.staging.live_params(version)
 
     @property
     def commit(self) -> Commit:
@@ -95,12 +101,14 @@ class WeightReceiver(Receiver):
                               timeline=Timeline() if self.record_timeline else None,
                               shard_bytes=self.layout.shard_bytes, held_bytes=self.buffer_bytes)
         metrics.started_at = time.time()
+        self.transport.take_media_bytes()  # what moved before this sync is not its own
         with PhaseTimer(metrics, "total"):
             staged = self.staging.begin()
             error = self._receive_all(version, metrics)
             self._agreed(version, error, staged, metrics)
             self.staging.committed(version)
         metrics.ended_at = time.time()
+        metrics.media_bytes = self.transport.take_media_bytes()
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
         return metrics

@@ -113,6 +113,8 @@ class WeightSender(Sender):
         metrics = SyncMetrics(version, role="sender", rank=self.transport.rank if self.transport else -1,
                               timeline=Timeline() if self.record_timeline else None)
         self._pulled = 0.0  # time this thread spent waiting for the stream (gather + convert, or a fake's work)
+        if self.transport is not None:
+            self.transport.take_media_bytes()  # what moved before this sync is not its own
         with PhaseTimer(metrics, "total"):
             if self.replica is None:
                 for _ in self._pull(self.stream.walk(record=metrics.event)):
@@ -124,6 +126,8 @@ class WeightSender(Sender):
             reported = self.stream.phase_seconds
             metrics.add("convert", reported.get("convert", 0.0))
             metrics.add("gather", reported.get("gather", max(0.0, self._pulled - reported.get("convert", 0.0))))
+        if self.transport is not None:
+            metrics.media_bytes = self.transport.take_media_bytes()
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
         return metrics

@@ -28,6 +28,7 @@ from megatron_sync.errors import (AgreedFailure, PeerFailureError, RendezvousErr
                                   SyncAbortedError, SyncStoppedError, TrainerGoneError)
 from megatron_sync.fleet.engine import Relays, await_link, hello
 from megatron_sync.fleet.trainer import FleetDriver, link_config
+from megatron_sync.handoff import EngineHandoff
 from megatron_sync.megatron_config import check_model_config
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.metrics import SyncMetrics
@@ -111,6 +112,9 @@ class TrainerWeightSync:
         self.session: Optional[SyncSession] = None
         self._transfer_broken = False  # the last sync failed without an agreed abort
         self._syncing = False  # a sync is under way (a watchdog closing from its own thread sees it)
+        self.engines_released = False  # the engines freed their memory for training (`release_engines`)
+        self.handoff_rows: list[SyncMetrics] = []  # the engines' restore rows of the last sync that restored them
+        self._handoffs = 0
         self.engines = EngineFleet([], driven=False)
         self.fleet: Optional[FleetDriver] = None  # weight_sync.fleet: engines come and go (megatron_sync.fleet)
         self._gather = torch_gather(trainer_group)
@@ -267,14 +271,54 @@ class TrainerWeightSync:
             self._transfer_broken = not (isinstance(e, AgreedFailure) and
                                          all(m.startswith("SyncAbortedError") for _, m in e.failures))
             self.engines.after_sync(version, ok=False)  # resumes them on the previous version; never raises
+            self.engines_released = False  # a released engine restored itself for the sync, whatever its outcome
             raise
         finally:
             self._syncing = False
+        if self.engines_released:
+            self.handoff_rows = self._handoff_rows(Report.RESTORED) if self.is_leader else []
+            self.engines_released = False
         if self.engines.driven:
             with failing_together(f"committing version {version} on the engines", self._gather):
                 self.engines.after_sync(version, ok=True)
         self.version = version
         return metrics
+
+    def release_engines(self) -> list[SyncMetrics]:
+        """Have every inference rank free its live weights, and wait until all did; return their rows
+        (leader; [] elsewhere). Collective on every trainer rank: afterwards the trainer may take the
+        memory. The next sync (or `restore_engines`) gives it back. See `megatron_sync.handoff`."""
+        return self._hand_over(ControlOp.RELEASE, Report.RELEASED, "releasing the engines' memory")
+
+    def restore_engines(self) -> list[SyncMetrics]:
+        """Have every released inference rank take its memory back and reload the version it holds, for
+        generation without a sync first; return their rows (leader). Collective on every trainer rank."""
+        if not self.engines_released:
+            return []
+        return self._hand_over(ControlOp.RESTORE, Report.RESTORED, "restoring the engines' memory")
+
+    def _hand_over(self, op: ControlOp, kind: Report, what: str) -> list[SyncMetrics]:
+        if self.engines.driven:
+            raise ValueError(f"{what}: engines driven over their own API (weight_sync.engines) release memory "
+                             "through their own sleep mode, not through the sync's control channel")
+        if op is ControlOp.RELEASE:
+            self._handoffs += 1
+        rows: list[SyncMetrics] = []
+        with failing_together(what, self._gather):
+            if self.is_leader:
+                self.transport.control.send(ControlMessage(op, self.version, {"handoff": self._handoffs}))
+                rows = self._handoff_rows(kind)
+        self.engines_released = op is ControlOp.RELEASE
+        return rows
+
+    def _handoff_rows(self, kind: Report) -> list[SyncMetrics]:
+        """Return every inference rank's row of the current handoff (leader); raise naming the ranks that failed."""
+        reports = self.transport.control.collect(kind, self._handoffs, self.transport.inference_ranks)
+        answers = {rank: json.loads(raw.decode()) for rank, raw in reports.items()}
+        failed = [f"inference rank {rank}: {a['error']}" for rank, a in answers.items() if a["error"]]
+        if failed:
+            raise RuntimeError(f"{kind.value} on the engines failed: " + "; ".join(failed))
+        return [SyncMetrics.from_json(a["row"]) for a in answers.values()]
 
     def send_app_message(self, payload: dict) -> None:
         """Send an application message (JSON-serialisable) to every inference rank (leader only)."""
@@ -410,6 +454,7 @@ class InferenceWeightSync:
                 hello(self.transport, self.receiver)
                 self.relays = Relays(self.session, self.receiver, self.transport, config, rank=inference_rank,
                                      ranks=config.engine_tp_size)
+            self.handoff = EngineHandoff(engine, self.transport.rank, self.receiver.live_shards, config.metrics_path)
         except BaseException as e:
             if self.session is not None and not isinstance(e, RendezvousError):
                 self.session.fail(f"{identity.describe()} failed while connecting: {type(e).__name__}: {e}")
@@ -453,7 +498,9 @@ class InferenceWeightSync:
         the host, then, if it answers, a look for "stop").
         """
         try:
-            metrics = self.relays.receive(relay) if relay is not None else self.receiver.receive(version)
+            with self.handoff.around_sync(version, report=lambda row: self._report_handoff(
+                    Report.RESTORED, self.handoff.handoff, row, None)):  # a released engine takes its memory back
+                metrics = self.relays.receive(relay) if relay is not None else self.receiver.receive(version)
         except SyncAbortedError as e:
             log.error("%s", e)
             why = "; ".join(f"[transport rank {rank}] {message.splitlines()[0]}" for rank, message in e.failures)
@@ -484,6 +531,20 @@ class InferenceWeightSync:
             return None
         return message if message.op is ControlOp.STOP else None
 
+    def _hand_over(self, message: ControlMessage) -> None:
+        """Release the engine's memory (RELEASE) or take it back (RESTORE); report the row, or the error."""
+        release = message.op is ControlOp.RELEASE
+        handoff = int(message.payload["handoff"])
+        try:
+            row, error = (self.handoff.release(handoff) if release else self.handoff.restore()), None
+        except Exception as e:  # noqa: BLE001 — the trainer raises it, naming this rank
+            row, error = None, f"{type(e).__name__}: {e}"
+        self._report_handoff(Report.RELEASED if release else Report.RESTORED, handoff, row, error)
+
+    def _report_handoff(self, kind: Report, handoff: int, row: Optional[SyncMetrics], error: Optional[str]) -> None:
+        payload = {"row": row.to_json() if row is not None else None, "error": error}
+        self.transport.control.report(kind, handoff, self.transport.rank, json.dumps(payload).encode())
+
     def apply_in_background(self, version: int) -> Future:
         """Receive `version` while the engine keeps generating; the switch obeys `inflight_policy`."""
         return self.server.run_in_background(self.apply, version)
@@ -510,6 +571,9 @@ class InferenceWeightSync:
             return True
         if message.op is ControlOp.RELAY_SEND:
             self.relays.send(message)
+            return True
+        if message.op in (ControlOp.RELEASE, ControlOp.RESTORE):
+            self._hand_over(message)
             return True
         name = message.payload.get("name")
         if name not in handlers:

@@ -15,7 +15,7 @@ from megatron_sync.sender import WeightSender
 from megatron_sync.transport.broadcast import BroadcastTransport
 from megatron_sync.transport.group import init_transport_group
 from tests.support.dist import free_port, run_ranks
-from tests.support.fakes import STAGES, FakeEngine, FakeStream, make_tensor, shard_rule
+from tests.support.fakes import STAGES, FakeEngine, FakeStream, make_tensor, shard_rule, wire_corruption
 
 P, N, TP = 2, 2, 2
 BUCKET_BYTES = 2048
@@ -55,22 +55,10 @@ def _rank_main(rank: int, sc: dict) -> list:
         transport.close()
 
 
-def _wire_corruption(stream: FakeStream, corrupt: tuple):
-    """Return a sender hook that puts a copy of bucket `corrupt[1]` of version `corrupt[0]` with one
-    flipped byte on the wire (the checksum covers the real bytes, as if the wire had flipped it)."""
-    def flip(index: int, data: torch.Tensor):
-        if [stream.version, index] != list(corrupt):
-            return None
-        flipped = data.clone()
-        flipped[flipped.numel() // 2] ^= 0xFF
-        return flipped
-    return flip
-
-
 def _run_sender(rank: int, transport, bucket: int, sc: dict) -> list:
     stream = FakeStream(rank, STAGES[rank], fail_at=tuple(sc.get("fail_at", ())) if rank == 1 else None)
     sender = WeightSender.connect(stream, transport, bucket_size_bytes=bucket,
-                                  corrupt_wire=_wire_corruption(stream, sc.get("corrupt", ())),
+                                  corrupt_wire=wire_corruption(stream, sc.get("corrupt", ())),
                                   metrics_path=sc.get("metrics_path") if rank == 0 else None)
     log = []
     for v in sc["versions"]:
@@ -199,7 +187,7 @@ def _integrity_main(rank: int, sc: dict) -> list:
         for algorithm in CHECKSUMS:
             if rank < P:
                 side = WeightSender.connect(stream, transport, bucket_size_bytes=BUCKET_BYTES, checksum=algorithm,
-                                            corrupt_wire=_wire_corruption(stream, (version + 2, 1)))
+                                            corrupt_wire=wire_corruption(stream, (version + 2, 1)))
             else:
                 side = WeightReceiver(engine, transport, bucket_size_bytes=BUCKET_BYTES, checksum=algorithm)
             for _ in range(2):

@@ -13,6 +13,7 @@ every sync and exit non-zero on a mismatch.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -73,6 +74,9 @@ CASES = [
     pytest.param("e2e_deepseek_v3_ep2_bf16.yaml", (), id="deepseek_v3-ep2-to-engine-tp2-bf16-mixed-dtype-buckets"),
     # every trainer rank dumps its own share of the distributed replica; together they are the checkpoint
     pytest.param("e2e_qwen3_tp2_to_2x_tp1.yaml", ("--weight-sync-transport", "p2p"), id="p2p-qwen3-tp2-to-2-engines-tp1"),
+    # colocated: the two jobs on one host hand every bucket over in shared memory
+    pytest.param("e2e_qwen3_tp2_to_2x_tp1.yaml", ("--weight-sync-transport", "ipc"), id="ipc-qwen3-tp2-to-2-engines-tp1"),
+    pytest.param("demo_qwen3_moe_ep2.yaml", ("--weight-sync-transport", "ipc"), id="ipc-qwen3_moe-ep2-to-engine-tp2"),
 ]
 
 
@@ -113,16 +117,28 @@ def test_every_sync_lands_exactly_on_every_engine_rank(tmp_path, config, flags):
 
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) >= versions  # one line per sync and rank
+    if "ipc" in flags:  # every bucket through shared memory; only control messages over the store's socket
+        rows = [row for row in map(json.loads, lines) if row["rank"] >= 0]  # trainer ranks that send nothing: -1
+        assert {r["role"] for r in rows} == {"sender", "receiver"}
+        for r in rows:
+            assert r["media_bytes"]["shm"] == r["bytes"] > 0, r
+            assert r["media_bytes"]["socket"] < 200 * r["num_buckets"] + 2000, r
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(360)
-def test_engine_rank_dying_mid_sync_fails_the_trainer_and_leaves_survivors_on_the_previous_version(tmp_path):
+@pytest.mark.parametrize("transport", ["broadcast", "ipc"])
+def test_engine_rank_dying_mid_sync_fails_the_trainer_and_leaves_survivors_on_the_previous_version(tmp_path, transport):
+    from megatron_sync.transport.segments import leftover_segments
+
     timeout_s = 10
     path, job = _write_job(tmp_path, "demo_qwen3_moe_ep2.yaml")
+    segments_before = set(leftover_segments())
     start = time.monotonic()
-    done = _run_demo(path, "--weight-sync-timeout-s", str(timeout_s), "--test-exit-during-version", "2")
+    done = _run_demo(path, "--weight-sync-timeout-s", str(timeout_s), "--test-exit-during-version", "2",
+                     "--weight-sync-transport", transport)
     elapsed = time.monotonic() - start
+    assert set(leftover_segments()) <= segments_before, "a shared-memory segment outlived the run"
     output = done.stdout + done.stderr
     assert done.returncode != 0
     assert "fault injection: exiting while receiving version 2" in output

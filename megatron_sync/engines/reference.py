@@ -206,6 +206,34 @@ class ReferenceEngine:
         return {name: (self._held[name] if name in self._quantized_parts else self._live[name]).detach().clone()
                 for name in self._expected}
 
+    # ---- memory handoff (colocated jobs: megatron_sync.handoff) ----
+
+    def release_memory(self) -> int:
+        """Free the live weights' memory while the trainer trains; return the bytes freed.
+
+        The tensors stay, with empty storage until `restore_memory`: a forward fails loudly instead of
+        computing with stale values. The receiver's live staging set still holds this version.
+        """
+        self._released = [(storage, storage.nbytes()) for storage in self._live_storages() if storage.nbytes()]
+        for storage, _ in self._released:
+            storage.resize_(0)
+        return sum(nbytes for _, nbytes in self._released)
+
+    def restore_memory(self) -> int:
+        """Allocate the released live weights again (their values come with the next load); return the bytes."""
+        released, self._released = getattr(self, "_released", []), []
+        for storage, nbytes in released:
+            storage.resize_(nbytes)
+        return sum(nbytes for _, nbytes in released)
+
+    def _live_storages(self) -> list[torch.UntypedStorage]:
+        """Each distinct storage of the live weights once (tied and fused weights share one)."""
+        seen: dict[int, torch.UntypedStorage] = {}
+        for live in self._live.values():
+            storage = live.untyped_storage()
+            seen.setdefault(storage.data_ptr(), storage)
+        return list(seen.values())
+
     # ---- inference (collective over the engine group) ----
 
     @torch.no_grad()

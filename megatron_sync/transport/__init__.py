@@ -15,6 +15,7 @@ _REGISTRY: dict[str, Union[str, type]] = {
     "p2p": "megatron_sync.transport.p2p:P2PTransport",
     "sglang": "megatron_sync.engines.sglang.transport:SGLangTransport",
     "disk_delta": "megatron_sync.transport.disk_delta:DiskDeltaTransport",
+    "ipc": "megatron_sync.transport.ipc:IpcTransport",
 }
 
 

@@ -75,6 +75,11 @@ class Receiver(abc.ABC):
     def receive(self, version: int) -> SyncMetrics:
         """Receive, verify and (once every rank agrees) commit `version`; return its metrics."""
 
+    def live_shards(self, version: int) -> Optional[Mapping[str, torch.Tensor]]:
+        """Return this receiver's own copy of the engine's live params when the engine runs `version`
+        (what a released engine is restored from, `megatron_sync.handoff`); None when it keeps none."""
+        return None
+
 
 class Transport(abc.ABC):
     """One endpoint of a transport. Subclasses register under `name` in `megatron_sync.transport`."""
@@ -140,6 +145,11 @@ class Transport(abc.ABC):
     def alloc(self, nbytes: int) -> torch.Tensor:
         """Return an uninitialised byte buffer of `nbytes` where this transport moves bytes from."""
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    def take_media_bytes(self) -> dict[str, int]:
+        """Return (and reset) the bytes this endpoint moved per medium since the last call, for transports
+        that count them (ipc: {"shm": ..., "socket": ...}); {} where the transport does not."""
+        return {}
 
     def take_phase_seconds(self) -> dict[str, float]:
         """Return (and reset) seconds this transport spent per phase outside the caller's timers."""
@@ -221,6 +231,11 @@ class BucketTransport(Transport):
     """Buckets a sender may have on the wire at once (a transport whose receivers must take
     buckets strictly one after another says 1)."""
 
+    delivers_in_place: ClassVar[bool] = False
+    """True: `recv_bucket` hands back the bytes where they already lie (ipc: a shared segment), so the
+    receiver allocates no receive buffers and passes `out=None`. A receiver holds at most two buckets:
+    asking for a stage's bucket k means it is done with that stage's bucket k - 2."""
+
     @abc.abstractmethod
     def exchange_metadata(self, stage_metas: Optional[list[TensorMeta]]) -> list[list[TensorMeta]]:
         """Return every stage's tensor metadata; stage sources pass their own stage's list, others None."""
@@ -229,6 +244,10 @@ class BucketTransport(Transport):
     def device(self) -> torch.device:
         """Where this endpoint's bucket bytes live (what `alloc` returns; the CPU unless overridden)."""
         return torch.device("cpu")
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """Return an uninitialised byte buffer of `nbytes` on this endpoint's `device`."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     @abc.abstractmethod
     def send_bucket(self, bucket: BucketPlan, data: torch.Tensor, seal: Callable[[], BucketHeader]) -> Waitable:
@@ -241,5 +260,6 @@ class BucketTransport(Transport):
         """
 
     @abc.abstractmethod
-    def recv_bucket(self, bucket: BucketPlan, out: torch.Tensor) -> PendingBucket:
-        """Start receiving `bucket` (every rank but its stage's source) into `out`."""
+    def recv_bucket(self, bucket: BucketPlan, out: Optional[torch.Tensor]) -> PendingBucket:
+        """Start receiving `bucket` (every rank but its stage's source) into `out` (None when
+        `delivers_in_place`)."""

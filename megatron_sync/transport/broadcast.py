@@ -77,18 +77,6 @@ class BroadcastTransport(PlanBucketTransport):
     def device(self) -> torch.device:
         return self._device
 
-    @property
-    def inference_ranks(self) -> range:
-        return range(self.num_stages, self.world_size)
-
-    @property
-    def is_source(self) -> bool:
-        return self.rank < self.num_stages
-
-    def alloc(self, nbytes: int) -> torch.Tensor:
-        """Return an uninitialised receive buffer of `nbytes` on the transport's device."""
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
     def exchange_metadata(self, stage_metas: Optional[list[TensorMeta]]) -> list[list[TensorMeta]]:
         """Return all stages' metadata; stage s's source broadcasts its list, in stage order."""
         result = []

@@ -21,7 +21,19 @@ if TYPE_CHECKING:
 
 
 class PlanBucketTransport(BucketTransport):
-    """A bucket transport whose sender and receiver are the generic `WeightSender` / `WeightReceiver`."""
+    """A bucket transport whose sender and receiver are the generic `WeightSender` / `WeightReceiver`.
+
+    Its transport ranks are the stage sources first (rank s: stage s), then the inference ranks.
+    """
+
+    @property
+    def inference_ranks(self) -> range:
+        return range(self.num_stages, self.world_size)
+
+    @property
+    def is_source(self) -> bool:
+        """True on a stage source (transport ranks 0..num_stages - 1)."""
+        return self.rank < self.num_stages
 
     @classmethod
     def make_sender(cls, transport: Optional[Transport], stream: "HFWeightStream",

@@ -29,6 +29,8 @@ class ControlOp(str, enum.Enum):
     APP = "app"  # an application message: `payload` goes to the application's handler
     RELAY_SEND = "relay_send"  # fleet: send the committed `version` to engine payload["to"] over payload["part"]
     RELAY_RECEIVE = "relay_receive"  # fleet: receive `version` from engine payload["from"] and commit it
+    RELEASE = "release"  # free the engine's memory while the trainer trains (megatron_sync.handoff)
+    RESTORE = "restore"  # take it back and load the live version again (no sync comes before generation)
 
 
 class Report(str, enum.Enum):
@@ -37,6 +39,8 @@ class Report(str, enum.Enum):
     METRICS = "metrics"  # SyncMetrics JSON of one committed version
     STOPPED = "stopped"  # the rank read "stop" (payload: the version it holds), or left on its own
     # (payload: b"left: " and why), so the leader closing the session does not wait for it
+    RELEASED = "released"  # the rank's handoff row of a release (or its error), JSON
+    RESTORED = "restored"  # the rank's handoff row of a restore, at a sync or on "restore" (or its error), JSON
 
 
 @dataclass(frozen=True)

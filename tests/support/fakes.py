@@ -84,6 +84,19 @@ class FakeStream:
             yield meta.name, tensor
 
 
+def wire_corruption(stream: FakeStream, corrupt: tuple):
+    """Return a sender hook (`WeightSender(corrupt_wire=...)`) that hands over a copy of bucket `corrupt[1]` of
+    version `corrupt[0]` with one flipped byte (the checksum covers the real bytes, as if the wire or the
+    shared memory had flipped it)."""
+    def flip(index: int, data: torch.Tensor):
+        if [stream.version, index] != list(corrupt):
+            return None
+        flipped = data.clone()
+        flipped[flipped.numel() // 2] ^= 0xFF
+        return flipped
+    return flip
+
+
 def fake_specs(metas: list[TensorMeta], tp_size: int) -> list[TensorSpec]:
     """The fake engine's roles: dim 0 split over its ranks when divisible, else replicated."""
     return [TensorSpec(m.name, m.shape, m.dtype,

@@ -82,6 +82,7 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     """Train and sync; return {"sent": [{name: tensor} per version] (leader), "logits": [...]}."""
     _setup(case)
     from megatron_sync.callback import WeightSyncCallback
+    from megatron_sync.handoff import TrainerMemory
     from megatron_sync.p2p.replica import DistributedReplica
     from megatron_sync.parallel import ParallelLayout
     from tests.support import models
@@ -95,17 +96,24 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     layout = ParallelLayout.from_megatron()
     ddp = wrap_in_ddp(chunks)
     optimizer = make_optimizer(ddp, lr=1e-3)
-    sent, logits, unquantized, metrics, received, failures, draft_logits = [], [], [], [], [], [], []
+    sent, logits, unquantized, metrics, received, failures, draft_logits, handoffs = [], [], [], [], [], [], [], []
+    memory = TrainerMemory(ddp, optimizer, rank=rank) if case.get("handoff") else None
     with WeightSyncCallback.from_config(sync_config(case), ddp, hf_config=case_hf_config(case),
-                                        layout=layout) as callback:
+                                        layout=layout, memory=memory) as callback:
         syncer = callback.syncer
         for version in range(1, case["versions"] + 1):
             if version > 1:
                 tokens = torch.randint(0, spec.vocab_size, (2, 12), generator=torch.Generator().manual_seed(version))
+                if memory is not None:  # colocated: the engines release, the trainer takes its memory back
+                    handoffs.append({"to_training": [r.to_json() for r in callback.to_training()]})
                 train_step(ddp, optimizer, tokens, layout)
             started = time.monotonic()
             try:
-                metrics.append(syncer.sync().to_json())
+                if memory is not None and version > 1:  # hands the memory back to the engines, then syncs
+                    metrics.append(callback.after_optimizer_step(True).to_json())
+                    handoffs[-1]["to_generation"] = [r.to_json() for r in callback.handoff_rows]
+                else:
+                    metrics.append(syncer.sync().to_json())
             except Exception as e:  # noqa: BLE001 — recorded for the test, or raised
                 if not case.get("record_failures"):
                     raise
@@ -125,8 +133,12 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
             if case.get("receiver_metrics") and syncer.is_leader:
                 received.append([m.to_json() for m in syncer.receiver_metrics(syncer.version)])
         replica = getattr(syncer.sender, "replica", None)
+        if memory is not None:  # one more turn without a sync: the engines reload the version they hold
+            handoffs.append({"to_training": [r.to_json() for r in callback.to_training()]})
+            callback.after_optimizer_step(False)
+            handoffs[-1]["to_generation"] = [r.to_json() for r in callback.handoff_rows]
     out = {"sent": sent, "logits": logits, "unquantized": unquantized, "metrics": metrics, "received": received,
-           "failures": failures, "draft_logits": draft_logits}
+           "failures": failures, "draft_logits": draft_logits, "handoffs": handoffs}
     if isinstance(replica, DistributedReplica):  # P2P: this rank's share of the replica
         out["replica"] = {"held": replica.held_bytes, "assigned": replica.assignment.bytes_per_rank()[replica.me.rank]}
     return out
@@ -169,19 +181,23 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     _setup(case)
     from megatron_sync.serve import join
     from megatron_sync.sync import InferenceWeightSync
+    from megatron_sync.transport.control import ControlOp
 
     config = sync_config(case)
     me = join(config, case_hf_config(case))
     isync = InferenceWeightSync(config, me.engine, num_trainer_stages=case["layout"].get("pp", 1),
                                 inference_rank=me.rank, engine_group=me.group, hf_config=me.hf_config,
                                 job_id=me.job_id)
-    held, failure, started = [], None, time.monotonic()
+    held, handoffs, failure, started = [], [], None, time.monotonic()
     try:
         while True:
             message = isync.next_control(timeout_s=case.get("timeout_s", 60.0) * 2)
             started = time.monotonic()
             if not isync.handle(message, {}):
                 break
+            if message.op is not ControlOp.SYNC:  # a memory handoff: can the engine compute now?
+                handoffs.append({"op": message.op.value, "version": me.engine.version, "computes": _computes(me)})
+                continue
             held.append({"version": me.engine.version, "shards": me.engine.snapshot(),
                          "logits": me.engine.logits(EVAL_TOKENS)} if case.get("keep_tensors", True)
                         else {"version": me.engine.version})
@@ -194,7 +210,15 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
                    "version": me.engine.version, "shards": me.engine.snapshot()}
     finally:
         isync.close()
-    return {"held": held, "failure": failure}
+    return {"held": held, "failure": failure, "handoffs": handoffs}
+
+
+def _computes(me) -> bool:
+    """True when the engine computes logits (False while its weights are released); collective over its ranks."""
+    try:
+        return bool(torch.isfinite(me.engine.logits(EVAL_TOKENS)).all())
+    except RuntimeError:
+        return False
 
 
 def run_pair(case: dict, timeout: float = 240.0, *, trainer: Callable = trainer_job,
