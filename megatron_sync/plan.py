@@ -173,8 +173,10 @@ class _KeepTogetherIndex:
         self._wildcard: list[tuple[int, Pattern]] = []
         for gi, group in enumerate(keep_together):
             for template in group:
-                pattern = compile_pattern(template)
-                if pattern.fields:
+                # A literal name (each quantized weight's values and scales: ~140k for Kimi-K2 in FP8) is a
+                # dict key; compiling a regex per name made building the plan take a minute at that size.
+                pattern = compile_pattern(template) if "{" in template else None
+                if pattern is not None and pattern.fields:
                     self._wildcard.append((gi, pattern))
                 else:
                     self._literal.setdefault(template, []).append(gi)

@@ -1,0 +1,564 @@
+"""The scale model's one adapter to the project's planners: every call into them is in this module.
+
+From an HF config and the two layouts, on metadata only (meta-device tensors, `TensorMeta`), it runs
+what the real sync runs at start-up and summarises, per transport, what each sender and each
+receiver moves:
+
+- the converter (`converters`): the HF checkpoint's tensors, shard roles, quantized outputs;
+- the Megatron side: every stage's parameters as meta-device `SourceTensor`s of one rank (names,
+  local shapes, sharding, local experts), derived from the family's rule table and checked by
+  `Converter.convert_meta`, then `gather.plan_gather_units` (the units every stage walks);
+- broadcast: `plan.build_plan` (buckets per stage, keep-together groups);
+- P2P: `p2p.replica.replica_units` + `p2p.assign.assign_replica` (the distributed replica) and
+  `p2p.plan.build_transfer_plan` over the engines' layouts (`p2p.layout`, role-based);
+- disk-delta: `delta.chain.plan_chain` (what a reader applies per sync) and the writer's chunking;
+- colocated IPC (not built): the P2P plan with each inference rank on the trainer GPU of its number.
+
+Full-scale fast paths (each proven equal to the full planner on mid-size cases by tests/test_scale_plans.py):
+the fleet's engines are identical, so the transfer plan is built for one engine and its totals
+repeated per engine; the replica assignment indexes candidates by (stage, EP owner) instead of
+scanning every rank per unit (`assign_balanced`, the same choices as `assign_replica`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import tracemalloc
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+import torch
+
+from converters.layout import gate_up, vocab
+from megatron_sync.delta.chain import Held, VersionInfo, plan_chain
+from megatron_sync.delta.options import WriterOptions
+from megatron_sync.gather import GatherUnit, plan_gather_units
+from megatron_sync.meta import TensorMeta, dtype_from_name
+from megatron_sync.p2p.assign import ReplicaAssignment, ReplicaUnit, TrainerRank, assign_replica, candidates
+from megatron_sync.p2p.layout import (
+    WHOLE, Placement, RankLayout, ReferenceLayout, Region, TensorSpec, linear_expert_range, tensor_specs,
+    vllm_vocab_rows,
+)
+from megatron_sync.p2p.plan import Receiver, build_transfer_plan, send_bytes_per_tensor
+from megatron_sync.p2p.replica import replica_units
+from megatron_sync.parallel import ParallelLayout
+from megatron_sync.plan import build_plan
+from megatron_sync.scale.layouts import FleetLayout, TrainerLayout
+from megatron_sync.scale.models import converter_for
+from megatron_sync.source import ExpertSlot, Sharding, SourceTensor
+
+from converters.base import Shard
+
+TRANSPORTS = ("broadcast", "p2p", "disk_delta", "ipc")
+_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")  # an HF routed expert's index
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")  # a layer or expert index inside a dotted name
+_MAKE_VOCAB_DIVISIBLE_BY = 128  # Megatron's default --make-vocab-size-divisible-by
+
+
+# ---------------------------------------------------------------- what a plan says, per endpoint
+
+
+@dataclass
+class Endpoint:
+    """What one rank moves in one sync: bytes, HF tensors (or ranges), transfer units, the largest piece."""
+
+    rank: int
+    node: int
+    bytes: int = 0
+    tensors: int = 0
+    messages: int = 0  # buckets (broadcast), messages (P2P), chunks (disk-delta)
+    largest: int = 0
+    peers: int = 0  # distinct ranks on the other side
+
+
+@dataclass
+class Traffic:
+    """One trainer rank's gather traffic (bytes in the gather dtype), split by whether it crosses nodes."""
+
+    in_intra: int = 0
+    in_inter: int = 0
+    out_intra: int = 0
+    out_inter: int = 0
+    converted: int = 0  # HF bytes this rank converts (what it holds in its replica)
+    units: int = 0  # gather units (collectives or messages) it takes part in
+
+
+@dataclass
+class PlanSummary:
+    """Per-sender and per-receiver totals of one transport's plan, and what computing it cost."""
+
+    transport: str
+    model_bytes: int
+    tensors: int
+    bucket_bytes: int
+    senders: list[Endpoint]
+    receivers: list[Endpoint]
+    gather: dict[int, Traffic]
+    shard_bytes: list[int]  # per inference rank: the bytes of its own shards (what it stages and loads)
+    shard_tensors: list[int]
+    sender_stage: dict[int, int] = field(default_factory=dict)  # broadcast: sender rank -> its stage
+    extra: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+    peak_bytes: int | None = None
+
+
+# ---------------------------------------------------------------- engine layouts (role-based)
+
+
+class ServingLayout:
+    """An engine's per-rank layout for planning: the reference engine's role-based regions, with the
+    vocabulary split by rows (`vllm_vocab_rows`) when `vocab_parallel`, and routed experts whole on
+    their EP rank (`linear_expert_range`) when `expert_parallel`. One param per HF tensor."""
+
+    kind = "reference"
+
+    def __init__(self, tp_size: int, *, num_kv_heads: int, num_experts: int = 0, expert_parallel: bool = False,
+                 vocab_parallel: bool = True, vocab_padding: int = 64):
+        self.tp_size, self.num_experts = tp_size, num_experts
+        self.expert_parallel, self.vocab_parallel, self.vocab_padding = expert_parallel, vocab_parallel, vocab_padding
+        self._roles = ReferenceLayout(tp_size, num_kv_heads=num_kv_heads)
+        self._owned = [linear_expert_range(num_experts, r, tp_size) for r in range(tp_size)] if num_experts else []
+        self._expert_of: dict[str, int | None] = {}
+
+    def to_wire(self) -> dict[str, Any]:
+        return self._roles.to_wire()
+
+    def region(self, spec: TensorSpec, rank: int) -> Region | None:
+        """Return the region of `spec` rank `rank` holds, or None when it holds none of it."""
+        if self.expert_parallel:
+            expert = self._expert_of.get(spec.name, -1)
+            if expert == -1:
+                found = _EXPERT.match(spec.name)
+                expert = self._expert_of[spec.name] = int(found.group(1)) if found else None
+            if expert is not None:
+                return WHOLE if expert in self._owned[rank] else None
+        if spec.role is Shard.VOCAB and self.vocab_parallel:
+            start, length, _ = vllm_vocab_rows(spec.shape[0], rank, self.tp_size, self.vocab_padding)
+            return Region(0, start, length)
+        return self._roles.region(spec, rank)
+
+    def rank_layout(self, tensors: Sequence[TensorSpec], rank: int) -> RankLayout:
+        params, placements = [], []
+        for spec in tensors:
+            region = self.region(spec, rank)
+            if region is None:
+                continue
+            params.append(TensorMeta(spec.name, region.shape(spec.shape), spec.dtype))
+            placements.append(Placement(spec.name, region, spec.name, 0, region.nbytes(spec)))
+        return RankLayout(tuple(params), tuple(placements))
+
+
+# ---------------------------------------------------------------- the Megatron side, from the rule table
+
+
+@dataclass(frozen=True)
+class MegatronTensor:
+    """One full Megatron parameter: its name, full shape, sharding, layer and expert (None: not one)."""
+
+    name: str
+    shape: tuple[int, ...]
+    sharding: Sharding
+    layer: int | None
+    expert: int | None
+    template: str | None  # experts: the name with "{expert}" open
+
+
+_MEGATRON_SPLIT = {Shard.COLUMN: 0, Shard.KV_HEADS: 0, Shard.VOCAB: 0, Shard.ROW: 1}  # role -> TP dim; else whole
+
+
+def megatron_tensors(converter: Any, tp: int) -> list[MegatronTensor]:
+    """Return the Megatron parameters that produce `converter`'s HF checkpoint, in model order.
+
+    Each HF tensor's producer is the first rule of the family's table that outputs it (a family
+    lists the local-spec and Transformer-Engine namings side by side); a rule's outputs are
+    concatenated on dim 0 (q/k/v, gate/up), a vocabulary padded as Megatron pads it for `tp`.
+    The sharding follows the outputs' shard role (experts over ETP, gate/up with stride 2).
+    `ScalePlanner` converts every one with `converter.convert_meta` (shapes checked against the HF
+    config) and checks that together they produce exactly the checkpoint (`check_complete`).
+    """
+    hf = converter.expected_hf_tensors(quantized=False)
+    groups: dict[str, tuple[Any, dict[str, int], list[str]]] = {}
+    cache: dict = {}
+    for name in hf:
+        rule, captures = _producer(converter, name, cache)
+        megatron = rule.megatron_pattern.format(**captures)
+        groups.setdefault(megatron, (rule, captures, []))[2].append(name)
+    out = []
+    for megatron, (rule, captures, names) in groups.items():
+        shapes = [hf[n][0] for n in names]
+        shape = (sum(s[0] for s in shapes), *shapes[0][1:])
+        if rule.transform is vocab:
+            shape = (_padded_vocab(shape[0], tp), *shape[1:])
+        role = converter.shard_role(names[0])
+        dim = _MEGATRON_SPLIT.get(role)
+        expert = captures.get("expert")
+        sharding = Sharding() if dim is None else Sharding("etp" if expert is not None else "tp", dim,
+                                                           2 if rule.transform is gate_up else 1)
+        template = None if expert is None else rule.megatron.replace("{layer}", str(captures["layer"]))
+        out.append(MegatronTensor(megatron, shape, sharding, captures.get("layer"), expert, template))
+    return out
+
+
+def _producer(converter: Any, hf_name: str, cache: dict):
+    """Return (rule, captures) of the first rule that outputs `hf_name`; names that differ only in their
+    indices share their rule (looked up once per such shape of name)."""
+    key = _INDEX.sub("#", hf_name)
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = next(
+            ((rule, i) for rule in converter.family.rules for i, pattern in enumerate(rule.hf_patterns)
+             if (c := pattern.match(hf_name)) is not None
+             and not converter.is_skipped(rule.megatron_pattern.format(**c))), None)
+        if found is None:
+            raise ValueError(f"no rule of family {converter.family.name!r} produces {hf_name}")
+    rule, i = found
+    return rule, rule.hf_patterns[i].match(hf_name)
+
+
+def _padded_vocab(rows: int, tp: int) -> int:
+    step = _MAKE_VOCAB_DIVISIBLE_BY * tp
+    return -(-rows // step) * step
+
+
+def _stage_of_layers(num_layers: int, pp: int, vpp: int) -> list[int]:
+    """Return each layer's pipeline stage: layers split as evenly as possible over pp*vpp virtual chunks
+    (earlier chunks take the remainder), chunk c on stage c % pp (Megatron's interleaved schedule)."""
+    chunks = pp * vpp
+    base, extra = divmod(num_layers, chunks)
+    stage = []
+    for c in range(chunks):
+        stage += [c % pp] * (base + (1 if c < extra else 0))
+    return stage
+
+
+def stage_units(converter: Any, trainer: TrainerLayout, train_dtype: torch.dtype) -> list[list[GatherUnit]]:
+    """Return every pipeline stage's gather units (`plan_gather_units` over one rank's meta-device
+    parameters: EP rank 0's local experts), skipped names removed, each in its gather dtype."""
+    tensors = megatron_tensors(converter, trainer.tp)
+    layers = 1 + max((t.layer for t in tensors if t.layer is not None), default=-1)
+    stage_of = _stage_of_layers(layers, trainer.pp, trainer.vpp)
+    num_experts = 1 + max((t.expert for t in tensors if t.expert is not None), default=-1)
+    num_local = num_experts // trainer.ep if num_experts else 0
+    if num_experts and num_experts % trainer.ep:
+        raise ValueError(f"trainer.ep={trainer.ep} must divide the {num_experts} routed experts")
+    per_stage: list[list[SourceTensor]] = [[] for _ in range(trainer.pp)]
+    for t in tensors:
+        stage = _stage_of_global(t, stage_of, trainer.pp)
+        if t.expert is not None and t.expert >= num_local:
+            continue  # EP rank 0 holds experts 0 .. num_local - 1
+        local = list(t.shape)
+        size = {"tp": trainer.tp, "etp": trainer.etp}.get(t.sharding.axis, 1)
+        if local[t.sharding.dim] % size:
+            raise ValueError(f"{t.name}: dim {t.sharding.dim} of {tuple(t.shape)} does not divide by "
+                             f"{t.sharding.axis}={size}; pick a {t.sharding.axis} that divides it")
+        local[t.sharding.dim] //= size
+        slot = None if t.expert is None else ExpertSlot(t.layer, t.template, t.expert, num_local)
+        meta = torch.empty(local, dtype=train_dtype, device="meta")
+        per_stage[stage].append(SourceTensor(t.name, meta, t.sharding, slot))
+    units = []
+    for stage, stage_tensors in enumerate(per_stage):
+        layout = ParallelLayout(tp=trainer.tp, cp=trainer.cp, dp=trainer.dp, pp=trainer.pp, vpp=trainer.vpp,
+                                ep=trainer.ep, etp=trainer.etp, edp=trainer.edp, pp_rank=stage)
+        units.append([replace(u, dtype=converter.gather_dtype(u.name, u.dtype))
+                      for u in plan_gather_units(stage_tensors, layout) if not converter.is_skipped(u.name)])
+    return units
+
+
+def _stage_of_global(t: MegatronTensor, stage_of: list[int], pp: int) -> int:
+    if t.layer is not None:
+        return stage_of[t.layer]
+    return 0 if t.name.startswith("embedding.") else pp - 1  # final norm and output layer: the last stage
+
+
+# ---------------------------------------------------------------- the planner
+
+
+class ScalePlanner:
+    """Plans one sync of a model between two layouts, on metadata, with the project's planners."""
+
+    def __init__(self, family: str, hf_config: dict, trainer: TrainerLayout, fleet: FleetLayout, *,
+                 dtype: str = "bfloat16", train_dtype: str = "bfloat16"):
+        self.trainer, self.fleet = trainer, fleet
+        started = time.perf_counter()
+        self.converter = converter_for(family, hf_config, dtype=dtype)
+        self.specs: list[TensorSpec] = tensor_specs(self.converter)
+        self.units = stage_units(self.converter, trainer, dtype_from_name(train_dtype))
+        outputs = {u.name: self.converter.convert_meta(u.name, u.full_shape, u.dtype) for us in self.units for u in us}
+        self.unit_hf_bytes = {name: sum(m.nbytes for m in metas) for name, metas in outputs.items()}
+        self._known = _KnownOutputs(outputs)
+        self.stage_metas = [[m for u in units for m in outputs[u.name]] for units in self.units]
+        self.converter.check_complete(m.name for metas in self.stage_metas for m in metas)
+        cfg = self.converter.config
+        self.engine = ServingLayout(fleet.tp, num_kv_heads=cfg.get("num_key_value_heads") or 1,
+                                    num_experts=cfg.get(self.converter.family.num_experts_key) or 0,
+                                    expert_parallel=fleet.expert_parallel, vocab_parallel=fleet.vocab_parallel)
+        self.rank_layouts = [self.engine.rank_layout(self.specs, r) for r in range(fleet.tp)]
+        self.setup_seconds = time.perf_counter() - started
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    def shard_bytes(self) -> tuple[list[int], list[int]]:
+        """Return per inference rank (the whole fleet) its shard bytes and HF tensors (from its layout)."""
+        per_engine = [(lay.shard_bytes, len(lay.placements)) for lay in self.rank_layouts]
+        return [b for b, _ in per_engine] * self.fleet.engines, [n for _, n in per_engine] * self.fleet.engines
+
+    def plan(self, transport: str, *, bucket_bytes: int, measure_memory: bool = False, **options) -> PlanSummary:
+        """Return the summary of `transport`'s plan, with its own cost (seconds; peak bytes if measured)."""
+        build = {"broadcast": self._broadcast, "p2p": self._p2p, "disk_delta": self._disk_delta,
+                 "ipc": self._ipc}.get(transport)
+        if build is None:
+            raise ValueError(f"transport {transport!r} has no plan here; use one of {list(TRANSPORTS)}")
+        if measure_memory:
+            tracemalloc.start()
+        started = time.perf_counter()
+        try:
+            summary = build(bucket_bytes, **options)
+        finally:
+            peak = tracemalloc.get_traced_memory()[1] if measure_memory else None
+            if measure_memory:
+                tracemalloc.stop()
+        summary.seconds, summary.peak_bytes = time.perf_counter() - started, peak
+        return summary
+
+    # ---- broadcast: one source per stage, every inference rank receives every bucket
+
+    def _broadcast(self, bucket_bytes: int) -> PlanSummary:
+        plan = build_plan(self.stage_metas, bucket_bytes, self.converter.keep_together)
+        senders, stage_of = [], {}
+        for stage in range(self.trainer.pp):
+            buckets = plan.for_stage(stage)
+            rank = self.trainer.stage_source(stage)
+            stage_of[rank] = stage
+            senders.append(Endpoint(rank, self.trainer.node_of(rank), sum(b.nbytes for b in buckets),
+                                    sum(len(b.entries) for b in buckets), len(buckets),
+                                    max((e.nbytes for b in buckets for e in b.entries), default=0),
+                                    self.fleet.ranks))
+        largest = max(s.largest for s in senders)
+        receivers = [Endpoint(r, self.fleet.node_of(r), plan.total_bytes, len(self.specs), len(plan.buckets),
+                              largest, len(senders)) for r in range(self.fleet.ranks)]
+        shard, shard_tensors = self.shard_bytes()
+        return PlanSummary("broadcast", self.model_bytes, len(self.specs), bucket_bytes, senders, receivers,
+                           self._gather_traffic(lambda unit, stage: self.trainer.stage_source(stage)),
+                           shard, shard_tensors, stage_of, {"buckets": len(plan.buckets),
+                                                            "max_bucket": plan.max_bucket_bytes})
+
+    # ---- P2P: every trainer rank holds a share and writes straight into the receivers' staging memory
+
+    def assignment(self, fast: bool = True) -> ReplicaAssignment:
+        """Return the distributed replica's assignment, balanced by bytes sent to the whole fleet."""
+        units = [u for stage, us in enumerate(self.units) for u in replica_units(us, self._known, stage)]
+        per_engine = send_bytes_per_tensor(self.specs, self._one_engine())
+        cost = {name: sent * self.fleet.engines for name, sent in per_engine.items()}
+        assign = assign_balanced if fast else assign_replica
+        return assign(units, self.trainer.ranks(), cost=cost)
+
+    def _one_engine(self) -> list[Receiver]:
+        return [Receiver(0, r, layout) for r, layout in enumerate(self.rank_layouts)]
+
+    def _p2p(self, bucket_bytes: int, fast: bool = True, colocated: bool = False) -> PlanSummary:
+        assignment = self.assignment(fast)
+        holders = assignment.hf_holders()
+        engines = 1 if fast else self.fleet.engines
+        receivers = [Receiver(e, r, lay) for e in range(engines) for r, lay in enumerate(self.rank_layouts)]
+        plan = build_transfer_plan(self.specs, holders, receivers, bucket_bytes)
+        repeat = self.fleet.engines if fast else 1
+        senders, recv = _transfer_totals(plan, repeat, len(self.rank_layouts), self.fleet.ranks)
+        node_of_receiver = self.trainer.node_of if colocated else self.fleet.node_of
+        for s in senders.values():
+            s.node = self.trainer.node_of(s.rank)
+        for r in recv:
+            r.node = node_of_receiver(r.rank)
+        holder_of = assignment.holder_of()
+        gather = self._gather_traffic(lambda unit, stage: holder_of[unit.name])
+        shard, shard_tensors = self.shard_bytes()
+        extra = {"ranges": len(plan.ranges) * repeat, "messages": len(plan.messages) * repeat,
+                 "local_bytes": _local_bytes(plan, repeat, self.trainer, node_of_receiver, len(self.rank_layouts))}
+        return PlanSummary("ipc" if colocated else "p2p", self.model_bytes, len(self.specs), bucket_bytes,
+                           sorted(senders.values(), key=lambda e: e.rank), recv, gather, shard, shard_tensors,
+                           extra=extra)
+
+    def _ipc(self, bucket_bytes: int, fast: bool = True) -> PlanSummary:
+        if self.fleet.ranks != self.trainer.world:
+            raise ValueError(f"colocated ipc runs every inference rank on a trainer GPU: the fleet has "
+                             f"{self.fleet.ranks} ranks, the trainer {self.trainer.world}; make them equal")
+        return self._p2p(bucket_bytes, fast, colocated=True)
+
+    # ---- disk-delta: stage sources publish deltas to shared storage, one applier per inference host reads
+
+    def _disk_delta(self, bucket_bytes: int, delta_fraction: float = 0.03, snapshot_every: int = 10,
+                    versions_behind: int = 1) -> PlanSummary:
+        options = WriterOptions(snapshot_every=snapshot_every)
+        steps = _steady_chain(snapshot_every, versions_behind)
+        senders = []
+        for stage, metas in enumerate(self.stage_metas):
+            rank = self.trainer.stage_source(stage)
+            raw = sum(m.nbytes for m in metas)
+            chunks = sum(max(1, math.ceil(m.nbytes / options.chunk_bytes)) for m in metas)
+            senders.append(Endpoint(rank, self.trainer.node_of(rank), int(raw * delta_fraction), len(metas), chunks,
+                                    max(m.nbytes for m in metas), self.fleet.nodes))
+        read = sum(int(s.bytes * (len(steps.steps))) for s in senders)
+        hosts = [Endpoint(n * self.fleet.gpus_per_node, n, read, len(self.specs),
+                          sum(s.messages for s in senders) * len(steps.steps), max(s.largest for s in senders),
+                          len(senders)) for n in range(self.fleet.nodes)]
+        shard, shard_tensors = self.shard_bytes()
+        return PlanSummary("disk_delta", self.model_bytes, len(self.specs), options.chunk_bytes, senders, hosts,
+                           self._gather_traffic(lambda unit, stage: self.trainer.stage_source(stage)),
+                           shard, shard_tensors, {s.rank: i for i, s in enumerate(senders)},
+                           {"delta_fraction": delta_fraction, "chain": [(s.version, s.part) for s in steps.steps],
+                            "raw_stage_bytes": [sum(m.nbytes for m in metas) for metas in self.stage_metas]})
+
+    # ---- gather traffic, for any destination of each unit
+
+    def _gather_traffic(self, destination: Callable[[GatherUnit, int], int]) -> dict[int, Traffic]:
+        """Return per trainer rank the bytes its gathers move: shards of each unit reach the unit's
+        destination rank (a TP group's peers, or the owning EP rank's ETP peers and then, for the
+        bucket transports, that owner's first rank sends the experts on to the stage source)."""
+        t, traffic = self.trainer, defaultdict(Traffic)
+        converts = defaultdict(int)
+        for stage, units in enumerate(self.units):
+            for unit in units:
+                dst = destination(unit, stage)
+                for src, to, nbytes in _flows(unit, stage, dst, t):
+                    inter = t.node_of(src) != t.node_of(to)
+                    traffic[src].out_inter += nbytes if inter else 0
+                    traffic[src].out_intra += 0 if inter else nbytes
+                    traffic[to].in_inter += nbytes if inter else 0
+                    traffic[to].in_intra += 0 if inter else nbytes
+                traffic[dst].units += 1
+                converts[dst] += self.unit_hf_bytes[unit.name]
+        for rank, nbytes in converts.items():
+            traffic[rank].converted = nbytes
+        return dict(traffic)
+
+
+class _KnownOutputs:
+    """`convert_meta` answered from the outputs the planner already computed (planners that take a
+    converter ask it once more per unit)."""
+
+    def __init__(self, outputs: dict[str, list[TensorMeta]]):
+        self._outputs = outputs
+
+    def convert_meta(self, name: str, shape: Any, dtype: torch.dtype) -> list[TensorMeta]:
+        return self._outputs[name]
+
+
+def _flows(unit: GatherUnit, stage: int, dst: int, t: TrainerLayout) -> list[tuple[int, int, int]]:
+    """Return the (from rank, to rank, bytes) hops that bring `unit` whole to rank `dst`.
+
+    Dense: the shards of dst's own TP group (tp is the fastest axis). Routed expert: its owner's ETP
+    group (dst's expert-DP replica when dst is of that EP rank, else the first); a destination outside
+    that group (the stage source of the bucket transports) gets it from the owner's first rank.
+    """
+    me = t.rank_of(dst)
+    if unit.owner_ep is None:
+        size = t.tp if unit.sharding.axis == "tp" else 1
+        group = [dst - me.tp + k for k in range(size)]
+        return [(g, dst, unit.nbytes // size) for g in group if g != dst] if dst in group else []
+    size = t.etp if unit.sharding.axis == "etp" else 1
+    edp = me.edp if me.ep == unit.owner_ep else 0
+    group = [t.stage_source(stage) + (edp * t.ep + unit.owner_ep) * t.etp + k for k in range(size)]
+    if dst in group:
+        return [(g, dst, unit.nbytes // size) for g in group if g != dst]
+    owner = group[0]
+    return [(g, owner, unit.nbytes // size) for g in group[1:]] + [(owner, dst, unit.nbytes)]
+
+
+def _transfer_totals(plan: Any, repeat: int, engine_ranks: int, fleet_ranks: int) -> tuple[dict[int, Endpoint], list[Endpoint]]:
+    """Return per-sender and per-receiver totals of `plan`. With `repeat` > 1 the plan is one engine's:
+    every engine is the same, so each of its receivers stands for that rank of every engine."""
+    senders: dict[int, Endpoint] = {}
+    receivers = [Endpoint(r, 0) for r in range(len(plan.receivers))]
+    pairs: set[tuple[int, int]] = set()
+    for r in plan.ranges:
+        s = senders.get(r.sender)
+        if s is None:
+            s = senders[r.sender] = Endpoint(r.sender, 0)
+        rec = receivers[r.receiver]
+        s.bytes += r.nbytes
+        s.tensors += 1
+        rec.bytes += r.nbytes
+        rec.tensors += 1
+        if r.nbytes > s.largest:
+            s.largest = r.nbytes
+        if r.nbytes > rec.largest:
+            rec.largest = r.nbytes
+        pairs.add((r.sender, r.receiver))
+    for m in plan.messages:
+        senders[m.sender].messages += 1
+        receivers[m.receiver].messages += 1
+    for sender, receiver in pairs:
+        senders[sender].peers += 1
+        receivers[receiver].peers += 1
+    for s in senders.values():
+        s.bytes, s.tensors, s.messages, s.peers = (s.bytes * repeat, s.tensors * repeat, s.messages * repeat,
+                                                   s.peers * repeat)
+    fleet = [replace(receivers[r % len(receivers)], rank=r) for r in range(fleet_ranks)] if repeat > 1 else receivers
+    return senders, fleet
+
+
+def _local_bytes(plan: Any, repeat: int, trainer: TrainerLayout, node_of_receiver: Callable[[int], int],
+                 engine_ranks: int) -> int:
+    """Return the bytes whose sender and receiver share a node (NVLink or IPC instead of the NIC)."""
+    per_pair: dict[tuple[int, int], int] = defaultdict(int)
+    for r in plan.ranges:
+        per_pair[(r.sender, r.receiver)] += r.nbytes
+    return sum(nbytes for (sender, receiver), nbytes in per_pair.items() for e in range(repeat)
+               if trainer.node_of(sender) == node_of_receiver(receiver + e * engine_ranks))
+
+
+def _steady_chain(snapshot_every: int, behind: int):
+    """Return what a reader `behind` versions behind applies, from `plan_chain` over a store whose
+    versions 1..n carry a delta each and a snapshot every `snapshot_every`-th."""
+    target = max(snapshot_every + behind, 2)
+    published = {v: VersionInfo(v, f"s{v}", v == 1 or v % snapshot_every == 1, None if v == 1 else v - 1,
+                                None if v == 1 else f"s{v - 1}") for v in range(1, target + 1)}
+    held = Held(target - behind, f"s{target - behind}")
+    return plan_chain(published, held, target)
+
+
+# ---------------------------------------------------------------- fast replica assignment
+
+
+def assign_balanced(units: Sequence[ReplicaUnit], ranks: Sequence[TrainerRank], *,
+                    cost: dict[str, int] | None = None) -> ReplicaAssignment:
+    """Return what `assign_replica` returns, with candidates indexed by (stage, EP owner) once instead of
+    scanned per unit, and each group's least-loaded rank kept in a heap (ties: lowest rank)."""
+    import heapq
+
+    ranks = tuple(sorted(ranks, key=lambda r: r.rank))
+    names = [u.name for u in units]
+    if len(set(names)) != len(names):
+        raise ValueError("unit names must be unique across stages")
+
+    def unit_cost(u: ReplicaUnit) -> int:
+        return u.nbytes if cost is None else sum(cost[name] for name, _ in u.hf)
+
+    order = sorted(range(len(units)), key=lambda i: (units[i].owner_ep is None, -unit_cost(units[i]), i))
+    load = {r.rank: 0 for r in ranks}
+    heaps: dict[tuple, list] = {}
+    holders: list[int | None] = [None] * len(units)
+    for i in order:
+        unit = units[i]
+        key = (unit.stage, unit.owner_ep)
+        heap = heaps.get(key)
+        if heap is None:
+            heap = heaps[key] = [(0, r.rank) for r in candidates(unit, ranks)]
+            heapq.heapify(heap)
+        while True:  # a rank's load may have grown through another group: refresh stale entries
+            held, rank = heap[0]
+            if held == load[rank]:
+                break
+            heapq.heapreplace(heap, (load[rank], rank))
+        holders[i] = rank
+        load[rank] += unit_cost(unit)
+        heapq.heapreplace(heap, (load[rank], rank))
+    return ReplicaAssignment(tuple(units), tuple(holders), ranks)
+
+
+__all__ = ["ScalePlanner", "PlanSummary", "Endpoint", "Traffic", "ServingLayout", "megatron_tensors",
+           "stage_units", "assign_balanced", "TRANSPORTS"]
