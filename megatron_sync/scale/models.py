@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from converters import FAMILIES, Converter, Family, get_family
 from converters.base import HFTensor, Rule, Shard
@@ -91,10 +91,10 @@ def converter_for(family: str, hf_config: Any, *, dtype: str = "bfloat16",
                   quantized: bool = True) -> Converter:
     """Return the converter of `family` over `hf_config` at engine dtype `dtype`; `quantized=False` drops the
     config's quantization_config (the engine then computes with float weights of `dtype`)."""
-    config = dict(hf_config)
     if not quantized:
-        config.pop("quantization_config", None)
-    return Converter(family_for(family), config, dtype=dtype_from_name(dtype))
+        hf_config = {k: v for k, v in (hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()).items()
+                     if k != "quantization_config"}
+    return Converter(family_for(family), hf_config, dtype=dtype_from_name(dtype))
 
 
 def model_named(name_or_path: str, family: str | None = None) -> tuple[str, dict[str, Any]]:

@@ -84,6 +84,7 @@ class Traffic:
     out_inter: int = 0
     converted: int = 0  # HF bytes this rank converts (what it holds in its replica)
     units: int = 0  # gather units (collectives or messages) it takes part in
+    merged: int = 0  # bytes of full tensors this rank assembles from several shards (a copy each)
 
 
 @dataclass
@@ -91,6 +92,8 @@ class PlanSummary:
     """Per-sender and per-receiver totals of one transport's plan, and what computing it cost."""
 
     transport: str
+    trainer: TrainerLayout
+    fleet: FleetLayout
     model_bytes: int
     tensors: int
     bucket_bytes: int
@@ -342,7 +345,7 @@ class ScalePlanner:
         receivers = [Endpoint(r, self.fleet.node_of(r), plan.total_bytes, len(self.specs), len(plan.buckets),
                               largest, len(senders)) for r in range(self.fleet.ranks)]
         shard, shard_tensors = self.shard_bytes()
-        return PlanSummary("broadcast", self.model_bytes, len(self.specs), bucket_bytes, senders, receivers,
+        return PlanSummary("broadcast", self.trainer, self.fleet, self.model_bytes, len(self.specs), bucket_bytes, senders, receivers,
                            self._gather_traffic(lambda unit, stage: self.trainer.stage_source(stage)),
                            shard, shard_tensors, stage_of, {"buckets": len(plan.buckets),
                                                             "max_bucket": plan.max_bucket_bytes})
@@ -378,7 +381,7 @@ class ScalePlanner:
         shard, shard_tensors = self.shard_bytes()
         extra = {"ranges": len(plan.ranges) * repeat, "messages": len(plan.messages) * repeat,
                  "local_bytes": _local_bytes(plan, repeat, self.trainer, node_of_receiver, len(self.rank_layouts))}
-        return PlanSummary("ipc" if colocated else "p2p", self.model_bytes, len(self.specs), bucket_bytes,
+        return PlanSummary("ipc" if colocated else "p2p", self.trainer, self.fleet, self.model_bytes, len(self.specs), bucket_bytes,
                            sorted(senders.values(), key=lambda e: e.rank), recv, gather, shard, shard_tensors,
                            extra=extra)
 
@@ -406,7 +409,7 @@ class ScalePlanner:
                           sum(s.messages for s in senders) * len(steps.steps), max(s.largest for s in senders),
                           len(senders)) for n in range(self.fleet.nodes)]
         shard, shard_tensors = self.shard_bytes()
-        return PlanSummary("disk_delta", self.model_bytes, len(self.specs), options.chunk_bytes, senders, hosts,
+        return PlanSummary("disk_delta", self.trainer, self.fleet, self.model_bytes, len(self.specs), options.chunk_bytes, senders, hosts,
                            self._gather_traffic(lambda unit, stage: self.trainer.stage_source(stage)),
                            shard, shard_tensors, {s.rank: i for i, s in enumerate(senders)},
                            {"delta_fraction": delta_fraction, "chain": [(s.version, s.part) for s in steps.steps],
@@ -423,7 +426,10 @@ class ScalePlanner:
         for stage, units in enumerate(self.units):
             for unit in units:
                 dst = destination(unit, stage)
-                for src, to, nbytes in _flows(unit, stage, dst, t):
+                flows = _flows(unit, stage, dst, t)
+                if any(to == dst and nbytes < unit.nbytes for _, to, nbytes in flows):
+                    traffic[dst].merged += unit.nbytes
+                for src, to, nbytes in flows:
                     inter = t.node_of(src) != t.node_of(to)
                     traffic[src].out_inter += nbytes if inter else 0
                     traffic[src].out_intra += 0 if inter else nbytes
