@@ -75,6 +75,13 @@ MODELS: dict[str, ModelEntry] = {m.name: m for m in (
                "https://huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json"),
     ModelEntry("glm-4.5", "glm4_5_355b.json", "glm4_moe", "355B (32B)",
                "https://huggingface.co/zai-org/GLM-4.5/blob/main/config.json"),
+    # smaller models of the published rows the scale model is validated on (bench/RESULTS.md)
+    ModelEntry("qwen3-30b-a3b", "qwen3_30b_a3b.json", "qwen3_moe", "30B (3B)",
+               "https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json"),
+    ModelEntry("moonlight-16b-a3b", "moonlight_16b_a3b.json", "deepseek_v3", "16B (3B)",
+               "https://huggingface.co/moonshotai/Moonlight-16B-A3B/blob/main/config.json"),
+    ModelEntry("glm-4.5-air", "glm4_5_air.json", "glm4_moe", "106B (12B)",
+               "https://huggingface.co/zai-org/GLM-4.5-Air/blob/main/config.json"),
 )}
 
 

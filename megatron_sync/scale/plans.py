@@ -154,6 +154,50 @@ class ServingLayout:
         return RankLayout(tuple(params), tuple(placements))
 
 
+class RegionTable:
+    """Every HF tensor's region on every rank of one engine, computed once per kind of tensor: tensors of
+    equal shape, dtype and role (and, with expert parallelism, equal expert index) get equal regions."""
+
+    def __init__(self, layout: ServingLayout, specs: Sequence[TensorSpec], ranks: int):
+        self.specs, self.ranks = list(specs), ranks
+        cache: dict[tuple, list[Region | None]] = {}
+        self.kind: list[tuple] = []
+        for spec in self.specs:
+            expert = _EXPERT.match(spec.name) if layout.expert_parallel else None
+            key = (spec.shape, spec.dtype, spec.role, int(expert.group(1)) if expert else None)
+            if key not in cache:
+                cache[key] = [layout.region(spec, r) for r in range(ranks)]
+            self.kind.append(key)
+        self.regions = cache
+
+    def of(self, i: int) -> list[Region | None]:
+        """Return spec i's region on each rank (None: the rank holds none of it)."""
+        return self.regions[self.kind[i]]
+
+    def shard_totals(self) -> tuple[list[int], list[int]]:
+        """Return per rank its shard bytes and HF tensors."""
+        nbytes, tensors = [0] * self.ranks, [0] * self.ranks
+        count: dict[tuple, int] = defaultdict(int)
+        example: dict[tuple, TensorSpec] = {}
+        for spec, kind in zip(self.specs, self.kind):
+            count[kind] += 1
+            example.setdefault(kind, spec)
+        for kind, n in count.items():
+            for r, region in enumerate(self.regions[kind]):
+                if region is not None:
+                    nbytes[r] += n * region.nbytes(example[kind])
+                    tensors[r] += n
+        return nbytes, tensors
+
+    def sent_bytes(self) -> dict[str, int]:
+        """Return the bytes each HF tensor is sent to one engine (its holder's sending cost)."""
+        per_kind: dict[tuple, int] = {}
+        for spec, kind in zip(self.specs, self.kind):
+            if kind not in per_kind:
+                per_kind[kind] = sum(r.nbytes(spec) for r in self.regions[kind] if r is not None)
+        return {spec.name: per_kind[kind] for spec, kind in zip(self.specs, self.kind)}
+
+
 # ---------------------------------------------------------------- the Megatron side, from the rule table
 
 
@@ -298,7 +342,7 @@ class ScalePlanner:
         self.engine = ServingLayout(fleet.tp, num_kv_heads=cfg.get("num_key_value_heads") or 1,
                                     num_experts=cfg.get(self.converter.family.num_experts_key) or 0,
                                     expert_parallel=fleet.expert_parallel, vocab_parallel=fleet.vocab_parallel)
-        self.rank_layouts = [self.engine.rank_layout(self.specs, r) for r in range(fleet.tp)]
+        self.regions = RegionTable(self.engine, self.specs, fleet.tp)
         self.setup_seconds = time.perf_counter() - started
 
     @property
@@ -307,8 +351,8 @@ class ScalePlanner:
 
     def shard_bytes(self) -> tuple[list[int], list[int]]:
         """Return per inference rank (the whole fleet) its shard bytes and HF tensors (from its layout)."""
-        per_engine = [(lay.shard_bytes, len(lay.placements)) for lay in self.rank_layouts]
-        return [b for b, _ in per_engine] * self.fleet.engines, [n for _, n in per_engine] * self.fleet.engines
+        nbytes, tensors = self.regions.shard_totals()
+        return nbytes * self.fleet.engines, tensors * self.fleet.engines
 
     def plan(self, transport: str, *, bucket_bytes: int, measure_memory: bool = False, **options) -> PlanSummary:
         """Return the summary of `transport`'s plan, with its own cost (seconds; peak bytes if measured)."""
@@ -355,22 +399,28 @@ class ScalePlanner:
     def assignment(self, fast: bool = True) -> ReplicaAssignment:
         """Return the distributed replica's assignment, balanced by bytes sent to the whole fleet."""
         units = [u for stage, us in enumerate(self.units) for u in replica_units(us, self._known, stage)]
-        per_engine = send_bytes_per_tensor(self.specs, self._one_engine())
+        per_engine = self.regions.sent_bytes() if fast else send_bytes_per_tensor(self.specs, self._one_engine())
         cost = {name: sent * self.fleet.engines for name, sent in per_engine.items()}
         assign = assign_balanced if fast else assign_replica
         return assign(units, self.trainer.ranks(), cost=cost)
 
     def _one_engine(self) -> list[Receiver]:
-        return [Receiver(0, r, layout) for r, layout in enumerate(self.rank_layouts)]
+        return [Receiver(0, r, self.engine.rank_layout(self.specs, r)) for r in range(self.fleet.tp)]
 
     def _p2p(self, bucket_bytes: int, fast: bool = True, colocated: bool = False) -> PlanSummary:
         assignment = self.assignment(fast)
         holders = assignment.hf_holders()
-        engines = 1 if fast else self.fleet.engines
-        receivers = [Receiver(e, r, lay) for e in range(engines) for r, lay in enumerate(self.rank_layouts)]
-        plan = build_transfer_plan(self.specs, holders, receivers, bucket_bytes)
-        repeat = self.fleet.engines if fast else 1
-        senders, recv = _transfer_totals(plan, repeat, len(self.rank_layouts), self.fleet.ranks)
+        if fast:
+            senders, recv, pair_bytes = _fast_transfer_totals(self.specs, self.regions, holders, self.fleet,
+                                                              bucket_bytes)
+        else:
+            layouts = [receiver.layout for receiver in self._one_engine()]
+            receivers = [Receiver(e, r, layout) for e in range(self.fleet.engines) for r, layout in enumerate(layouts)]
+            plan = build_transfer_plan(self.specs, holders, receivers, bucket_bytes)
+            senders, recv = _transfer_totals(plan, 1, self.fleet.tp, self.fleet.ranks)
+            pair_bytes = defaultdict(int)
+            for r in plan.ranges:
+                pair_bytes[(r.sender, r.receiver)] += r.nbytes
         node_of_receiver = self.trainer.node_of if colocated else self.fleet.node_of
         for s in senders.values():
             s.node = self.trainer.node_of(s.rank)
@@ -379,11 +429,13 @@ class ScalePlanner:
         holder_of = assignment.holder_of()
         gather = self._gather_traffic(lambda unit, stage: holder_of[unit.name])
         shard, shard_tensors = self.shard_bytes()
-        extra = {"ranges": len(plan.ranges) * repeat, "messages": len(plan.messages) * repeat,
-                 "local_bytes": _local_bytes(plan, repeat, self.trainer, node_of_receiver, len(self.rank_layouts))}
-        return PlanSummary("ipc" if colocated else "p2p", self.trainer, self.fleet, self.model_bytes, len(self.specs), bucket_bytes,
-                           sorted(senders.values(), key=lambda e: e.rank), recv, gather, shard, shard_tensors,
-                           extra=extra)
+        local = sum(n for (sender, receiver), n in pair_bytes.items()
+                    if self.trainer.node_of(sender) == node_of_receiver(receiver))
+        extra = {"ranges": sum(r.tensors for r in recv), "messages": sum(r.messages for r in recv),
+                 "local_bytes": local}
+        return PlanSummary("ipc" if colocated else "p2p", self.trainer, self.fleet, self.model_bytes,
+                           len(self.specs), bucket_bytes, sorted(senders.values(), key=lambda e: e.rank), recv,
+                           gather, shard, shard_tensors, extra=extra)
 
     def _ipc(self, bucket_bytes: int, fast: bool = True) -> PlanSummary:
         if self.fleet.ranks != self.trainer.world:
@@ -475,8 +527,7 @@ def _flows(unit: GatherUnit, stage: int, dst: int, t: TrainerLayout) -> list[tup
 
 
 def _transfer_totals(plan: Any, repeat: int, engine_ranks: int, fleet_ranks: int) -> tuple[dict[int, Endpoint], list[Endpoint]]:
-    """Return per-sender and per-receiver totals of `plan`. With `repeat` > 1 the plan is one engine's:
-    every engine is the same, so each of its receivers stands for that rank of every engine."""
+    """Return per-sender and per-receiver totals of a full transfer plan (`repeat` 1: every receiver in it)."""
     senders: dict[int, Endpoint] = {}
     receivers = [Endpoint(r, 0) for r in range(len(plan.receivers))]
     pairs: set[tuple[int, int]] = set()
@@ -489,10 +540,8 @@ def _transfer_totals(plan: Any, repeat: int, engine_ranks: int, fleet_ranks: int
         s.tensors += 1
         rec.bytes += r.nbytes
         rec.tensors += 1
-        if r.nbytes > s.largest:
-            s.largest = r.nbytes
-        if r.nbytes > rec.largest:
-            rec.largest = r.nbytes
+        s.largest = max(s.largest, r.nbytes)
+        rec.largest = max(rec.largest, r.nbytes)
         pairs.add((r.sender, r.receiver))
     for m in plan.messages:
         senders[m.sender].messages += 1
@@ -500,21 +549,60 @@ def _transfer_totals(plan: Any, repeat: int, engine_ranks: int, fleet_ranks: int
     for sender, receiver in pairs:
         senders[sender].peers += 1
         receivers[receiver].peers += 1
+    return senders, receivers
+
+
+def _fast_transfer_totals(specs: Sequence[TensorSpec], regions: RegionTable, holders: dict[str, int],
+                          fleet: FleetLayout, bucket_bytes: int):
+    """Return what `_transfer_totals(build_transfer_plan(...))` returns for the whole fleet, and the bytes per
+    (sender, receiver) pair, without building ranges: every engine is the same, so one engine's totals
+    stand for all; a tensor kind's row ranges on a rank (`p2p.plan._row_ranges`) are cut once; messages
+    are packed per pair in plan order exactly as `p2p.plan._messages` packs them."""
+    from megatron_sync.p2p.plan import _row_ranges
+
+    cut: dict[tuple, list[int]] = {}
+    senders: dict[int, Endpoint] = {}
+    receivers = [Endpoint(r, 0) for r in range(regions.ranks)]
+    open_bytes: dict[tuple[int, int], int] = {}  # pair -> bytes of its message being packed
+    pair_bytes: dict[tuple[int, int], int] = defaultdict(int)
+    for i, spec in enumerate(specs):
+        sender = holders[spec.name]
+        s = senders.get(sender)
+        if s is None:
+            s = senders[sender] = Endpoint(sender, 0)
+        for rank, region in enumerate(regions.of(i)):
+            if region is None:
+                continue
+            key = (regions.kind[i], rank)
+            sizes = cut.get(key)
+            if sizes is None:
+                placement = Placement(spec.name, region, spec.name, 0, region.nbytes(spec))
+                sizes = cut[key] = [n for _, _, _, n in _row_ranges(spec, placement, bucket_bytes)]
+            rec, pair = receivers[rank], (sender, rank)
+            for n in sizes:
+                s.bytes += n
+                s.tensors += 1
+                rec.bytes += n
+                rec.tensors += 1
+                s.largest = max(s.largest, n)
+                rec.largest = max(rec.largest, n)
+                pair_bytes[pair] += n
+                held = open_bytes.get(pair)
+                if held is None or held + n > bucket_bytes:
+                    s.messages += 1
+                    rec.messages += 1
+                    open_bytes[pair] = n
+                else:
+                    open_bytes[pair] = held + n
+    for sender, rank in pair_bytes:
+        senders[sender].peers += 1
+        receivers[rank].peers += 1
     for s in senders.values():
-        s.bytes, s.tensors, s.messages, s.peers = (s.bytes * repeat, s.tensors * repeat, s.messages * repeat,
-                                                   s.peers * repeat)
-    fleet = [replace(receivers[r % len(receivers)], rank=r) for r in range(fleet_ranks)] if repeat > 1 else receivers
-    return senders, fleet
-
-
-def _local_bytes(plan: Any, repeat: int, trainer: TrainerLayout, node_of_receiver: Callable[[int], int],
-                 engine_ranks: int) -> int:
-    """Return the bytes whose sender and receiver share a node (NVLink or IPC instead of the NIC)."""
-    per_pair: dict[tuple[int, int], int] = defaultdict(int)
-    for r in plan.ranges:
-        per_pair[(r.sender, r.receiver)] += r.nbytes
-    return sum(nbytes for (sender, receiver), nbytes in per_pair.items() for e in range(repeat)
-               if trainer.node_of(sender) == node_of_receiver(receiver + e * engine_ranks))
+        s.bytes, s.tensors, s.messages, s.peers = (v * fleet.engines for v in (s.bytes, s.tensors, s.messages, s.peers))
+    fleet_receivers = [replace(receivers[r % regions.ranks], rank=r) for r in range(fleet.ranks)]
+    fleet_pairs = {(sender, rank + e * regions.ranks): n for (sender, rank), n in pair_bytes.items()
+                   for e in range(fleet.engines)}
+    return senders, fleet_receivers, fleet_pairs
 
 
 def _steady_chain(snapshot_every: int, behind: int):
