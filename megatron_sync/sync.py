@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from concurrent.futures import Future
 from typing import Any, Callable, Optional, Sequence
@@ -102,9 +103,12 @@ class TrainerWeightSync:
         self.session: Optional[SyncSession] = None
         self.engines = EngineFleet([], driven=False)
         self._gather = torch_gather(trainer_group)
-        transport_cls = get_transport(config.transport)
         if converter is None or hf_config is not None:
             hf_config = load_hf_config(config, hf_config)
+        self.auto_choice = None  # transport auto: what the scale model chose, and its prediction
+        if config.transport == "auto":
+            config = self.config = self._resolve_auto(config, hf_config if hf_config is not None else converter.config)
+        transport_cls = get_transport(config.transport)
         try:
             if transport_cls.meets_at_store:
                 self._open_session(transport_cls, hf_config)
@@ -140,6 +144,20 @@ class TrainerWeightSync:
                     self.transport = transport_cls.connect_trainer(config, self.layout, session=self.session)
                 self.sender = transport_cls.make_sender(self.transport, self.stream, config,
                                                         converter.keep_together)
+
+    def _resolve_auto(self, config: WeightSyncConfig, hf_config: Any) -> WeightSyncConfig:
+        """Return `config` with transport auto resolved by the scale model (every rank computes the same
+        choice from the same inputs; the ranks check that they agree), and log the choice."""
+        from megatron_sync.scale.auto import resolve
+
+        with failing_together("choosing the transport (transport: auto)", self._gather):
+            choice = resolve(config, self.layout, config.require_family(), hf_config)
+            chosen = self._gather(choice.to_wire())
+            if any(c != chosen[0] for c in chosen):
+                raise RuntimeError(f"trainer ranks resolved transport auto differently: {chosen}")
+        self.auto_choice = choice
+        log.info("%s", choice.describe())
+        return config.replace(transport=choice.transport, bucket_size_mb=choice.bucket_size_mb)
 
     def _engine_fleet(self, config: WeightSyncConfig, clients: Optional[Sequence[EngineClient]],
                       joins: bool) -> EngineFleet:
@@ -188,6 +206,7 @@ class TrainerWeightSync:
         trainer rank if any rank failed (the engines then keep the previous version).
         """
         version = self.version + 1
+        started = time.perf_counter()
         if self.engines.driven:
             with failing_together(f"pausing the engines for version {version}", self._gather):
                 self.engines.before_sync(version)
@@ -207,6 +226,11 @@ class TrainerWeightSync:
             with failing_together(f"committing version {version} on the engines", self._gather):
                 self.engines.after_sync(version, ok=True)
         self.version = version
+        if self.auto_choice is not None and self.is_leader:
+            log.info("version %d: synced in %.3f s measured; the scale model predicted %.3f s (transport auto: "
+                     "%s, %g MiB buckets, profile %s)", version, time.perf_counter() - started,
+                     self.auto_choice.predicted_s, self.auto_choice.transport, self.auto_choice.bucket_size_mb,
+                     self.auto_choice.profile)
         return metrics
 
     def send_app_message(self, payload: dict) -> None:
@@ -278,18 +302,27 @@ class InferenceWeightSync:
         # the same groups as the trainer's converter: the family's, plus each quantized weight with its scales
         keep_together = keep_together_of(get_family(config.require_family()),
                                          [m.name for m in engine.expected_tensors()])
-        transport_cls = get_transport(config.transport)
+        auto = config.transport == "auto"  # adopt the trainer's choice once admitted to its session
+        transport_cls = None if auto else get_transport(config.transport)
         self.transport = None
         backend = config.resolved_backend(torch.cuda.is_available())
         identity = Identity(job=job_id or "", role="inference", member=inference_rank,
                             expects=expectations(config, trainer_stages=num_trainer_stages, backend=backend),
                             model=model_fields(hf_config) if hf_config is not None else None, session=config.run_id)
-        if hf_config is None and transport_cls.meets_at_store:
+        meets_at_store = auto or transport_cls.meets_at_store  # auto chooses among transports that do
+        if hf_config is None and meets_at_store:
             log.warning("[inference rank %d] no HF config given: the trainer cannot check that this engine's "
                         "model-defining config fields equal its own", inference_rank)
         self.session = (SyncSession.join(config.master_address, config.master_port, identity,
-                                         timeout_s=config.timeout_s) if transport_cls.meets_at_store else None)
+                                         timeout_s=config.timeout_s) if meets_at_store else None)
         try:
+            if auto:
+                from megatron_sync.scale.auto import adopt_host_choice
+
+                config = self.config = adopt_host_choice(config, dict(self.session.host_identity.expects))
+                transport_cls = get_transport(config.transport)
+                log.info("[inference rank %d] transport auto: the trainer chose %s with %g MiB buckets",
+                         inference_rank, config.transport, config.bucket_size_mb)
             if self.session is not None:
                 self.session.wait_ready()
             self.transport = transport_cls.connect_inference(

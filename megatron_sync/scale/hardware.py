@@ -55,8 +55,6 @@ ASSUMED_ROUND = ("assumed: one agreement round (an all-gather of a small JSON ov
                  "at hundreds of ranks; measured only on loopback")
 ASSUMED_MSG = "assumed: latency of one collective or RDMA operation between nodes (a few microseconds + software)"
 STORAGE = "assumed: a parallel file system client per node (e.g. 2 x 200 Gb/s storage ports on DGX H100)"
-HOST_CPU = ("measured on this machine per thread (bench/bench_scale_rates.py): a server core's memcpy and "
-            "xxh3 are of the same order")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,10 +109,22 @@ class HardwareProfile:
         return rows
 
 
+def _measured_host() -> dict[str, Value]:
+    """Return the host-side rates the sync's own code sets (one thread's copy and xxh3), as measured on this
+    machine by bench/bench_scale_rates.py, when its rates file exists."""
+    if not os.path.isfile(RATES_FILE):
+        return {}
+    with open(RATES_FILE) as f:
+        measured = json.load(f)
+    where = (f"measured on this machine, one thread ({measured['machine']}, {measured['date']}; "
+             "bench/bench_scale_rates.py)")
+    return {"host_copy": _v(1 / measured["rates"]["copy_byte"], where),
+            "host_xxh3": _v(1 / measured["rates"]["xxh3_byte"], where)}
+
+
 def _gpu_node(name: str, description: str, *, gpus: int, nics: int, nic_gbps: float, nvlink: float, hbm: float,
-              source: str, nvlink_domain: int | None = None, efficiency: Value | None = None,
-              host: dict[str, Value] | None = None) -> HardwareProfile:
-    host = host or {}
+              source: str, nvlink_domain: int | None = None, efficiency: Value | None = None) -> HardwareProfile:
+    host = _measured_host()
     return HardwareProfile(
         name=name, description=description,
         gpus_per_node=_v(gpus, source), nics_per_node=_v(nics, source), nic_gbps=_v(nic_gbps, source),
@@ -122,12 +132,9 @@ def _gpu_node(name: str, description: str, *, gpus: int, nics: int, nic_gbps: fl
         nvlink_domain=_v(nvlink_domain or gpus, source), pcie=_v(50 * GB, PCIE5), hbm=_v(hbm, source),
         storage=_v(50 * GB, STORAGE),
         host_copy=host.get("host_copy", _v(8 * GB, "assumed: one server core's memcpy of large buffers")),
-        host_xxh3=host.get("host_xxh3", _v(15 * GB, "xxHash README: XXH3 ~31 GB/s at 64-bit on a modern core; "
-                                                     "assumed half with cold caches")),
-        delta_encode=host.get("delta_encode", _v(1.5 * GB, "measured here, bench/RESULTS.md (disk-delta): sparse "
-                                                           "XOR 1.2-1.9 GB/s per thread")),
-        delta_decode=host.get("delta_decode", _v(3.0 * GB, "measured here, bench/RESULTS.md (disk-delta): decode "
-                                                           "2.6-3.7 GB/s per thread")),
+        host_xxh3=host.get("host_xxh3", _v(15 * GB, "assumed: XXH3 on one core with cold caches")),
+        delta_encode=_v(1.5 * GB, "measured here, bench/RESULTS.md (disk-delta): sparse XOR 1.2-1.9 GB/s per thread"),
+        delta_decode=_v(3.0 * GB, "measured here, bench/RESULTS.md (disk-delta): decode 2.6-3.7 GB/s per thread"),
         round_s=_v(0.005, ASSUMED_ROUND), message_s=_v(20e-6, ASSUMED_MSG),
         apply_tensor_s=_v(30e-6, ASSUMED_APPLY),
         pause_resume_s=_v(0.05, "assumed: vLLM /pause + /resume with few requests in flight"))
@@ -167,6 +174,11 @@ def local_profile(path: str = RATES_FILE) -> HardwareProfile:
                    round_s=rates["round_s"], message_s=rates["message_s"])
 
 
+def profile_names() -> list[str]:
+    """Return the hardware profiles a job may declare."""
+    return sorted(PROFILES) + ["local"]
+
+
 def profile_named(name: str) -> HardwareProfile:
     """Return the profile `name` ("local" or one of PROFILES); ValueError names the known ones and the fix."""
     if name == "local":
@@ -174,7 +186,7 @@ def profile_named(name: str) -> HardwareProfile:
     try:
         return PROFILES[name]
     except KeyError:
-        raise ValueError(f"unknown hardware profile {name!r}: use one of {sorted(PROFILES) + ['local']} "
+        raise ValueError(f"unknown hardware profile {name!r}: use one of {profile_names()} "
                          "(or add a row to megatron_sync.scale.hardware.PROFILES with the sources of its numbers)"
                          ) from None
 

@@ -22,7 +22,7 @@ scanning every rank per unit (`assign_balanced`, the same choices as `assign_rep
 
 from __future__ import annotations
 
-import math
+import copy
 import re
 import time
 import tracemalloc
@@ -214,6 +214,10 @@ class MegatronTensor:
 
 
 _MEGATRON_SPLIT = {Shard.COLUMN: 0, Shard.KV_HEADS: 0, Shard.VOCAB: 0, Shard.ROW: 1}  # role -> TP dim; else whole
+# Megatron parameters split over TP although engines replicate their HF tensor (megatron-core 0.16.1's MLA
+# builds the latent down-projections column-parallel): rule template -> TP dim.
+_MEGATRON_SPLIT_BY_RULE = {"decoder.layers.{layer}.self_attention.linear_q_down_proj.weight": 0,
+                           "decoder.layers.{layer}.self_attention.linear_kv_down_proj.weight": 0}
 
 
 def megatron_tensors(converter: Any, tp: int) -> list[MegatronTensor]:
@@ -239,8 +243,7 @@ def megatron_tensors(converter: Any, tp: int) -> list[MegatronTensor]:
         shape = (sum(s[0] for s in shapes), *shapes[0][1:])
         if rule.transform is vocab:
             shape = (_padded_vocab(shape[0], tp), *shape[1:])
-        role = converter.shard_role(names[0])
-        dim = _MEGATRON_SPLIT.get(role)
+        dim = _MEGATRON_SPLIT_BY_RULE.get(rule.megatron, _MEGATRON_SPLIT.get(converter.shard_role(names[0])))
         expert = captures.get("expert")
         sharding = Sharding() if dim is None else Sharding("etp" if expert is not None else "tp", dim,
                                                            2 if rule.transform is gate_up else 1)
@@ -343,6 +346,9 @@ class ScalePlanner:
                                     num_experts=cfg.get(self.converter.family.num_experts_key) or 0,
                                     expert_parallel=fleet.expert_parallel, vocab_parallel=fleet.vocab_parallel)
         self.regions = RegionTable(self.engine, self.specs, fleet.tp)
+        self._shards: tuple[list[int], list[int]] | None = None
+        self._source_traffic: dict[int, Traffic] | None = None
+        self.stage_bytes = [sum(m.nbytes for m in metas) for metas in self.stage_metas]
         self.setup_seconds = time.perf_counter() - started
 
     @property
@@ -351,8 +357,16 @@ class ScalePlanner:
 
     def shard_bytes(self) -> tuple[list[int], list[int]]:
         """Return per inference rank (the whole fleet) its shard bytes and HF tensors (from its layout)."""
-        nbytes, tensors = self.regions.shard_totals()
+        if self._shards is None:
+            self._shards = self.regions.shard_totals()
+        nbytes, tensors = self._shards
         return nbytes * self.fleet.engines, tensors * self.fleet.engines
+
+    def _to_stage_sources(self) -> dict[int, Traffic]:
+        """Return the gather traffic of the bucket transports (every unit to its stage's source), once."""
+        if self._source_traffic is None:
+            self._source_traffic = self._gather_traffic(lambda unit, stage: self.trainer.stage_source(stage))
+        return copy.deepcopy(self._source_traffic)
 
     def plan(self, transport: str, *, bucket_bytes: int, measure_memory: bool = False, **options) -> PlanSummary:
         """Return the summary of `transport`'s plan, with its own cost (seconds; peak bytes if measured)."""
@@ -390,8 +404,7 @@ class ScalePlanner:
                               largest, len(senders)) for r in range(self.fleet.ranks)]
         shard, shard_tensors = self.shard_bytes()
         return PlanSummary("broadcast", self.trainer, self.fleet, self.model_bytes, len(self.specs), bucket_bytes, senders, receivers,
-                           self._gather_traffic(lambda unit, stage: self.trainer.stage_source(stage)),
-                           shard, shard_tensors, stage_of, {"buckets": len(plan.buckets),
+                           self._to_stage_sources(), shard, shard_tensors, stage_of, {"buckets": len(plan.buckets),
                                                             "max_bucket": plan.max_bucket_bytes})
 
     # ---- P2P: every trainer rank holds a share and writes straight into the receivers' staging memory
@@ -452,20 +465,19 @@ class ScalePlanner:
         senders = []
         for stage, metas in enumerate(self.stage_metas):
             rank = self.trainer.stage_source(stage)
-            raw = sum(m.nbytes for m in metas)
-            chunks = sum(max(1, math.ceil(m.nbytes / options.chunk_bytes)) for m in metas)
-            senders.append(Endpoint(rank, self.trainer.node_of(rank), int(raw * delta_fraction), len(metas), chunks,
-                                    max(m.nbytes for m in metas), self.fleet.nodes))
+            sizes = [m.nbytes for m in metas]
+            chunks = sum(max(1, -(-n // options.chunk_bytes)) for n in sizes)
+            senders.append(Endpoint(rank, self.trainer.node_of(rank), int(self.stage_bytes[stage] * delta_fraction),
+                                    len(metas), chunks, max(sizes), self.fleet.nodes))
         read = sum(int(s.bytes * (len(steps.steps))) for s in senders)
         hosts = [Endpoint(n * self.fleet.gpus_per_node, n, read, len(self.specs),
                           sum(s.messages for s in senders) * len(steps.steps), max(s.largest for s in senders),
                           len(senders)) for n in range(self.fleet.nodes)]
         shard, shard_tensors = self.shard_bytes()
         return PlanSummary("disk_delta", self.trainer, self.fleet, self.model_bytes, len(self.specs), options.chunk_bytes, senders, hosts,
-                           self._gather_traffic(lambda unit, stage: self.trainer.stage_source(stage)),
-                           shard, shard_tensors, {s.rank: i for i, s in enumerate(senders)},
+                           self._to_stage_sources(), shard, shard_tensors, {s.rank: i for i, s in enumerate(senders)},
                            {"delta_fraction": delta_fraction, "chain": [(s.version, s.part) for s in steps.steps],
-                            "raw_stage_bytes": [sum(m.nbytes for m in metas) for metas in self.stage_metas]})
+                            "raw_stage_bytes": list(self.stage_bytes)})
 
     # ---- gather traffic, for any destination of each unit
 

@@ -69,6 +69,11 @@ class SyncOptions:
     pause_resume: bool = True  # driven engines pause and resume around the sync
 
 
+def models(transport: str, profile: HardwareProfile) -> bool:
+    """Return True if the time model covers `transport` on `profile` (this machine: what `make bench` runs)."""
+    return (transport, profile.cpu_bound) in _MODELS
+
+
 def physical_bound(summary: PlanSummary, profile: HardwareProfile) -> float:
     """Return the largest shard any inference rank must receive divided by its input link (its NIC; on
     the CPU machine, the measured loopback rate)."""

@@ -33,12 +33,14 @@ class Expectation:
     key: str
     says: str  # "{host} ... {h} ..., this {joiner} job ... {j}"
     fix: str  # where an operator sets it
+    adoptable: bool = False  # a joiner that says "auto" takes the host's value (transport: auto)
 
 
 EXPECTATIONS: tuple[Expectation, ...] = (
     Expectation("world_size", "{host} expects a transport group of {h} ranks, this {joiner} job has {j}",
                 "the world size both sides pass"),
-    Expectation("transport", "{host} uses transport {h}, this {joiner} job uses {j}", "weight_sync.transport"),
+    Expectation("transport", "{host} uses transport {h}, this {joiner} job uses {j}", "weight_sync.transport",
+                adoptable=True),
     Expectation("backend", "{host} uses backend {h}, this {joiner} job uses {j}", "weight_sync.backend"),
     Expectation("num_inference_ranks", "{host} expects {h} inference ranks, this {joiner} job has {j}",
                 "weight_sync.num_inference_ranks, and launch that many inference processes"),
@@ -49,16 +51,21 @@ EXPECTATIONS: tuple[Expectation, ...] = (
     Expectation("family", "{host} converts model family {h}, this {joiner} job serves {j}", "weight_sync.family"),
     Expectation("dtype", "{host} sends dtype {h}, this {joiner} job computes in {j}", "weight_sync.dtype"),
     Expectation("bucket_size_mb", "{host} cuts buckets of {h} MiB, this {joiner} job expects {j}",
-                "weight_sync.bucket_size_mb"),
+                "weight_sync.bucket_size_mb", adoptable=True),
 )
 """What the two jobs compare before any byte moves, in the order a refusal lists differences."""
 
 
 def expectations(config: "WeightSyncConfig", *, trainer_stages: int, backend: str) -> dict[str, Any]:
-    """Return what a rank of either job assumes, from its settings (`backend`: resolved, gloo or nccl)."""
+    """Return what a rank of either job assumes, from its settings (`backend`: resolved, gloo or nccl).
+
+    A job with transport "auto" that has not resolved it (an inference job) leaves transport and bucket
+    size to the host: it presents "auto" for both and adopts the host's values once admitted.
+    """
+    auto = config.transport == "auto"
     return {"transport": config.transport, "backend": backend, "num_inference_ranks": config.num_inference_ranks,
             "engine_tp_size": config.engine_tp_size, "trainer_stages": trainer_stages, "family": config.family,
-            "dtype": config.dtype, "bucket_size_mb": config.bucket_size_mb}
+            "dtype": config.dtype, "bucket_size_mb": "auto" if auto else config.bucket_size_mb}
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,8 @@ def disagreements(host: Identity, joiner: Identity) -> list[str]:
     out = []
     for row in EXPECTATIONS:
         h, j = host.expects.get(row.key), joiner.expects.get(row.key)
+        if row.adoptable and j == "auto":
+            continue
         if (row.key in host.expects or row.key in joiner.expects) and h != j:
             words = row.says.format(host=host.role, joiner=joiner.role, h=_show(h), j=_show(j))
             out.append(f"{words} (set {row.fix} alike on both jobs)")
