@@ -122,7 +122,7 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
                 received.append([m.to_json() for m in syncer.receiver_metrics(syncer.version)])
         replica = getattr(syncer.sender, "replica", None)
     out = {"sent": sent, "logits": logits, "unquantized": unquantized, "metrics": metrics, "received": received,
-           "failures": failures}
+           "failures": failures, "transport": syncer.config.transport, "bucket_size_mb": syncer.config.bucket_size_mb}
     if isinstance(replica, DistributedReplica):  # P2P: this rank's share of the replica
         out["replica"] = {"held": replica.held_bytes, "assigned": replica.assignment.bytes_per_rank()[replica.me.rank]}
     return out
@@ -188,7 +188,8 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
                    "version": me.engine.version, "shards": me.engine.snapshot()}
     finally:
         isync.close()
-    return {"held": held, "failure": failure}
+    return {"held": held, "failure": failure, "transport": isync.config.transport,
+            "bucket_size_mb": isync.config.bucket_size_mb}
 
 
 def run_pair(case: dict, timeout: float = 240.0, *, trainer: Callable = trainer_job,
