@@ -321,8 +321,8 @@ class InferenceWeightSync:
 
                 config = self.config = adopt_host_choice(config, dict(self.session.host_identity.expects))
                 transport_cls = get_transport(config.transport)
-                log.info("[inference rank %d] transport auto: the trainer chose %s with %g MiB buckets",
-                         inference_rank, config.transport, config.bucket_size_mb)
+                log.info("transport auto: the trainer chose %s with %g MiB buckets", config.transport,
+                         config.bucket_size_mb)
             if self.session is not None:
                 self.session.wait_ready()
             self.transport = transport_cls.connect_inference(

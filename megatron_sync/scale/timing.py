@@ -121,11 +121,16 @@ def _bound_of(phases: list[Phase], streaming: set[str]) -> str:
 
 
 def _broadcast_gpu(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions):
-    """Stages on the wire in order, each source funnelling its stage through its own NIC."""
+    """Stages on the wire in order, each source funnelling its stage through its own NIC.
+
+    Stage s goes on the wire once stage s-1's buckets went out and its own first bucket is ready, and
+    ends no earlier than its production plus its last bucket: the critical path is the chain of wires
+    unless some stage's production (its gather, mostly) is longer than the wires before it.
+    """
     wire_rate = profile.nic_per_gpu  # the root is its node's only group member: one NIC (see hardware)
     fletcher = profile.hbm.value / 2 if options.checksum else math.inf
-    phases: list[Phase] = []
-    wire_end = 0.0
+    worst: dict[str, Phase] = {}
+    wire_end, wires, critical = 0.0, 0.0, "wire"
     for sender in sorted(summary.senders, key=lambda s: summary.sender_stage[s.rank]):
         where = f"stage {summary.sender_stage[sender.rank]} source"
         traffic = summary.gather.get(sender.rank)
@@ -133,22 +138,31 @@ def _broadcast_gpu(summary: PlanSummary, profile: HardwareProfile, options: Sync
                    "convert": (traffic.converted if traffic else sender.bytes) / profile.device_copy,
                    "host copy": sender.bytes / profile.pcie.value,
                    "checksum": sender.bytes / fletcher}
-        phases += [Phase(k, v, where) for k, v in produce.items()]
+        for name, seconds in produce.items():
+            if name not in worst or seconds > worst[name].seconds:
+                worst[name] = Phase(name, seconds, where)
         ready = max(produce.values())
         wire = sender.bytes / wire_rate + sender.messages * profile.message_s.value * math.log2(
             max(2, sender.peers + 1))
-        phases.append(Phase("wire", wire, f"{where} -> every inference rank"))
+        wires += wire
         first = ready * min(1.0, summary.bucket_bytes / max(sender.bytes, 1))
-        last = wire / max(sender.messages, 1)
-        wire_end = max(max(wire_end, first) + wire, ready + last)
+        chained, produced = max(wire_end, first) + wire, ready + wire / max(sender.messages, 1)
+        if produced > chained:
+            critical = f"{max(produce, key=produce.get)} ({where}): its stage is ready after the wires before it"
+        elif first > wire_end:
+            critical = f"{max(produce, key=produce.get)} of the first bucket ({where}), then the wires"
+        wire_end = max(chained, produced)
     receiver = summary.receivers[0]  # every inference rank receives every bucket
     shard = max(summary.shard_bytes)
-    phases.append(Phase("verify+stage", receiver.bytes / fletcher + shard / profile.device_copy, "every inference rank"))
+    phases = list(worst.values()) + [
+        Phase("wire", wires, f"{len(summary.senders)} stage sources in stage order, one NIC each, every byte to every "
+                             "inference rank"),
+        Phase("verify+stage", receiver.bytes / fletcher + shard / profile.device_copy, "every inference rank")]
     last_bucket = summary.extra["max_bucket"] / fletcher + shard / max(1, receiver.messages) / profile.device_copy
     tail = _tail(summary, profile, 2, options)
     total = wire_end + last_bucket + sum(p.seconds for p in tail)
-    streaming = {"gather", "convert", "host copy", "checksum", "wire", "verify+stage"}
-    return phases + tail, total, _bound_of(phases, streaming), None
+    bound = f"wire ({wires:.1f} s: {phases[-2].where})" if critical == "wire" else critical
+    return phases + tail, total, bound, None
 
 
 def _p2p_gpu(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions):
