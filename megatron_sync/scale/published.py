@@ -208,10 +208,10 @@ ROWS: tuple[Published, ...] = (
               _ep(4, 8), "p5-efa", 2.0, PPLX_QWEN, "rdma-write", False,
               "FSDP trainer (modelled as its 128 GPUs); inference layout not published: assumed 4 engines of 8 "
               "GPUs (EP); FP8 inference"),
-    Published("Perplexity RDMA WRITE", "kimi-k2", {}, TrainerLayout(dp=256, ep=32), _ep(16, 8),
+    Published("Perplexity RDMA WRITE", "kimi-k2", {}, TrainerLayout(dp=256, ep=32), _ep(8, 16),
               "p5-efa", 1.3, PPLX, "rdma-write", False,
-              "FSDP trainer (modelled as its 256 GPUs); inference layout not published: assumed 16 engines of 8 "
-              "GPUs (EP); FP8 inference"),
+              "FSDP trainer (modelled as its 256 GPUs); inference layout not published: assumed 8 engines of 16 "
+              "GPUs (EP), the smallest H100 engine that holds Kimi-K2's 1 TB of FP8 weights (64 GB per GPU)"),
 )
 
 

@@ -130,7 +130,7 @@ def _broadcast_gpu(summary: PlanSummary, profile: HardwareProfile, options: Sync
     wire_rate = profile.nic_per_gpu  # the root is its node's only group member: one NIC (see hardware)
     fletcher = profile.hbm.value / 2 if options.checksum else math.inf
     worst: dict[str, Phase] = {}
-    wire_end, wires, critical = 0.0, 0.0, "wire"
+    wire_end, wires = 0.0, 0.0
     for sender in sorted(summary.senders, key=lambda s: summary.sender_stage[s.rank]):
         where = f"stage {summary.sender_stage[sender.rank]} source"
         traffic = summary.gather.get(sender.rank)
@@ -146,12 +146,7 @@ def _broadcast_gpu(summary: PlanSummary, profile: HardwareProfile, options: Sync
             max(2, sender.peers + 1))
         wires += wire
         first = ready * min(1.0, summary.bucket_bytes / max(sender.bytes, 1))
-        chained, produced = max(wire_end, first) + wire, ready + wire / max(sender.messages, 1)
-        if produced > chained:
-            critical = f"{max(produce, key=produce.get)} ({where}): its stage is ready after the wires before it"
-        elif first > wire_end:
-            critical = f"{max(produce, key=produce.get)} of the first bucket ({where}), then the wires"
-        wire_end = max(chained, produced)
+        wire_end = max(max(wire_end, first) + wire, ready + wire / max(sender.messages, 1))
     receiver = summary.receivers[0]  # every inference rank receives every bucket
     shard = max(summary.shard_bytes)
     phases = list(worst.values()) + [
@@ -161,7 +156,9 @@ def _broadcast_gpu(summary: PlanSummary, profile: HardwareProfile, options: Sync
     last_bucket = summary.extra["max_bucket"] / fletcher + shard / max(1, receiver.messages) / profile.device_copy
     tail = _tail(summary, profile, 2, options)
     total = wire_end + last_bucket + sum(p.seconds for p in tail)
-    bound = f"wire ({wires:.1f} s: {phases[-2].where})" if critical == "wire" else critical
+    slowest = max(worst.values(), key=lambda p: p.seconds)
+    bound = (f"wire ({wires:.1f} s: {phases[-2].where})" if wires >= wire_end - wires else
+             f"{slowest.name} ({slowest.where}): production outlasts the wires")
     return phases + tail, total, bound, None
 
 
@@ -295,20 +292,40 @@ def _broadcast_cpu(summary: PlanSummary, profile: HardwareProfile, options: Sync
                                * c("bcast_op_recv_cpu") + shard * c("stage_byte") + summary.tensors * c("stage_tensor"))
     phases += [Phase("receive+verify+stage", work[f"engine {i}"], f"inference rank {i}")]
     cores = profile.cores.value
-    shared = sum(work.values()) / cores
-    wire_wall = sum(s.bytes for s in summary.senders) * c("bcast_wall_byte")
-    stream = max(shared, max(work.values()), wire_wall)
+    shared, last = processor_sharing(work, cores)
+    ops = 2 * sum(s.messages for s in summary.senders)  # every bucket: payload, then header
+    wire_wall = sum(s.bytes for s in summary.senders) * c("bcast_wall_byte") + ops * c("message_s")
     engines = len(summary.shard_bytes)
     load_cpu = summary.shard_bytes[i] * c("load_byte") + summary.tensors * c("load_tensor")
-    load = load_cpu * max(1.0, engines / cores)
+    load, _ = processor_sharing({f"engine {r}": load_cpu for r in range(engines)}, cores)
     fixed = c("sync_fixed_s")
-    phases += [Phase("streaming (CPU-s / cores)", shared, f"{len(work)} processes on {cores:g} cores"),
-               Phase("wire (loopback)", wire_wall, "all stages"),
+    phases += [Phase("streaming (processes sharing the cores)", shared,
+                     f"{last} finishes last; {len(work)} processes on {cores:g} cores"),
+               Phase("wire (loopback)", wire_wall, f"all stages, {ops} broadcasts"),
                Phase("apply", load, f"{engines} engine ranks"), Phase("fixed", fixed, "a sync of ~0 bytes")]
     cpu_total = sum(work.values()) + engines * load_cpu + c("sync_fixed_cpu")
-    total = fixed + stream + load
-    return phases, total, _bound_of(phases, {"streaming (CPU-s / cores)", "produce (gather+convert)",
-                                             "wire+checksum (root)", "receive+verify+stage", "wire (loopback)"}), cpu_total
+    total = fixed + max(shared, wire_wall) + load
+    bound = (f"CPU: {last}, its work while it shares {cores:g} cores with {len(work) - 1} other processes"
+             if shared >= wire_wall else "the loopback wire")
+    return phases, total, bound, cpu_total
+
+
+def processor_sharing(work: dict[str, float], cores: float) -> tuple[float, str]:
+    """Return when the last of these processes finishes its CPU work, and which one it is, when `cores`
+    cores are shared fairly among the runnable ones (each runs at most one core), all starting together."""
+    left = dict(work)
+    now = 0.0
+    last = max(work, key=work.get) if work else ""
+    while left:
+        rate = min(1.0, cores / len(left))
+        name = min(left, key=left.get)
+        step = left[name] / rate
+        now += step
+        done = left.pop(name)
+        for other in left:
+            left[other] -= done
+        last = name
+    return now, last
 
 
 _MODELS: dict[tuple[str, bool], Callable] = {

@@ -192,6 +192,22 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
             "bucket_size_mb": isync.config.bucket_size_mb}
 
 
+def shards_not_sent(engines: list, sent: list[dict[str, torch.Tensor]], spec: dict) -> list[tuple[int, int, str]]:
+    """Return (version index, TP rank, name) of every engine shard that is not exactly the reference engine's
+    slice of the tensor the trainer sent (`engine_job` / `trainer_job` results of one engine of `spec`)."""
+    from megatron_sync.engines.reference import ReferenceEngine
+    from tests.support.models import ModelSpec, hf_config
+
+    config = hf_config(ModelSpec(**spec))
+    wrong = []
+    for tp_rank, engine in enumerate(engines):
+        slicer = ReferenceEngine(config, tp_rank=tp_rank, tp_size=len(engines))
+        for version, held in enumerate(engine["held"]):
+            wrong += [(version, tp_rank, name) for name, shard in held["shards"].items()
+                      if not torch.equal(shard, slicer.shard_of(name, sent[version][name]))]
+    return wrong
+
+
 def run_pair(case: dict, timeout: float = 240.0, *, trainer: Callable = trainer_job,
              engine: Callable = engine_job, outcomes: bool = False) -> tuple[Any, Any]:
     """Run the trainer job and the inference job of `case` concurrently; return both jobs' per-rank results.
