@@ -12,7 +12,8 @@ from megatron_sync.p2p.assign import assign_replica
 from megatron_sync.p2p.replica import replica_units
 from megatron_sync.scale.layouts import FleetLayout, TrainerLayout
 from megatron_sync.scale.models import MODELS, converter_for, model_named
-from megatron_sync.scale.plans import ScalePlanner, assign_balanced, stage_units
+from megatron_sync.scale.megatron_side import stage_units
+from megatron_sync.scale.plans import ScalePlanner, assign_balanced
 from tests.support.dist import run_distributed
 from tests.support.models import ModelSpec, hf_config
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from converters import FAMILIES, Converter, Family, get_family
-from converters.base import HFTensor, Rule, Shard
+from converters.base import HFTensor, Rule
 from converters.common import (
     DENSE_MLP_HF, DENSE_MLP_RULES, EMBEDDING_HF, EMBEDDING_RULES, EXPERT_RULES, GQA_HF, GQA_RULES, H, L,
     INPUT_NORM_RULES, NORM_HF, POST_ATTENTION_NORM_RULES, QK_NORM_HF, QK_NORM_RULES, QKV_BIAS_HF,

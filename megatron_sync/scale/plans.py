@@ -1,23 +1,21 @@
-"""The scale model's one adapter to the project's planners: every call into them is in this module.
+"""The scale model's one adapter to the project's planners: every call into the transports' planners is here.
 
 From an HF config and the two layouts, on metadata only (meta-device tensors, `TensorMeta`), it runs
 what the real sync runs at start-up and summarises, per transport, what each sender and each
-receiver moves:
+receiver moves (`scale.summary`):
 
 - the converter (`converters`): the HF checkpoint's tensors, shard roles, quantized outputs;
-- the Megatron side: every stage's parameters as meta-device `SourceTensor`s of one rank (names,
-  local shapes, sharding, local experts), derived from the family's rule table and checked by
-  `Converter.convert_meta`, then `gather.plan_gather_units` (the units every stage walks);
+- the Megatron side (`scale.megatron_side`): every stage's gather units from `gather.plan_gather_units`;
 - broadcast: `plan.build_plan` (buckets per stage, keep-together groups);
 - P2P: `p2p.replica.replica_units` + `p2p.assign.assign_replica` (the distributed replica) and
-  `p2p.plan.build_transfer_plan` over the engines' layouts (`p2p.layout`, role-based);
+  `p2p.plan.build_transfer_plan` over the engines' role-based layouts (`p2p.layout`);
 - disk-delta: `delta.chain.plan_chain` (what a reader applies per sync) and the writer's chunking;
 - colocated IPC (not built): the P2P plan with each inference rank on the trainer GPU of its number.
 
 Full-scale fast paths (each proven equal to the full planner on mid-size cases by tests/test_scale_plans.py):
-the fleet's engines are identical, so the transfer plan is built for one engine and its totals
-repeated per engine; the replica assignment indexes candidates by (stage, EP owner) instead of
-scanning every rank per unit (`assign_balanced`, the same choices as `assign_replica`).
+the fleet's engines are identical and tensors of one kind are cut alike, so the transfer plan's totals
+are computed once per engine and tensor kind without `Range` objects; the replica assignment indexes
+candidates by (stage, EP owner) instead of scanning every rank per unit (`assign_balanced`).
 """
 
 from __future__ import annotations
@@ -27,15 +25,13 @@ import re
 import time
 import tracemalloc
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
-import torch
-
-from converters.layout import gate_up, vocab
+from converters.base import Shard
 from megatron_sync.delta.chain import Held, VersionInfo, plan_chain
 from megatron_sync.delta.options import WriterOptions
-from megatron_sync.gather import GatherUnit, plan_gather_units
+from megatron_sync.gather import GatherUnit
 from megatron_sync.meta import TensorMeta, dtype_from_name
 from megatron_sync.p2p.assign import ReplicaAssignment, ReplicaUnit, TrainerRank, assign_replica, candidates
 from megatron_sync.p2p.layout import (
@@ -44,68 +40,14 @@ from megatron_sync.p2p.layout import (
 )
 from megatron_sync.p2p.plan import Receiver, build_transfer_plan, send_bytes_per_tensor
 from megatron_sync.p2p.replica import replica_units
-from megatron_sync.parallel import ParallelLayout
 from megatron_sync.plan import build_plan
 from megatron_sync.scale.layouts import FleetLayout, TrainerLayout
+from megatron_sync.scale.megatron_side import flows, stage_units
 from megatron_sync.scale.models import converter_for
-from megatron_sync.source import ExpertSlot, Sharding, SourceTensor
-
-from converters.base import Shard
+from megatron_sync.scale.summary import Endpoint, PlanSummary, Traffic
 
 TRANSPORTS = ("broadcast", "p2p", "disk_delta", "ipc")
 _EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")  # an HF routed expert's index
-_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")  # a layer or expert index inside a dotted name
-_MAKE_VOCAB_DIVISIBLE_BY = 128  # Megatron's default --make-vocab-size-divisible-by
-
-
-# ---------------------------------------------------------------- what a plan says, per endpoint
-
-
-@dataclass
-class Endpoint:
-    """What one rank moves in one sync: bytes, HF tensors (or ranges), transfer units, the largest piece."""
-
-    rank: int
-    node: int
-    bytes: int = 0
-    tensors: int = 0
-    messages: int = 0  # buckets (broadcast), messages (P2P), chunks (disk-delta)
-    largest: int = 0
-    peers: int = 0  # distinct ranks on the other side
-
-
-@dataclass
-class Traffic:
-    """One trainer rank's gather traffic (bytes in the gather dtype), split by whether it crosses nodes."""
-
-    in_intra: int = 0
-    in_inter: int = 0
-    out_intra: int = 0
-    out_inter: int = 0
-    converted: int = 0  # HF bytes this rank converts (what it holds in its replica)
-    units: int = 0  # gather units (collectives or messages) it takes part in
-    merged: int = 0  # bytes of full tensors this rank assembles from several shards (a copy each)
-
-
-@dataclass
-class PlanSummary:
-    """Per-sender and per-receiver totals of one transport's plan, and what computing it cost."""
-
-    transport: str
-    trainer: TrainerLayout
-    fleet: FleetLayout
-    model_bytes: int
-    tensors: int
-    bucket_bytes: int
-    senders: list[Endpoint]
-    receivers: list[Endpoint]
-    gather: dict[int, Traffic]
-    shard_bytes: list[int]  # per inference rank: the bytes of its own shards (what it stages and loads)
-    shard_tensors: list[int]
-    sender_stage: dict[int, int] = field(default_factory=dict)  # broadcast: sender rank -> its stage
-    extra: dict[str, Any] = field(default_factory=dict)
-    seconds: float = 0.0
-    peak_bytes: int | None = None
 
 
 # ---------------------------------------------------------------- engine layouts (role-based)
@@ -196,131 +138,6 @@ class RegionTable:
             if kind not in per_kind:
                 per_kind[kind] = sum(r.nbytes(spec) for r in self.regions[kind] if r is not None)
         return {spec.name: per_kind[kind] for spec, kind in zip(self.specs, self.kind)}
-
-
-# ---------------------------------------------------------------- the Megatron side, from the rule table
-
-
-@dataclass(frozen=True)
-class MegatronTensor:
-    """One full Megatron parameter: its name, full shape, sharding, layer and expert (None: not one)."""
-
-    name: str
-    shape: tuple[int, ...]
-    sharding: Sharding
-    layer: int | None
-    expert: int | None
-    template: str | None  # experts: the name with "{expert}" open
-
-
-_MEGATRON_SPLIT = {Shard.COLUMN: 0, Shard.KV_HEADS: 0, Shard.VOCAB: 0, Shard.ROW: 1}  # role -> TP dim; else whole
-# Megatron parameters split over TP although engines replicate their HF tensor (megatron-core 0.16.1's MLA
-# builds the latent down-projections column-parallel): rule template -> TP dim.
-_MEGATRON_SPLIT_BY_RULE = {"decoder.layers.{layer}.self_attention.linear_q_down_proj.weight": 0,
-                           "decoder.layers.{layer}.self_attention.linear_kv_down_proj.weight": 0}
-
-
-def megatron_tensors(converter: Any, tp: int) -> list[MegatronTensor]:
-    """Return the Megatron parameters that produce `converter`'s HF checkpoint, in model order.
-
-    Each HF tensor's producer is the first rule of the family's table that outputs it (a family
-    lists the local-spec and Transformer-Engine namings side by side); a rule's outputs are
-    concatenated on dim 0 (q/k/v, gate/up), a vocabulary padded as Megatron pads it for `tp`.
-    The sharding follows the outputs' shard role (experts over ETP, gate/up with stride 2).
-    `ScalePlanner` converts every one with `converter.convert_meta` (shapes checked against the HF
-    config) and checks that together they produce exactly the checkpoint (`check_complete`).
-    """
-    hf = converter.expected_hf_tensors(quantized=False)
-    groups: dict[str, tuple[Any, dict[str, int], list[str]]] = {}
-    cache: dict = {}
-    for name in hf:
-        rule, captures = _producer(converter, name, cache)
-        megatron = rule.megatron_pattern.format(**captures)
-        groups.setdefault(megatron, (rule, captures, []))[2].append(name)
-    out = []
-    for megatron, (rule, captures, names) in groups.items():
-        shapes = [hf[n][0] for n in names]
-        shape = (sum(s[0] for s in shapes), *shapes[0][1:])
-        if rule.transform is vocab:
-            shape = (_padded_vocab(shape[0], tp), *shape[1:])
-        dim = _MEGATRON_SPLIT_BY_RULE.get(rule.megatron, _MEGATRON_SPLIT.get(converter.shard_role(names[0])))
-        expert = captures.get("expert")
-        sharding = Sharding() if dim is None else Sharding("etp" if expert is not None else "tp", dim,
-                                                           2 if rule.transform is gate_up else 1)
-        template = None if expert is None else rule.megatron.replace("{layer}", str(captures["layer"]))
-        out.append(MegatronTensor(megatron, shape, sharding, captures.get("layer"), expert, template))
-    return out
-
-
-def _producer(converter: Any, hf_name: str, cache: dict):
-    """Return (rule, captures) of the first rule that outputs `hf_name`; names that differ only in their
-    indices share their rule (looked up once per such shape of name)."""
-    key = _INDEX.sub("#", hf_name)
-    found = cache.get(key)
-    if found is None:
-        found = cache[key] = next(
-            ((rule, i) for rule in converter.family.rules for i, pattern in enumerate(rule.hf_patterns)
-             if (c := pattern.match(hf_name)) is not None
-             and not converter.is_skipped(rule.megatron_pattern.format(**c))), None)
-        if found is None:
-            raise ValueError(f"no rule of family {converter.family.name!r} produces {hf_name}")
-    rule, i = found
-    return rule, rule.hf_patterns[i].match(hf_name)
-
-
-def _padded_vocab(rows: int, tp: int) -> int:
-    step = _MAKE_VOCAB_DIVISIBLE_BY * tp
-    return -(-rows // step) * step
-
-
-def _stage_of_layers(num_layers: int, pp: int, vpp: int) -> list[int]:
-    """Return each layer's pipeline stage: layers split as evenly as possible over pp*vpp virtual chunks
-    (earlier chunks take the remainder), chunk c on stage c % pp (Megatron's interleaved schedule)."""
-    chunks = pp * vpp
-    base, extra = divmod(num_layers, chunks)
-    stage = []
-    for c in range(chunks):
-        stage += [c % pp] * (base + (1 if c < extra else 0))
-    return stage
-
-
-def stage_units(converter: Any, trainer: TrainerLayout, train_dtype: torch.dtype) -> list[list[GatherUnit]]:
-    """Return every pipeline stage's gather units (`plan_gather_units` over one rank's meta-device
-    parameters: EP rank 0's local experts), skipped names removed, each in its gather dtype."""
-    tensors = megatron_tensors(converter, trainer.tp)
-    layers = 1 + max((t.layer for t in tensors if t.layer is not None), default=-1)
-    stage_of = _stage_of_layers(layers, trainer.pp, trainer.vpp)
-    num_experts = 1 + max((t.expert for t in tensors if t.expert is not None), default=-1)
-    num_local = num_experts // trainer.ep if num_experts else 0
-    if num_experts and num_experts % trainer.ep:
-        raise ValueError(f"trainer.ep={trainer.ep} must divide the {num_experts} routed experts")
-    per_stage: list[list[SourceTensor]] = [[] for _ in range(trainer.pp)]
-    for t in tensors:
-        stage = _stage_of_global(t, stage_of, trainer.pp)
-        if t.expert is not None and t.expert >= num_local:
-            continue  # EP rank 0 holds experts 0 .. num_local - 1
-        local = list(t.shape)
-        size = {"tp": trainer.tp, "etp": trainer.etp}.get(t.sharding.axis, 1)
-        if local[t.sharding.dim] % size:
-            raise ValueError(f"{t.name}: dim {t.sharding.dim} of {tuple(t.shape)} does not divide by "
-                             f"{t.sharding.axis}={size}; pick a {t.sharding.axis} that divides it")
-        local[t.sharding.dim] //= size
-        slot = None if t.expert is None else ExpertSlot(t.layer, t.template, t.expert, num_local)
-        meta = torch.empty(local, dtype=train_dtype, device="meta")
-        per_stage[stage].append(SourceTensor(t.name, meta, t.sharding, slot))
-    units = []
-    for stage, stage_tensors in enumerate(per_stage):
-        layout = ParallelLayout(tp=trainer.tp, cp=trainer.cp, dp=trainer.dp, pp=trainer.pp, vpp=trainer.vpp,
-                                ep=trainer.ep, etp=trainer.etp, edp=trainer.edp, pp_rank=stage)
-        units.append([replace(u, dtype=converter.gather_dtype(u.name, u.dtype))
-                      for u in plan_gather_units(stage_tensors, layout) if not converter.is_skipped(u.name)])
-    return units
-
-
-def _stage_of_global(t: MegatronTensor, stage_of: list[int], pp: int) -> int:
-    if t.layer is not None:
-        return stage_of[t.layer]
-    return 0 if t.name.startswith("embedding.") else pp - 1  # final norm and output layer: the last stage
 
 
 # ---------------------------------------------------------------- the planner
@@ -490,7 +307,7 @@ class ScalePlanner:
         for stage, units in enumerate(self.units):
             for unit in units:
                 dst = destination(unit, stage)
-                flows = _flows(unit, stage, dst, t)
+                flows = flows(unit, stage, dst, t)
                 if any(to == dst and nbytes < unit.nbytes for _, to, nbytes in flows):
                     traffic[dst].merged += unit.nbytes
                 for src, to, nbytes in flows:
@@ -515,27 +332,6 @@ class _KnownOutputs:
 
     def convert_meta(self, name: str, shape: Any, dtype: torch.dtype) -> list[TensorMeta]:
         return self._outputs[name]
-
-
-def _flows(unit: GatherUnit, stage: int, dst: int, t: TrainerLayout) -> list[tuple[int, int, int]]:
-    """Return the (from rank, to rank, bytes) hops that bring `unit` whole to rank `dst`.
-
-    Dense: the shards of dst's own TP group (tp is the fastest axis). Routed expert: its owner's ETP
-    group (dst's expert-DP replica when dst is of that EP rank, else the first); a destination outside
-    that group (the stage source of the bucket transports) gets it from the owner's first rank.
-    """
-    me = t.rank_of(dst)
-    if unit.owner_ep is None:
-        size = t.tp if unit.sharding.axis == "tp" else 1
-        group = [dst - me.tp + k for k in range(size)]
-        return [(g, dst, unit.nbytes // size) for g in group if g != dst] if dst in group else []
-    size = t.etp if unit.sharding.axis == "etp" else 1
-    edp = me.edp if me.ep == unit.owner_ep else 0
-    group = [t.stage_source(stage) + (edp * t.ep + unit.owner_ep) * t.etp + k for k in range(size)]
-    if dst in group:
-        return [(g, dst, unit.nbytes // size) for g in group if g != dst]
-    owner = group[0]
-    return [(g, owner, unit.nbytes // size) for g in group[1:]] + [(owner, dst, unit.nbytes)]
 
 
 def _transfer_totals(plan: Any, repeat: int, engine_ranks: int, fleet_ranks: int) -> tuple[dict[int, Endpoint], list[Endpoint]]:
@@ -666,5 +462,5 @@ def assign_balanced(units: Sequence[ReplicaUnit], ranks: Sequence[TrainerRank], 
     return ReplicaAssignment(tuple(units), tuple(holders), ranks)
 
 
-__all__ = ["ScalePlanner", "PlanSummary", "Endpoint", "Traffic", "ServingLayout", "megatron_tensors",
-           "stage_units", "assign_balanced", "TRANSPORTS"]
+__all__ = ["ScalePlanner", "PlanSummary", "Endpoint", "Traffic", "ServingLayout", "RegionTable", "assign_balanced",
+           "TRANSPORTS"]

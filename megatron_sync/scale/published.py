@@ -26,7 +26,8 @@ from typing import Callable
 from megatron_sync.scale.hardware import HardwareProfile, profile_named
 from megatron_sync.scale.layouts import FleetLayout, TrainerLayout
 from megatron_sync.scale.models import model_named
-from megatron_sync.scale.plans import PlanSummary, ScalePlanner
+from megatron_sync.scale.plans import ScalePlanner
+from megatron_sync.scale.summary import PlanSummary
 from megatron_sync.scale.timing import SyncOptions, _gather_seconds, predict
 
 LMSYS = "https://lmsys.org/blog/2026-04-29-p2p-update"

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from megatron_sync.scale.hardware import HardwareProfile
-from megatron_sync.scale.plans import PlanSummary
+from megatron_sync.scale.summary import PlanSummary
 
 DELTA_POLL_S = 0.05  # disk_delta: one poll interval per control message and agreement round (README)
 
