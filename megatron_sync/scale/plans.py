@@ -307,10 +307,10 @@ class ScalePlanner:
         for stage, units in enumerate(self.units):
             for unit in units:
                 dst = destination(unit, stage)
-                flows = flows(unit, stage, dst, t)
-                if any(to == dst and nbytes < unit.nbytes for _, to, nbytes in flows):
+                hops = flows(unit, stage, dst, t)
+                if any(to == dst and nbytes < unit.nbytes for _, to, nbytes in hops):
                     traffic[dst].merged += unit.nbytes
-                for src, to, nbytes in flows:
+                for src, to, nbytes in hops:
                     inter = t.node_of(src) != t.node_of(to)
                     traffic[src].out_inter += nbytes if inter else 0
                     traffic[src].out_intra += 0 if inter else nbytes
