@@ -20,15 +20,16 @@ ROW_ELEMS = 4096
 
 
 def _plan(mib: int, senders: int, receivers: int, bucket: int):
-    from converters.base import Shard
+    from megatron_sync.layout.regions import Shard, Sharding, TensorSpec
+    from megatron_sync.layout.roles import RoleLayout
     from megatron_sync.p2p.assign import ReplicaUnit, TrainerRank, assign_replica
-    from megatron_sync.p2p.layout import ReferenceLayout, TensorSpec
     from megatron_sync.p2p.plan import build_transfer_plan, fleet_receivers
 
     rows = 512 * receivers  # 4 MiB per tensor in bf16 when receivers == 1
     count = max(1, mib * 2**20 // (rows * ROW_ELEMS * 2))
     specs = [TensorSpec(f"t{i}", (rows, ROW_ELEMS), torch.bfloat16, Shard.COLUMN) for i in range(count)]
-    fleet = fleet_receivers(specs, [ReferenceLayout(receivers, num_kv_heads=1)])
+    engine = RoleLayout(Sharding(receivers))
+    fleet = fleet_receivers([engine.rank_layout(specs, rank) for rank in range(receivers)], receivers)
     units = [ReplicaUnit(s.name, 0, ((s.name, s.nbytes),)) for s in specs]
     holders = assign_replica(units, [TrainerRank(r) for r in range(senders)]).hf_holders()
     return specs, holders, build_transfer_plan(specs, holders, fleet, bucket)

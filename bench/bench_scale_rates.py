@@ -10,8 +10,8 @@ spread of the rounds stored beside it. The real code paths are timed where they 
   (larger tensors, many small ones) fitted to seconds = a * HF bytes + b * units, and the other rank's
   CPU per byte of the stage (its casts and sends); the models are not the bench's (CALIBRATION);
 - xxh3, copy, cast: `megatron_sync.bucket.checksum` and torch copies of 64 MiB;
-- stage + load: what an engine rank does with its slices (`ReferenceEngine.shard_of`,
-  `receiver.StagingSets.stage`, `ReferenceEngine.load_shards`), fitted per byte and per tensor;
+- stage + load: what an engine rank does with its slices (`layout.staging.StagingSets.write` through its
+  rank layout, `ReferenceEngine.load_shards`), fitted per byte and per tensor;
 - wire: a 3-process gloo group over loopback as the bench runs it: a broadcast (CPU per byte on the
   root and on a receiver, wall per byte), point-to-point send/recv (CPU per byte each side), one
   agreement round (`Transport.agree` over the group) and the latency of a tiny broadcast.
@@ -143,10 +143,10 @@ def trainer_walk(rank: int, world: int, cfg: dict) -> dict:
 
 
 def engine_rows(rank: int, world: int, names: list[str]) -> tuple[list, list]:
-    """Per model: (shard bytes, tensors, CPU s) of staging this engine rank's slices (of an engine with TP
-    = world, as the bench runs it), and of loading them."""
+    """Per model: (shard bytes, tensors, CPU s) of staging this engine rank's slices of every full tensor
+    into its staging set (of an engine with TP = world, as the bench runs it), and of loading them."""
     from megatron_sync.engines.reference import ReferenceEngine
-    from megatron_sync.receiver import StagingSets
+    from megatron_sync.layout.staging import StagingSets
     from tests.support import models
 
     stage_rows, load_rows = [], []
@@ -154,21 +154,21 @@ def engine_rows(rank: int, world: int, names: list[str]) -> tuple[list, list]:
         spec, _ = CALIBRATION[name]
         engine = ReferenceEngine(models.hf_config(spec), tp_rank=rank, tp_size=world, dtype=torch.bfloat16)
         full = {m.name: torch.randn(m.shape).to(m.dtype) for m in engine.expected_tensors()}
-        staging = StagingSets()
+        layout = engine.rank_layout()
+        staging = StagingSets(layout, lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
 
         def stage():
             staging.begin()
             for n, t in full.items():
-                staging.stage(n, engine.shard_of(n, t))
+                staging.write(n, t)
 
         stage()
         cpu, _ = timed(stage)
-        shard_bytes = sum(t.numel() * t.element_size() for t in staging.staged().values())
-        stage_rows.append((shard_bytes, len(full), cpu))
-        shards = dict(staging.staged())
+        stage_rows.append((layout.shard_bytes, len(full), cpu))
+        shards = staging.params()
         engine.load_shards(shards, 1)
         cpu, _ = timed(lambda: engine.load_shards(shards, 2))
-        load_rows.append((shard_bytes, len(full), cpu))
+        load_rows.append((layout.shard_bytes, len(full), cpu))
     return stage_rows, load_rows
 
 

@@ -277,10 +277,11 @@ def _raw_receive(transport, plan, scratch) -> None:
 
 
 def _naive_receive(transport, plan, engine, version: int) -> None:
-    """Receive tensor by tensor, keep a copy of this rank's slice of each, then load them all."""
-    shards = {}
+    """Receive tensor by tensor, keep a copy of this rank's regions of each, then load them all."""
+    layout = engine.rank_layout()
+    staging = torch.zeros(layout.nbytes, dtype=torch.uint8)
     for meta in plan.tensors():
         buf = torch.empty(meta.nbytes, dtype=torch.uint8)
         transport.group.broadcast(buf, src=0)
-        shards[meta.name] = engine.shard_of(meta.name, buf.view(meta.dtype).view(meta.shape)).clone()
-    engine.load_shards(shards, version)
+        layout.write(staging, meta.name, buf.view(meta.dtype).view(meta.shape))
+    engine.load_shards(layout.param_views(staging), version)

@@ -15,15 +15,19 @@ import torch
 
 from converters.base import Converter, Family, HFTensor, Rule, Shard, Skip, keep_together_of
 from converters.deepseek_v3 import DEEPSEEK_V3
+from converters.glm4_moe import GLM4_MOE
 from converters.errors import (
     ConfigError, ConversionError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError,
     UnknownFamilyError, UnmappedParameterError,
 )
+from converters.gpt_oss import GPT_OSS
 from converters.llama import LLAMA, QWEN2
 from converters.qwen3 import QWEN3
 from converters.qwen3_moe import QWEN3_MOE
+from converters.qwen3_next import QWEN3_NEXT
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V3)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, DEEPSEEK_V3, GLM4_MOE, GPT_OSS,
+                                                  QWEN3_NEXT)}
 BUILTIN_FAMILIES: tuple[str, ...] = tuple(FAMILIES)  # the families this package ships (others register)
 
 
@@ -54,14 +58,28 @@ def family_of_model_type(model_type: str) -> Family:
     raise UnknownFamilyError(f"no model family converts HF model_type {model_type!r}; known: {known}")
 
 
+def config_model_type(model_type: str) -> str:
+    """Return the model_type whose transformers config class reads a config.json of `model_type`: its family's
+    first model type (Kimi-K2's "kimi_k2", which transformers has no class for, reads as "deepseek_v3", as vLLM
+    reads it); a model type no family converts, as is."""
+    for family in FAMILIES.values():
+        if model_type in family.hf_model_types:
+            return family.hf_model_types[0]
+    return model_type
+
+
 def get_converter(family: str, hf_config: Any, *, dtype: torch.dtype = torch.bfloat16,
-                  skip: Iterable[str] = ()) -> Converter:
-    """Return a `Converter` for `family` bound to `hf_config` (PretrainedConfig or config.json dict)."""
-    return Converter(get_family(family), hf_config, dtype=dtype, skip=skip)
+                  skip: Iterable[str] = (), draft: bool = True) -> Converter:
+    """Return a `Converter` for `family` bound to `hf_config` (PretrainedConfig or config.json dict).
+
+    `draft=False`: the engines hold no multi-token-prediction draft, so the layout has no draft layers
+    and Megatron's MTP block is skipped by name (see `Converter`)."""
+    return Converter(get_family(family), hf_config, dtype=dtype, skip=skip, draft=draft)
 
 
 __all__ = [
-    "get_converter", "get_family", "register_family", "family_of_model_type", "FAMILIES", "BUILTIN_FAMILIES",
+    "get_converter", "get_family", "register_family", "family_of_model_type", "config_model_type", "FAMILIES",
+    "BUILTIN_FAMILIES",
     "Converter", "Family", "Rule", "HFTensor", "Shard", "Skip", "keep_together_of",
     "ConversionError", "ConfigError", "UnknownFamilyError", "UnmappedParameterError",
     "MissingTensorError", "UnexpectedTensorError", "ShapeMismatchError",

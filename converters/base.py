@@ -13,13 +13,13 @@ quantizes: every weight it selects (`converters.quant`, among the rows marked
 `weight_shape`), computed from the whole converted tensor. Every method that
 names checkpoint tensors (`expected_hf_tensors`, `expected_metas`,
 `convert_meta`, `check_complete`, `keep_together`, `shard_role`) then speaks
-those names; `slice_hf_tensor` slices a weight and its scales consistently.
+those names; `tensor_specs` says how engines cut a weight and its scales alike.
 """
 
 from __future__ import annotations
 
 import ast
-import enum
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -35,6 +35,7 @@ from converters.layout import REARRANGING_TRANSFORMS, rename
 from converters.patterns import Pattern, compile_pattern
 from converters.quant import DEFAULT_UNQUANTIZED, QuantPlan, output_groups
 from converters.quant.plan import output_weight
+from megatron_sync.layout.regions import Shard, TensorSpec
 from megatron_sync.meta import TensorMeta
 
 Transform = Callable[[torch.Tensor, HFConfig], tuple[torch.Tensor, ...]]
@@ -49,17 +50,22 @@ class Rule:
 
     `transform(tensor, hf_config)` returns one tensor per HF pattern, in order.
     `dtype=None` means the converter's target dtype; set it to keep, e.g., float32.
+    `draft=True` marks a row of the multi-token-prediction draft (converters/mtp.py): its Megatron
+    `{layer}` is the draft depth d, and its HF names carry layer `num_hidden_layers + d`.
     """
 
     megatron: str
     hf: str | tuple[str, ...]
     transform: Transform = rename
     dtype: torch.dtype | None = None
+    draft: bool = False
 
     def __post_init__(self):
         hf = (self.hf,) if isinstance(self.hf, str) else tuple(self.hf)
         object.__setattr__(self, "hf", hf)
         source = compile_pattern(self.megatron)
+        if self.draft and "layer" not in source.fields:
+            raise ValueError(f"draft rule {self.megatron!r} must capture the draft depth as {{layer}}")
         for target in hf:
             extra = set(compile_pattern(target).fields) - set(source.fields)
             if extra:
@@ -74,32 +80,14 @@ class Rule:
         return tuple(compile_pattern(h) for h in self.hf)
 
 
-class Shard(enum.Enum):
-    """How inference engines split one HF tensor over their tensor-parallel ranks (its role).
-
-    Each engine maps a role to its own slicing: the reference engine replicates
-    VOCAB tensors, vLLM splits them; routed experts (`{expert}` rows) may also
-    be split over an engine's expert parallelism.
-    """
-
-    REPLICATED = "replicated"  # every rank holds the whole tensor (norms, routers, low-rank MLA downs)
-    COLUMN = "column"  # dim 0 in contiguous equal chunks (q, MLA up-projections, gate/up)
-    ROW = "row"  # dim 1 in contiguous equal chunks; partial outputs are summed (o_proj, down)
-    KV_HEADS = "kv_heads"  # dim 0 by key/value heads, a head replicated on tp/kv ranks when tp > kv
-    VOCAB = "vocab"  # dim 0 rows of the vocabulary (embeddings, lm_head)
-
-    @property
-    def dim(self) -> int | None:
-        """The tensor dimension this role splits (None when replicated)."""
-        return {Shard.REPLICATED: None, Shard.ROW: 1}.get(self, 0)
-
-
 @dataclass(frozen=True)
 class HFTensor:
     """One row of the HF checkpoint layout: name pattern, shape as config expressions, how engines
     shard it, and where it exists.
 
-    `layers` is "all", "dense" or "moe" (for `{layer}` patterns); `when` is an
+    `layers` is "all", "dense", "moe", "draft" (only the multi-token-prediction draft layers hold it) or a
+    kind the family defines in `layer_kinds` (for `{layer}` patterns: the layers where the tensor exists;
+    every kind but "draft" applies to main and draft layers alike); `when` is an
     optional predicate on the config (e.g. lm_head only when embeddings are untied).
     `linear` says whether engines build the tensor as a Linear layer's weight,
     the only kind a `quantization_config` may quantize (its "Linear" targets);
@@ -116,8 +104,6 @@ class HFTensor:
     def __post_init__(self):
         if not isinstance(self.shard, Shard):
             raise ValueError(f"HFTensor {self.name!r}: say how engines shard it (shard=Shard.<role>)")
-        if self.layers not in ("all", "dense", "moe"):
-            raise ValueError(f"HFTensor {self.name!r}: layers must be 'all', 'dense' or 'moe'")
         if self.linear is None:
             object.__setattr__(self, "linear", len(self.shape) == 2 and self.name.endswith(".weight"))
 
@@ -135,6 +121,17 @@ def _never(cfg: HFConfig, layer: int) -> bool:
     return False
 
 
+LayerPredicate = Callable[[HFConfig, int], bool]
+
+# The layer kinds every family has: (family, config, layer index) -> does the layer have this kind.
+_BUILTIN_LAYER_KINDS = {
+    "all": lambda family, cfg, layer: True,
+    "moe": lambda family, cfg, layer: family.is_moe_layer(cfg, layer),
+    "dense": lambda family, cfg, layer: not family.is_moe_layer(cfg, layer),
+    "draft": lambda family, cfg, layer: layer >= cfg["num_hidden_layers"],
+}
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family, in one place: its rule table, its HF layout (with each tensor's shard role),
@@ -142,9 +139,13 @@ class Family:
 
     `hf_model_types` are the `model_type` values of the HF configs this family
     converts (engines pick the family of a model directory by it);
+    `draft_layers_key` names the HF config value counting the multi-token-prediction
+    draft layers the checkpoint holds after the main ones (None: the family has none);
     `keep_together` lists groups of HF name patterns that must arrive in one
     bucket, a group's members with equal `{layer}` sharing it (an engine fuses
-    them at load).
+    them at load). `layer_kinds` names further kinds of layer an `HFTensor.layers`
+    may say (a hybrid model's linear- and full-attention layers), each with the
+    config test that picks its layers.
     """
 
     name: str
@@ -158,10 +159,17 @@ class Family:
     layer_kind_keys: tuple[str, ...] = ()
     keep_together: tuple[tuple[str, ...], ...] = ()
     hf_model_types: tuple[str, ...] = ()
+    layer_kinds: tuple[tuple[str, LayerPredicate], ...] = ()
+    draft_layers_key: str | None = None
 
     def __post_init__(self):
         if not self.hf_model_types:
             object.__setattr__(self, "hf_model_types", (self.name,))
+        kinds = {*_BUILTIN_LAYER_KINDS, *dict(self.layer_kinds)}
+        for row in self.hf_tensors:
+            if row.layers not in kinds:
+                raise ValueError(f"HFTensor {row.name!r} of family {self.name!r}: layers={row.layers!r} is "
+                                 f"none of {sorted(kinds)}; add it to the family's layer_kinds")
         for group in self.keep_together:
             for pattern in group:
                 compile_pattern(pattern)  # a typo fails at import, not mid-sync
@@ -177,16 +185,26 @@ def keep_together_of(family: Family, hf_names: Iterable[str]) -> tuple[tuple[str
 
 class Converter:
     """Converts full Megatron tensors of one model family to HF checkpoint-format tensors (quantized
-    where the HF config's `quantization_config` says)."""
+    where the HF config's `quantization_config` says).
+
+    Draft layers (multi-token prediction): with `draft=True` the checkpoint holds the draft layers the
+    HF config declares (the family's `draft_layers_key`, e.g. `num_nextn_predict_layers`), and Megatron's
+    MTP block converts into them. `draft=False` says the engines hold no draft: the layout has no draft
+    layers and every draft row's Megatron name is skipped, explicitly (the MTP block is not sent).
+    """
 
     def __init__(self, family: Family, hf_config: Any, *, dtype: torch.dtype = torch.bfloat16,
-                 skip: Iterable[str] = ()):
+                 skip: Iterable[str] = (), draft: bool = True):
         self.family = family
         self.config = HFConfig(hf_config, family.name)
         self.dtype = dtype
         if family.validate_config is not None:
             family.validate_config(self.config)
+        self.draft = draft
+        self.draft_layers = self._draft_layers()
         active = [s.megatron for s in family.skip if s.when is None or s.when(self.config)]
+        if not draft:
+            active += [r.megatron for r in family.rules if r.draft]
         skip = (skip,) if isinstance(skip, str) else tuple(skip)
         self.skip: tuple[str, ...] = tuple(dict.fromkeys([*active, *skip]))
         self._skip_patterns = tuple(compile_pattern(s) for s in self.skip)
@@ -198,11 +216,22 @@ class Converter:
 
     # -- the HF side, from the config alone -------------------------------------------------
 
+    def _draft_layers(self) -> int:
+        """Return how many draft layers the checkpoint holds: the config's count, 0 without a draft."""
+        key = self.family.draft_layers_key
+        if key is None or not self.draft:
+            return 0
+        count = self.config.get(key) or 0
+        if not isinstance(count, int) or count < 0:
+            raise ConfigError(f"{key}={count!r} in the HF config of family {self.family.name!r} must be a "
+                              f"count of draft layers (0 or more)")
+        return count
+
     def _layer_kind_ok(self, row: HFTensor, layer: int) -> bool:
-        if row.layers == "all":
-            return True
-        moe = self.family.is_moe_layer(self.config, layer)
-        return moe if row.layers == "moe" else not moe
+        extra = dict(self.family.layer_kinds)
+        if row.layers in extra:
+            return extra[row.layers](self.config, layer)
+        return _BUILTIN_LAYER_KINDS[row.layers](self.family, self.config, layer)
 
     def _row_names(self, row: HFTensor, layer: int | None) -> list[str]:
         pattern = compile_pattern(row.name)
@@ -214,11 +243,14 @@ class Converter:
         return [pattern.format(layer=layer, expert=e) for e in experts]
 
     def _expected_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype, HFTensor]]:
-        """Global tensors first, then layer by layer in table order, experts innermost."""
+        """Global tensors first, then layer by layer in table order, experts innermost; the draft
+        layers (each a whole decoder layer plus its draft-only rows) after the main ones."""
         rows = [r for r in self.family.hf_tensors if r.when is None or r.when(self.config)]
         per_layer = [r for r in rows if "layer" in compile_pattern(r.name).fields]
         ordered = [(r, None) for r in rows if r not in per_layer]
-        ordered += [(r, i) for i in range(self.config["num_hidden_layers"]) for r in per_layer]
+        main = self.config["num_hidden_layers"]
+        ordered += [(r, i) for i in range(main) for r in per_layer if r.layers != "draft"]
+        ordered += [(r, i) for i in range(main, main + self.draft_layers) for r in per_layer]
         expected = {}
         for row, layer in ordered:
             assert row.name in self._hf_dtypes, f"{self.family.name}: no rule produces {row.name}"
@@ -261,7 +293,7 @@ class Converter:
     def shard_role(self, hf_name: str) -> Shard:
         """Return how engines split HF tensor `hf_name` over their TP ranks (its row's `shard`).
 
-        A quantized weight's values and scales have their weight's role; `slice_hf_tensor` cuts them.
+        A quantized weight's values and scales have their weight's role (`tensor_specs` says how they are cut).
         """
         try:
             return self._expected[self.weight_of(hf_name)][2].shard
@@ -271,18 +303,15 @@ class Converter:
                 f"{self._why_unexpected(hf_name)}"
             ) from None
 
-    def slice_hf_tensor(self, hf_name: str, tensor: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
-        """Return the part of checkpoint tensor `hf_name` that holds rows (dim 0) or cols (dim 1)
-        [start, stop) of its HF weight (a view where possible).
-
-        A plain tensor is narrowed. A quantized weight's values and scales give the blocks or groups
-        covering that range (a per-tensor scale whole, INT4's `weight_shape` the slice's own), so an
-        engine cuts a weight and its scales alike; an edge inside a block or group raises ValueError
-        naming the setting.
-        """
-        self.shard_role(hf_name)  # raises for a name outside the layout
-        weight_shape = self._expected[self.weight_of(hf_name)][0]
-        return self.quant.slice_output(hf_name, tensor, weight_shape, dim, start, stop)
+    def tensor_specs(self) -> list[TensorSpec]:
+        """Return every HF checkpoint tensor, in `expected_metas` order, with how engines shard it: its
+        weight's role, and for a quantized weight's part how a slice of the weight maps onto it."""
+        specs = []
+        for name, (shape, dtype, row) in self._expected.items():
+            expert = compile_pattern(row.name).match(name).get("expert")
+            specs.extend(dataclasses.replace(spec, expert=expert)
+                         for spec in self.quant.specs(name, shape, dtype, row.shard))
+        return specs
 
     @property
     def keep_together(self) -> tuple[tuple[str, ...], ...]:
@@ -337,6 +366,8 @@ class Converter:
         rule, captures = self._find_rule(megatron_name)
         outputs = rule.transform(tensor, self.config)
         assert len(outputs) == len(rule.hf), f"{rule.megatron}: transform arity != len(hf)"
+        if rule.draft:  # draft depth d is the checkpoint's layer num_hidden_layers + d
+            captures = {**captures, "layer": self.config["num_hidden_layers"] + captures["layer"]}
         converted = []
         for pattern, out in zip(rule.hf_patterns, outputs):
             hf_name = pattern.format(**captures)
@@ -401,8 +432,10 @@ class Converter:
             if captures is None:
                 continue
             if row.when is not None and not row.when(cfg):
-                return (f"the config disables it (tie_word_embeddings={cfg.get('tie_word_embeddings')}); "
+                return (f"the config disables it ({row.when.__name__}: {row.when.__doc__ or 'a config predicate'}); "
                         f"fix the HF config or add the Megatron name to skip=")
+            if self.family.draft_layers_key and captures.get("layer", 0) >= cfg["num_hidden_layers"]:
+                return self._why_no_draft_layer(captures["layer"])
             if captures.get("layer", 0) >= cfg["num_hidden_layers"]:
                 return (f"layer {captures['layer']} >= num_hidden_layers={cfg['num_hidden_layers']}; "
                         f"fix num_hidden_layers in the HF config")
@@ -411,10 +444,23 @@ class Converter:
                 return f"expert {captures['expert']} >= {key}={cfg.get(key)}; fix {key} in the HF config"
             if not self._layer_kind_ok(row, captures["layer"]):
                 keys = ", ".join(f"{k}={cfg.get(k)}" for k in self.family.layer_kind_keys)
+                if row.layers not in ("moe", "dense"):
+                    return (f"layer {captures['layer']} is not a {row.layers} layer per the config ({keys}); "
+                            f"make those values match the Megatron model's layer pattern")
                 kind = "MoE" if self.family.is_moe_layer(cfg, captures["layer"]) else "dense"
                 return (f"layer {captures['layer']} is a {kind} layer per the config ({keys}); "
                         f"make those values match the Megatron model's MoE layer pattern")
         return "no HF layout row matches it (a bug in the family table)"
+
+    def _why_no_draft_layer(self, layer: int) -> str:
+        """Why HF layer `layer` (past the main layers) is not in this layout: no such draft layer."""
+        key, main = self.family.draft_layers_key, self.config["num_hidden_layers"]
+        if not self.draft:
+            return (f"layer {layer} would be draft layer {layer - main}, but this converter was built with "
+                    f"draft=False (weight_sync.draft: skip): the engines hold no draft")
+        return (f"layer {layer} is draft (multi-token-prediction) layer {layer - main}, but the HF config has "
+                f"{key}={self.config.get(key)}; set {key} in config.json to the Megatron model's mtp_num_layers "
+                f"(and serve the draft), or set weight_sync.draft: skip when the engines run without it")
 
     def _shape_message(self, hf_name, megatron_name, shape, expected, row: HFTensor) -> str:
         parts = []
@@ -440,7 +486,7 @@ class Converter:
                 f"{len(missing)} HF tensor(s) of family {self.family.name!r} were never produced: "
                 f"{self._listing(missing)}; make sure every Megatron parameter (all pipeline stages, "
                 f"all experts) and every buffer in buffer_patterns {list(self.buffer_patterns)} is "
-                f"converted, and that nothing needed is in skip={list(self.skip)}"
+                f"converted, and that nothing needed is in skip={list(self.skip)}{self._draft_hint(missing)}"
             )
         if unexpected:
             raise UnexpectedTensorError(
@@ -453,6 +499,20 @@ class Converter:
                 f"HF tensor(s) produced more than once: {self._listing(twice)}; two Megatron names map to "
                 f"each (e.g. both a TE fused and a separate layernorm); skip one of them"
             )
+
+    def _draft_hint(self, missing: list[str]) -> str:
+        """Return what to do when draft-layer tensors are missing (the Megatron model has no MTP block)."""
+        first_draft = self.config["num_hidden_layers"]
+        in_draft = [n for n in missing
+                    if (compile_pattern(self._expected[self.weight_of(n)][2].name).match(self.weight_of(n)) or {}
+                        ).get("layer", -1) >= first_draft]
+        if not in_draft:
+            return ""
+        key = self.family.draft_layers_key
+        return (f". {len(in_draft)} of them belong to the {self.draft_layers} draft (multi-token-prediction) "
+                f"layer(s) the HF config declares ({key}={self.config.get(key)}): build the Megatron model with "
+                f"mtp_num_layers={self.draft_layers}, or, when the engines run without the draft, set "
+                f"weight_sync.draft: skip (or {key}: 0 in the engines' config.json)")
 
     def _listing(self, names: list[str]) -> str:
         shown = []

@@ -4,7 +4,11 @@ MLA names follow megatron-core 0.16.1 `MLASelfAttention`: with the TE spec the
 q/kv latent norms are fused into `linear_q_up_proj` / `linear_kv_up_proj`
 (`.layer_norm_weight`); with the local spec they are separate `q_layernorm` /
 `kv_layernorm` modules. Without `q_lora_rank` the query is one `linear_q_proj`.
-The MTP layer (`model.layers.{num_hidden_layers}`) is not mapped.
+The multi-token-prediction block (`mtp.layers.{d}`) becomes the draft layer
+`model.layers.{num_hidden_layers + d}` (converters/mtp.py).
+
+Kimi-K2 is this architecture at 384 experts: its config.json says `"model_type": "kimi_k2"`
+(architecture `DeepseekV3ForCausalLM`), so the family converts that model type too.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from converters.common import (
 from converters.errors import ConfigError
 from converters.hf_config import HFConfig
 from converters.layout import gate_up
+from converters.mtp import DRAFT_HF, DRAFT_LAYERS_KEY, DRAFT_SKIP, draft_buffers, draft_rules
 
 
 def _has_q_lora(cfg: HFConfig) -> bool:
@@ -96,14 +101,16 @@ MOE_EXTRA_HF = (
     HFTensor(_S + "down_proj.weight", ("hidden_size", _SHARED_F), Shard.ROW, layers="moe", when=_has_shared_experts),
 )
 
+_DECODER_RULES = (MLA_RULES + POST_ATTENTION_NORM_RULES + DENSE_MLP_RULES + FP32_ROUTER_RULES + EXPERT_RULES
+                  + MOE_EXTRA_RULES)
+
 DEEPSEEK_V3 = Family(
     name="deepseek_v3",
-    rules=EMBEDDING_RULES + MLA_RULES + POST_ATTENTION_NORM_RULES + DENSE_MLP_RULES
-    + FP32_ROUTER_RULES + EXPERT_RULES + MOE_EXTRA_RULES,
+    rules=EMBEDDING_RULES + _DECODER_RULES + draft_rules(_DECODER_RULES),
     hf_tensors=EMBEDDING_HF + NORM_HF + MLA_HF + DENSE_MLP_HF + routed_expert_hf("n_routed_experts")
-    + MOE_EXTRA_HF,
-    skip=TIED_OUTPUT_SKIP,
-    buffers=(ROUTER_BIAS,),
+    + MOE_EXTRA_HF + DRAFT_HF,
+    skip=TIED_OUTPUT_SKIP + DRAFT_SKIP,
+    buffers=(ROUTER_BIAS,) + draft_buffers((ROUTER_BIAS,)),
     is_moe_layer=is_moe_layer,
     num_experts_key="n_routed_experts",
     validate_config=_validate,
@@ -114,4 +121,6 @@ DEEPSEEK_V3 = Family(
         (_A + "q_a_proj.weight", _A + "kv_a_proj_with_mqa.weight"),
         (_A + "q_a_proj.weight_scale_inv", _A + "kv_a_proj_with_mqa.weight_scale_inv"),
     ),
+    hf_model_types=("deepseek_v3", "kimi_k2"),
+    draft_layers_key=DRAFT_LAYERS_KEY,
 )

@@ -27,38 +27,36 @@ from examples.job import JobConfig, harness_store, job_arg_parser, run_under_tor
 from megatron_sync.serve import EngineRank, join, serve
 from megatron_sync.sync import InferenceWeightSync
 from megatron_sync.transport.control import ControlMessage, ControlOp
+from tests.support.fakes import FaultyLayout
 
 
 class _DiesMidSync:
     """Fault injection for tests: the wrapped engine's process exits while staging `version`."""
 
     def __init__(self, engine, version: int):
-        self._engine, self._version, self._seen = engine, version, 0
+        self._engine, self._version = engine, version
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def shard_of(self, name, full):
-        if self._engine.version == self._version - 1:
-            self._seen += 1
-            if self._seen > 3:  # a few tensors into the sync
-                print(f"[inference] fault injection: exiting while receiving version {self._version}", flush=True)
-                os._exit(17)
-        return self._engine.shard_of(name, full)
+    def rank_layout(self):
+        return FaultyLayout.wrap(self._engine.rank_layout(), self._before_write)
+
+    def _before_write(self, n: int) -> None:
+        if self._engine.version == self._version - 1 and n > 3:  # a few tensors into the sync
+            print(f"[inference] fault injection: exiting while receiving version {self._version}", flush=True)
+            os._exit(17)
 
 
 class _HangsMidSync(_DiesMidSync):
     """Fault injection for tests: the wrapped engine's rank hangs while staging `version`, deaf to
     SIGTERM (signals blocked in its main thread, as in a rank stuck in native code)."""
 
-    def shard_of(self, name, full):
-        if self._engine.version == self._version - 1:
-            self._seen += 1
-            if self._seen > 3:
-                print(f"[inference] fault injection: hanging while receiving version {self._version}", flush=True)
-                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-                time.sleep(3600)
-        return self._engine.shard_of(name, full)
+    def _before_write(self, n: int) -> None:
+        if self._engine.version == self._version - 1 and n > 3:
+            print(f"[inference] fault injection: hanging while receiving version {self._version}", flush=True)
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+            time.sleep(3600)
 
 
 class DemoChecks:

@@ -8,6 +8,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from megatron_sync.lifecycle import stop_on_signals
+from megatron_sync.sync import TrainerWeightSync
 
 
 class Syncer(Protocol):
@@ -71,8 +72,6 @@ class WeightSyncCallback:
         (version 1; its metrics in `initial_metrics`). `sync_kwargs` go to `TrainerWeightSync`
         (converter or hf_config, layout, trainer_group, engine_clients).
         """
-        from megatron_sync.sync import TrainerWeightSync
-
         syncer = TrainerWeightSync(config, chunks, **sync_kwargs) if config.enabled else None
         callback = cls(syncer, chunks, every_n_steps=config.every_n_steps)
         if config.enabled and config.sync_on_start:

@@ -14,18 +14,35 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron_sync.bucket import CHECKSUMS
-from megatron_sync.engines.fleet import parse_engine
+from megatron_sync.checksum import CHECKSUMS
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.transport import transport_names
 
 BACKENDS = ("gloo", "nccl", "auto")
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 INFLIGHT_POLICIES = ("abort", "wait", "recompute", "keep")
+DRAFT_CHOICES = ("sync", "skip")
 P2P_BACKENDS = ("torch", "mooncake")  # megatron_sync.transport.p2p.MOVERS
 P2P_PROTOCOLS = ("tcp", "rdma")
 CHECKSUM_CHOICES = ("auto", *CHECKSUMS)
 DEFAULT_GATHER_BUDGET_MB = 1024.0
+
+ENGINE_CLIENTS = {
+    "vllm": "megatron_sync.engines.vllm.client:VLLMEngineClient",
+    "sglang": "megatron_sync.engines.sglang.client:SGLangEngineClient",
+}
+"""Kinds of `weight_sync.engines` entries -> the EngineClient class driving that engine (import paths)."""
+
+
+def parse_engine(entry: str) -> tuple[str, str]:
+    """Return (kind, url) of one `weight_sync.engines` entry "KIND=URL"; ValueError names the fix."""
+    kind, sep, url = entry.partition("=") if isinstance(entry, str) else ("", "", "")
+    if not sep or kind not in ENGINE_CLIENTS or not url.startswith(("http://", "https://")):
+        raise ValueError(
+            f"engines entry {entry!r} is not KIND=URL with KIND one of {sorted(ENGINE_CLIENTS)} and an "
+            "http(s) URL, e.g. 'vllm=http://10.0.0.7:8000'"
+        )
+    return kind, url
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +105,12 @@ class WeightSyncConfig:
 
     dtype: str = "bfloat16"
     """Dtype the engine computes with; converted tensors are cast to it."""
+
+    draft: str = "sync"
+    """The multi-token-prediction draft layers (DeepSeek-V3, GLM-4.5): "sync" sends Megatron's MTP block as the
+    draft layers the HF config declares (num_nextn_predict_layers), in the same version as the main weights;
+    "skip" says the engines run without the draft: no draft layers are expected, and the MTP block's
+    parameters are left out by name. Both jobs must agree (the plan handshake compares the tensor lists)."""
 
     metrics_path: Optional[str] = None
     """If set, each sync's metrics are appended to this file as one JSON line."""
@@ -205,6 +228,7 @@ class WeightSyncConfig:
         if self.metrics_path is not None and not isinstance(self.metrics_path, str):
             raise ValueError("metrics_path must be a file path string or null")
         _check_choice("inflight_policy", self.inflight_policy, INFLIGHT_POLICIES)
+        _check_choice("draft", self.draft, DRAFT_CHOICES)
         _check_choice("checksum", self.checksum, CHECKSUM_CHOICES)
         if self.run_id is not None and (not isinstance(self.run_id, str) or not _RUN_ID.fullmatch(self.run_id)):
             raise ValueError(f"run_id={self.run_id!r} is not valid: use 1-64 letters, digits, '.', '_' or '-' "
@@ -224,10 +248,11 @@ class WeightSyncConfig:
                         "the shared directory both jobs mount, e.g. /shared/run42/weights" if name == "delta_dir"
                         else "a directory on each inference host's local disk, e.g. /local/megatron_sync"))
             self.delta_writer_options()
-        if self.transport == "p2p" and self.engines:
-            raise ValueError("transport 'p2p' writes into the staging memory of megatron-sync inference ranks "
-                             "(launch/serve.sh); engines driven over HTTP (weight_sync.engines) need transport "
-                             "'broadcast' (vLLM) or 'sglang'")
+        sglang = [e for e in self.engines if parse_engine(e)[0] == "sglang"]
+        if self.transport == "p2p" and sglang:
+            raise ValueError(f"transport 'p2p' writes each rank's shard into its staging memory, which SGLang's "
+                             f"update API does not expose (engines {sglang}); use transport 'sglang' for SGLang, "
+                             "or 'p2p' with megatron-sync inference ranks and vLLM servers")
         _check_choice("p2p_backend", self.p2p_backend, P2P_BACKENDS)
         _check_choice("p2p_protocol", self.p2p_protocol, P2P_PROTOCOLS)
         if not isinstance(self.p2p_device_name, str):

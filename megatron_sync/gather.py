@@ -18,23 +18,34 @@ from megatron_sync.parallel import ParallelLayout, group_rank0_global
 from megatron_sync.source import Sharding, SourceTensor
 
 
-def merge_strided_shards(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+def _piece_sizes(stride: int | tuple[int, ...], length: int, size: int) -> list[int]:
+    """Return the sizes of the pieces one shard of `length` holds along its dim (see `Sharding.stride`)."""
+    if isinstance(stride, int):
+        return [length // stride] * stride
+    return [piece // size for piece in stride]
+
+
+def merge_strided_shards(shards: list[torch.Tensor], dim: int, stride: int | tuple[int, ...]) -> torch.Tensor:
     """Return the full tensor from equal TP shards along `dim`.
 
     With stride s each shard holds s consecutive pieces (gated linear_fc1:
     `[gate_r; up_r]`), and the full tensor is piece 0 of every shard, then
-    piece 1 of every shard, and so on.
+    piece 1 of every shard, and so on. A tuple stride gives unequal pieces by
+    their sizes in the full tensor (each shard holds 1/len(shards) of each).
     """
     if stride == 1:
         return torch.cat(shards, dim=dim)
-    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
-    return torch.cat([p[k] for k in range(stride) for p in pieces], dim=dim)
+    sizes = _piece_sizes(stride, shards[0].shape[dim], len(shards))
+    pieces = [shard.split(sizes, dim=dim) for shard in shards]
+    return torch.cat([p[k] for k in range(len(sizes)) for p in pieces], dim=dim)
 
 
-def split_strided_shard(full: torch.Tensor, dim: int, stride: int, size: int, rank: int) -> torch.Tensor:
+def split_strided_shard(full: torch.Tensor, dim: int, stride: int | tuple[int, ...], size: int,
+                        rank: int) -> torch.Tensor:
     """Return rank `rank`'s shard of `full` (the inverse of `merge_strided_shards`)."""
-    blocks = full.chunk(stride * size, dim=dim)
-    return torch.cat([blocks[k * size + rank] for k in range(stride)], dim=dim)
+    sizes = _piece_sizes(stride, full.shape[dim] // size, size)
+    full_pieces = full.split([piece * size for piece in sizes], dim=dim)
+    return torch.cat([piece.chunk(size, dim=dim)[rank] for piece in full_pieces], dim=dim)
 
 
 def gather_to_first(tensor: torch.Tensor, group, size: int, rank: int) -> list[torch.Tensor] | None:

@@ -57,8 +57,15 @@ class SyncMetrics:
     rank: int = -1
     phases: dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
     bytes: int = 0
+    """Bytes this rank moved at the transport (sent, or received)."""
     overlap_s: float = 0.0
     num_buckets: int = 0
+    shard_bytes: int = 0
+    """A receiver's share: the bytes of every region its layout needs (what an exact transport moves to it)."""
+    copied_bytes: int = 0
+    """Bytes a receiver copied into its staging set (0 where the transport writes there itself)."""
+    held_bytes: int = 0
+    """Host or device memory a receiver keeps between syncs (staging sets, receive buffers)."""
     timeline: Optional[Timeline] = None
     """Per-bucket start/end events, when the sender or receiver was asked to record them."""
 
@@ -85,6 +92,7 @@ class SyncMetrics:
             "phases_s": {k: round(v, 6) for k, v in self.phases.items()},
             "bytes": self.bytes, "gbps": round(self.gbps, 4),
             "overlap_s": round(self.overlap_s, 6), "num_buckets": self.num_buckets,
+            "shard_bytes": self.shard_bytes, "copied_bytes": self.copied_bytes, "held_bytes": self.held_bytes,
         }, sort_keys=True)
 
     @classmethod
@@ -96,6 +104,8 @@ class SyncMetrics:
         return cls(
             d["version"], role=d["role"], rank=d["rank"], phases=phases,
             bytes=d["bytes"], overlap_s=d["overlap_s"], num_buckets=d["num_buckets"],
+            shard_bytes=d.get("shard_bytes", 0), copied_bytes=d.get("copied_bytes", 0),
+            held_bytes=d.get("held_bytes", 0),
         )
 
     def append_to(self, path: Optional[str]) -> None:

@@ -31,10 +31,20 @@ MODEL_DEFINING_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
                    "attention_bias", "hidden_act")),
     ("rope", ("rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor", "rope_interleave")),
     ("norm", ("rms_norm_eps", "layer_norm_eps")),
+    ("layer kinds", ("layer_types", "sliding_window", "full_attention_interval", "swiglu_limit", "swiglu_alpha",
+                     "shared_expert_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
+                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")),
     ("vocabulary", ("vocab_size", "tie_word_embeddings")),
     ("quantization", ("quantization_config",)),
 )
 """(aspect, HF config fields) rows; a field a config does not have is left out of its digest."""
+
+QUANTIZATION_DEFINING_KEYS = (
+    "quant_method", "format", "config_groups", "ignore", "kv_cache_scheme", "fmt", "activation_scheme",
+    "weight_block_size", "scale_fmt", "ignored_layers", "modules_to_not_convert",
+)
+"""The keys of a `quantization_config` that define the checkpoint. Engines add their own bookkeeping to
+the dict they load (vLLM's compressed-tensors adds the model's head counts), which is not compared."""
 
 
 def defining_field_names() -> tuple[str, ...]:
@@ -54,8 +64,11 @@ def model_fields(hf_config: Any) -> dict[str, Any]:
     values = _as_dict(hf_config)
     flat: dict[str, Any] = {}
     for name in defining_field_names():
-        if values.get(name) is not None:
-            _flatten(name, values[name], flat)
+        value = values.get(name)
+        if name == "quantization_config" and isinstance(value, Mapping):
+            value = {k: v for k, v in value.items() if k in QUANTIZATION_DEFINING_KEYS}
+        if value is not None:
+            _flatten(name, value, flat)
     return flat
 
 
@@ -89,7 +102,10 @@ def _with_transformers_defaults(values: dict[str, Any]) -> dict[str, Any]:
     try:
         from transformers import AutoConfig
 
-        return _as_dict(AutoConfig.for_model(model_type, **{k: v for k, v in values.items() if k != "model_type"}))
+        from converters import config_model_type  # kimi_k2 reads as deepseek_v3, on both sides alike
+
+        return _as_dict(AutoConfig.for_model(config_model_type(model_type),
+                                             **{k: v for k, v in values.items() if k != "model_type"}))
     except (ImportError, ValueError, KeyError, TypeError):
         return values  # a model_type transformers does not know: compare the fields as written
 

@@ -26,16 +26,14 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
 from converters.patterns import Pattern, compile_pattern
-from megatron_sync.errors import PlanMismatchError
+from megatron_sync.layout.rank import RankLayout
 from megatron_sync.meta import TensorMeta, dtype_name
 
-if TYPE_CHECKING:
-    from megatron_sync.transport.base import BucketTransport, Transport
 
 KeepTogether = Sequence[Sequence[str]]
 """Groups of name patterns in the converters' grammar (`{layer}`, `{expert}`, whole-name match); names
@@ -219,52 +217,13 @@ def _layout(index: int, stage: int, members: list[TensorMeta]) -> BucketPlan:
     return BucketPlan(index, stage, tuple(entries), offset)
 
 
-def handshake_plan(transport: "BucketTransport", stage_metas: Optional[list[TensorMeta]],
-                   bucket_size_bytes: int, keep_together: KeepTogether,
-                   expected: Optional[list[TensorMeta]] = None, *, checksum: Optional[str] = None) -> SyncPlan:
-    """Return the SyncPlan every rank agrees on, or raise PlanMismatchError on every rank.
-
-    Stage sources pass their stage's metadata, other ranks None. Each rank builds
-    the plan with its *own* bucket size and keep-together groups, then all ranks
-    all-gather (digest, coverage problem, checksum choice); a differing digest or
-    checksum, or an engine whose expected tensors the plan does not cover exactly,
-    fails every rank alike.
-    """
-    plan = build_plan(transport.exchange_metadata(stage_metas), bucket_size_bytes, keep_together)
-    problem = coverage_problem(plan.tensors(), expected) if expected is not None else None
-    agree_on_plan(transport, plan.digest(), problem, checksum=checksum)
-    return plan
-
-
-def agree_on_plan(transport: "Transport", digest: str, problem: Optional[str], *,
-                  checksum: Optional[str] = None) -> None:
-    """All-gather every rank's plan digest, coverage problem and checksum choice; raise
-    PlanMismatchError on every rank if the digests or checksums differ or any rank found a
-    problem (None: its engine is covered exactly)."""
-    reports = transport.all_gather_json([transport.rank, digest, problem, checksum])
-    by_digest: dict[str, list[int]] = {}
-    by_checksum: dict[str, list[int]] = {}
-    for rank, digest, _, algorithm in reports:
-        by_digest.setdefault(digest, []).append(rank)
-        by_checksum.setdefault(str(algorithm), []).append(rank)
-    if len(by_digest) > 1:
-        groups = "; ".join(f"ranks {ranks} -> {d[:12]}" for d, ranks in sorted(by_digest.items(), key=lambda kv: kv[1]))
-        raise PlanMismatchError(
-            f"[transport rank {transport.rank}] ranks computed different sync plans ({groups}); "
-            "check that every rank uses the same bucket_size_mb, model family and code version"
-        )
-    if len(by_checksum) > 1:
-        groups = "; ".join(f"ranks {ranks} -> {c}" for c, ranks in sorted(by_checksum.items(), key=lambda kv: kv[1]))
-        raise PlanMismatchError(
-            f"[transport rank {transport.rank}] ranks check buckets differently ({groups}); set the same "
-            "weight_sync.checksum on the trainer and the engines (auto resolves by where buckets live)"
-        )
-    problems = [(rank, p) for rank, _, p, _ in reports if p]
-    if problems:
-        raise PlanMismatchError(
-            f"[transport rank {transport.rank}] the plan does not match the engines' expected tensors:\n"
-            + "\n".join(f"  transport rank {r}: {p}" for r, p in problems)
-        )
+def layout_problem(layout: RankLayout, planned: Sequence[TensorMeta], *, who: str) -> Optional[str]:
+    """Return why `layout` does not fit the `planned` tensors (see `RankLayout.check_against`), or None."""
+    try:
+        layout.check_against({m.name: m for m in planned}, who=who)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def coverage_problem(planned: list[TensorMeta], expected: list[TensorMeta]) -> Optional[str]:

@@ -7,15 +7,15 @@ engine on its previous version and raises the same SyncAbortedError (or
 PeerFailureError) on every surviving rank.
 
 Copies: bucket k+1 arrives in one of two receive buffers while bucket k is
-verified and this rank's slices of it are copied (once) into a staging set.
-There are two staging sets, allocated on the first sync and reused: a version
+verified and this rank's regions of it (its engine's layout, `rank_layout()`)
+are copied (once) into a staging set of the rank's params. There are two
+staging sets (`megatron_sync.layout.staging`), allocated at start-up: a version
 is staged into the set the engine is not running from, so the other set still
-holds the live version's shards. That set is the rollback source when a load
+holds the live version's params. That set is the rollback source when a load
 fails on another rank: a rollback costs one load, and no sync copies a
 snapshot (only the first sync, before any set is live, asks the engine for
-one). Memory: 2 receive buffers of the largest bucket + 2 x this rank's shard
-bytes, held between syncs (before issue 12: the same peak, transient: one
-staging copy plus one snapshot during the load).
+one). Memory: 2 receive buffers of the largest bucket + 2 x this rank's
+params, held between syncs.
 """
 
 from __future__ import annotations
@@ -25,59 +25,16 @@ from typing import Optional
 
 import torch
 
-from megatron_sync.bucket import checksum, resolve_checksum, unpack
+from megatron_sync.bucket import unpack
+from megatron_sync.checksum import checksum, resolve_checksum
 from megatron_sync.engines.base import EngineAdapter
 from megatron_sync.errors import CorruptBucketError, PeerFailureError
+from megatron_sync.layout.staging import StagingSets
 from megatron_sync.metrics import PhaseTimer, SyncMetrics, Timeline
-from megatron_sync.plan import BucketPlan, KeepTogether, handshake_plan
+from megatron_sync.plan import BucketPlan, KeepTogether
+from megatron_sync.transport.plan_agreement import handshake_plan
 from megatron_sync.transport.base import ABORTED_NBYTES, BucketHeader, BucketTransport, Commit, Receiver
 from megatron_sync.transport.commit import AgreedCommit
-
-
-class StagingSets:
-    """Two sets of this rank's shards; a version is staged into the one the engine is not running from."""
-
-    def __init__(self) -> None:
-        self._sets: list[dict[str, torch.Tensor]] = [{}, {}]
-        self._versions: list[Optional[int]] = [None, None]
-        self._live: Optional[int] = None  # the set whose contents the engine runs on
-
-    @property
-    def target(self) -> int:
-        """Index of the set the next version is staged into."""
-        return 0 if self._live is None else 1 - self._live
-
-    def begin(self) -> dict[str, torch.Tensor]:
-        """Return the target set, now holding no complete version."""
-        self._versions[self.target] = None
-        return self._sets[self.target]
-
-    def stage(self, name: str, shard: torch.Tensor) -> None:
-        """Copy `shard` into its tensor of the target set (allocated on first use)."""
-        staged = self._sets[self.target]
-        slot = staged.get(name)
-        if slot is None or slot.shape != shard.shape or slot.dtype != shard.dtype or slot.device != shard.device:
-            slot = staged[name] = torch.empty(shard.shape, dtype=shard.dtype, device=shard.device)
-        slot.copy_(shard)
-
-    def staged(self) -> dict[str, torch.Tensor]:
-        return self._sets[self.target]
-
-    def live_shards(self, engine_version: int) -> Optional[dict[str, torch.Tensor]]:
-        """Return the set holding the engine's live shards, if the engine runs on what we last committed."""
-        if self._live is not None and self._versions[self._live] == engine_version:
-            return self._sets[self._live]
-        return None
-
-    def committed(self, version: int) -> None:
-        """The target set is now live as `version`."""
-        target = self.target
-        self._versions[target], self._live = version, target
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by both sets."""
-        return sum(t.numel() * t.element_size() for s in self._sets for t in s.values())
 
 
 class WeightReceiver(Receiver):
@@ -100,14 +57,16 @@ class WeightReceiver(Receiver):
                  metrics_path: Optional[str] = None, commit: Optional[Commit] = None,
                  rollback: bool = True, checksum: str = "auto", timeline: bool = False) -> None:
         self.engine, self.transport = engine, transport
-        self.staging = StagingSets()
-        self._agreed = AgreedCommit.over(transport, engine, commit, rollback=rollback, live_shards=self.staging.live_shards)
+        self.layout = engine.rank_layout()
         self.metrics_path = metrics_path
         self.record_timeline = timeline
         self.history: list[SyncMetrics] = []
         self.checksum = resolve_checksum(checksum, transport.device)
         self.plan = handshake_plan(transport, None, bucket_size_bytes, keep_together,
-                                   expected=engine.expected_tensors(), checksum=self.checksum)
+                                   expected=engine.expected_tensors(), checksum=self.checksum, layout=self.layout)
+        self.staging = StagingSets(self.layout, transport.alloc)
+        self._agreed = AgreedCommit.over(transport, engine, commit, rollback=rollback,
+                                         live_shards=self.staging.live_params)
         # Two receive buffers: bucket k+1 arrives while bucket k is verified and staged.
         self._buffers = [transport.alloc(self.plan.max_bucket_bytes) for _ in range(2)]
 
@@ -133,7 +92,8 @@ class WeightReceiver(Receiver):
     def receive(self, version: int) -> SyncMetrics:
         """Receive, verify and (if every rank agrees) load `version`; return its metrics."""
         metrics = SyncMetrics(version, role="receiver", rank=self.transport.rank,
-                              timeline=Timeline() if self.record_timeline else None)
+                              timeline=Timeline() if self.record_timeline else None,
+                              shard_bytes=self.layout.shard_bytes, held_bytes=self.buffer_bytes)
         with PhaseTimer(metrics, "total"):
             staged = self.staging.begin()
             error = self._receive_all(version, metrics)
@@ -165,8 +125,8 @@ class WeightReceiver(Receiver):
             try:
                 with PhaseTimer(metrics, "checksum", ("verify", bucket.index)):
                     self._verify(version, bucket, header, data)
-                with PhaseTimer(metrics, "apply", ("stage", bucket.index)):  # this rank's slices, one copy
-                    self._stage(bucket, data)
+                with PhaseTimer(metrics, "apply", ("stage", bucket.index)):  # this rank's regions, one copy
+                    metrics.copied_bytes += self._stage(bucket, data)
             except PeerFailureError:
                 raise
             except Exception as e:  # noqa: BLE001 — agreed on, then raised on every rank
@@ -190,6 +150,6 @@ class WeightReceiver(Receiver):
                 f"{where}: {self.checksum} {got:#x} != sender's {header.checksum:#x}; bucket rejected"
             )
 
-    def _stage(self, bucket: BucketPlan, data: torch.Tensor) -> None:
-        for name, full in unpack(data, bucket).items():
-            self.staging.stage(name, self.engine.shard_of(name, full))  # a copy: the buffer is reused
+    def _stage(self, bucket: BucketPlan, data: torch.Tensor) -> int:
+        """Copy this rank's regions of the bucket's tensors into the target staging set; return the bytes."""
+        return sum(self.staging.write(name, full) for name, full in unpack(data, bucket).items())

@@ -27,10 +27,11 @@ from typing import Callable, Optional
 import torch
 
 from megatron_sync.agreement import describe
-from megatron_sync.bucket import checksum, resolve_checksum
+from megatron_sync.checksum import checksum, resolve_checksum
 from megatron_sync.errors import SyncError
 from megatron_sync.metrics import PhaseTimer, SyncMetrics, Timeline
-from megatron_sync.plan import BucketPlan, KeepTogether, SyncPlan, handshake_plan
+from megatron_sync.plan import BucketPlan, KeepTogether, SyncPlan
+from megatron_sync.transport.plan_agreement import handshake_plan
 from megatron_sync.replica import HostReplica
 from megatron_sync.stream import HFWeightStream
 from megatron_sync.transport.base import ABORTED_NBYTES, BucketHeader, BucketTransport, Sender, Waitable

@@ -77,7 +77,8 @@ def build_reference_engine(hf_config: Any, config: WeightSyncConfig, *, tp_rank:
     from megatron_sync.engines.reference import ReferenceEngine
 
     return ReferenceEngine(hf_config, tp_rank=tp_rank, tp_size=config.engine_tp_size, group=group,
-                           dtype=dtype_from_name(config.dtype), family=config.require_family())
+                           dtype=dtype_from_name(config.dtype), family=config.require_family(),
+                           draft=config.draft == "sync")
 
 
 ENGINES: dict[str, Callable[..., Any]] = {"reference": build_reference_engine}
@@ -99,7 +100,7 @@ def load_initial_weights(engine: Any, model_dir: str) -> int:
     if missing or extra:
         raise ValueError(f"{model_dir}: the safetensors do not match the engine's tensors: missing "
                          f"{missing[:8]}, unexpected {extra[:8]}; use the checkpoint of this config.json")
-    engine.load_shards({name: engine.shard_of(name, full[name]).clone() for name in expected}, 0)
+    engine.load_shards({name: t.clone() for name, t in engine.rank_layout().params_from(full).items()}, 0)
     return len(expected)
 
 
@@ -235,14 +236,29 @@ def with_model_family(config: WeightSyncConfig, hf_config: Any) -> WeightSyncCon
     return config.replace(family=family)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def load_model_config(model_dir: str) -> Any:
+    """Return the transformers config of `model_dir`'s config.json; a model type transformers has no class for
+    but a family converts (Kimi-K2's "kimi_k2") is read with its family's config class (`config_model_type`)."""
+    import json
+
     from transformers import AutoConfig
 
+    from converters import config_model_type
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        values = json.load(f)
+    model_type = values.get("model_type")
+    if model_type is None or config_model_type(model_type) == model_type:
+        return AutoConfig.from_pretrained(model_dir)
+    return AutoConfig.for_model(config_model_type(model_type), **{k: v for k, v in values.items() if k != "model_type"})
+
+
+def main(argv: Optional[list[str]] = None) -> int:
     args = arg_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"[inference rank {os.environ.get('RANK', '?')}] %(message)s")
     logging.getLogger("megatron_sync").setLevel(logging.INFO)
     config = config_from_args(args)
-    hf_config = AutoConfig.from_pretrained(args.model_dir)
+    hf_config = load_model_config(args.model_dir)
     config = with_model_family(config, hf_config)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(120.0, 4 * config.timeout_s)))
     try:

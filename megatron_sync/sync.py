@@ -59,9 +59,10 @@ def load_hf_config(config: WeightSyncConfig, hf_config: Any = None) -> Any:
 
 
 def build_converter(config: WeightSyncConfig, hf_config: Any = None) -> Any:
-    """Return the converter for `config.family` and `config.dtype` over the HF config (`load_hf_config`)."""
+    """Return the converter for `config.family`, `config.dtype` and `config.draft` over the HF config (`load_hf_config`)."""
     hf_config = load_hf_config(config, hf_config)
-    return get_converter(config.require_family(), hf_config, dtype=dtype_from_name(config.dtype))
+    return get_converter(config.require_family(), hf_config, dtype=dtype_from_name(config.dtype),
+                         draft=config.draft == "sync")
 
 
 class TrainerWeightSync:

@@ -7,6 +7,7 @@ import contextlib
 import torch
 
 from megatron_sync.delta import DeltaReader, DeltaWriter, WriterOptions
+from tests.support.fakes import shard_of
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -136,7 +137,7 @@ def megatron_delta_chain(rank: int, world_size: int, spec, steps: int, lr: float
         staged = reader.stage()
         exact = all(torch.equal(staged.tensors[n].view(torch.uint8), t.view(torch.uint8)) for n, t in replica.items())
         stale_logits = engine.logits(eval_tokens)  # negative control: the engine still on the previous version
-        engine.load_shards({n: engine.shard_of(n, t.float()) for n, t in staged.tensors.items()}, version)
+        engine.load_shards({n: shard_of(engine, n, t.float()) for n, t in staged.tensors.items()}, version)
         reader.commit(staged)
         with bf16_rounded(chunks):
             trainer_logits = models.megatron_logits(chunks, eval_tokens)

@@ -4,24 +4,88 @@ from __future__ import annotations
 
 import torch
 
-from megatron_sync.p2p.layout import Shard, TensorSpec, tensor_specs
+import re
+from typing import Callable, Sequence
+
+from megatron_sync.layout.rank import ParamSpec, Placement, RankLayout
+from megatron_sync.layout.regions import VOCAB_BLOCKS, VOCAB_WHOLE, Sharding, TensorSpec
+from megatron_sync.layout.roles import RoleLayout
+
+Engine = Callable[[list[TensorSpec], int], list[RankLayout]]  # (specs, kv heads) -> one layout per rank
+
+# A test stand-in for an engine that fuses tensors into one param (vLLM's qkv_proj, gate_up_proj, experts'
+# w13/w2): the real vLLM layout is recorded from vLLM's loaders (tests/test_vllm_layout.py); these rules
+# only give the planner params that several HF tensors land in.
+FUSE_RULES = (
+    (r"(?P<p>.*\.self_attn)\.[qkv]_proj\.(?P<w>weight|bias)", "{p}.qkv_proj.{w}"),
+    (r"(?P<p>.*\.mlp(?:\.shared_experts)?)\.(?:gate|up)_proj\.weight", "{p}.gate_up_proj.weight"),
+    (r"(?P<p>.*\.mlp\.experts)\.\d+\.(?:gate|up)_proj\.weight", "{p}.w13_weight"),
+    (r"(?P<p>.*\.mlp\.experts)\.\d+\.down_proj\.weight", "{p}.w2_weight"),
+)
 
 
-def synthetic_plan(family: str, engines, senders: int, bucket: int, *, kv: int = 2):
+def fused(layout: RankLayout, rules=FUSE_RULES) -> RankLayout:
+    """Return `layout` with the params whose names fullmatch one of `rules` stacked on dim 0, in layout
+    order, into one param named by the rule's template."""
+    key_of = {}
+    for param in layout.params:
+        for pattern, template in rules:
+            m = re.fullmatch(pattern, param.name)
+            if m:
+                key_of[param.name] = template.format(**m.groupdict())
+                break
+    groups: dict[str, list[ParamSpec]] = {}
+    for param in layout.params:
+        groups.setdefault(key_of.get(param.name, param.name), []).append(param)
+    params, shift = [], {}
+    for key, members in groups.items():
+        rows, at = 0, 0
+        for m in members:
+            shift[m.name] = (key, at)
+            rows += m.shape[0] if m.shape else 1
+            at += m.nbytes
+        params.append(ParamSpec(key, (rows, *members[0].shape[1:]), members[0].dtype))
+    placements = tuple(Placement(p.name, p.source, shift[p.param][0], shift[p.param][1] + p.offset, p.nbytes)
+                       for p in layout.placements)
+    return RankLayout(tuple(params), placements)
+
+
+def ref(tp: int) -> Engine:
+    """The reference engine's layout at `tp` (vocabulary whole on every rank)."""
+    return lambda specs, kv: [RoleLayout(Sharding(tp, kv, VOCAB_WHOLE)).rank_layout(specs, r) for r in range(tp)]
+
+
+def fusing(tp: int, *, expert_parallel: bool = False) -> Engine:
+    """A vLLM-shaped layout at `tp`: vocabulary in padded blocks, projections fused, experts by EP if asked."""
+    def make(specs, kv):
+        engine = RoleLayout(Sharding(tp, kv, VOCAB_BLOCKS), expert_parallel=expert_parallel)
+        return [fused(engine.rank_layout(specs, r)) for r in range(tp)]
+    return make
+
+
+def receivers_of(engines: Sequence[Engine], specs: list[TensorSpec], kv: int):
+    """Return the plan's receivers: every rank of every engine, in order, with its layout."""
+    from megatron_sync.p2p.plan import Receiver
+
+    return tuple(Receiver(e, r, layout) for e, make in enumerate(engines) for r, layout in enumerate(make(specs, kv)))
+
+
+def synthetic_plan(family: str, engines: Sequence[Engine], senders: int, bucket: int, *, kv: int = 2,
+                   balance_sends: bool = True):
     """Return (specs, receivers, holders, plan) for a tiny model of `family` and engine layout factories.
 
-    Every HF tensor is its own unit; holders balance the bytes sent.
+    Every HF tensor is its own unit; holders balance the bytes sent (or the bytes held).
     """
     from converters import get_converter
     from megatron_sync.p2p.assign import ReplicaUnit, TrainerRank, assign_replica
-    from megatron_sync.p2p.plan import build_transfer_plan, fleet_receivers, send_bytes_per_tensor
+    from megatron_sync.p2p.plan import build_transfer_plan, send_bytes_per_tensor
     from tests.support import models
 
     cfg = models.hf_config(models.ModelSpec(family=family, num_kv_heads=kv))
-    specs = tensor_specs(get_converter(family, cfg))
-    receivers = fleet_receivers(specs, [make(kv) for make in engines])
+    specs = get_converter(family, cfg).tensor_specs()
+    receivers = receivers_of(engines, specs, kv)
     units = [ReplicaUnit(s.name, 0, ((s.name, s.nbytes),)) for s in specs]
-    cost = send_bytes_per_tensor(specs, receivers)
+    cost = send_bytes_per_tensor(specs, [r.layout for r in receivers]) if balance_sends else None
     holders = assign_replica(units, [TrainerRank(r) for r in range(senders)], cost=cost).hf_holders()
     return specs, receivers, holders, build_transfer_plan(specs, holders, receivers, bucket)
 
@@ -37,9 +101,16 @@ def seeded_full(spec: TensorSpec) -> torch.Tensor:
 SENTINEL = 0xA5
 
 
+def misplaced(layout: RankLayout, staging: torch.Tensor, specs: Sequence[TensorSpec]) -> list[str]:
+    """Return the HF names whose regions in `staging` differ from their seeded full tensors."""
+    by_name = {s.name: s for s in specs}
+    return sorted({p.name for p in layout.placements
+                   if not torch.equal(layout.destination(staging, p).cpu(), p.source.of(seeded_full(by_name[p.name])))})
+
+
 def untouched_outside_placements(layout, staging: torch.Tensor) -> bool:
     """True when every staging byte outside the layout's placements still holds SENTINEL."""
-    offsets = layout.param_offsets()
+    offsets = layout.param_offsets
     mask = torch.ones(staging.numel(), dtype=torch.bool)
     for p in layout.placements:
         at = offsets[p.param] + p.offset

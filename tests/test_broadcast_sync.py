@@ -34,7 +34,7 @@ def _engine_matches(engine: FakeEngine) -> bool:
         return not engine.weights
     return all(
         torch.equal(_bits(engine.weights[m.name].cpu()),
-                    _bits(shard_rule(make_tensor(m, engine.version), engine.tp_rank, TP)))
+                    _bits(shard_rule(m, make_tensor(m, engine.version), engine.tp_rank, TP)))
         for m in ALL_METAS
     )
 

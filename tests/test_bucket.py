@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_sync.bucket import CHECKSUMS, checksum, fletcher_checksum, flatten, resolve_checksum, unpack
+from megatron_sync.bucket import flatten, unpack
+from megatron_sync.checksum import CHECKSUMS, checksum, fletcher_checksum, resolve_checksum
 from megatron_sync.meta import TensorMeta
 from megatron_sync.plan import build_plan
 from megatron_sync.replica import HostReplica

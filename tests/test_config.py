@@ -95,7 +95,7 @@ def test_every_field_has_a_flag():
 
 
 def test_checksum_choices_are_the_bucket_module_table_plus_auto():
-    from megatron_sync.bucket import CHECKSUMS
+    from megatron_sync.checksum import CHECKSUMS
     from megatron_sync.config import CHECKSUM_CHOICES
 
     assert CHECKSUM_CHOICES == ("auto", *CHECKSUMS)

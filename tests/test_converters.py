@@ -34,14 +34,29 @@ CONFIGS = {
                       num_attention_heads=4, num_key_value_heads=2, head_dim=3, num_experts=3,
                       num_experts_per_tok=1, moe_intermediate_size=5, decoder_sparse_step=1,
                       mlp_only_layers=[0], tie_word_embeddings=False),
+    # one multi-token-prediction draft layer (model.layers.3)
     "deepseek_v3": dict(vocab_size=10, hidden_size=8, intermediate_size=6, num_hidden_layers=3,
                         num_attention_heads=2, num_key_value_heads=2, q_lora_rank=4, kv_lora_rank=5,
                         qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=3, n_routed_experts=3,
                         n_shared_experts=1, moe_intermediate_size=5, first_k_dense_replace=1,
-                        num_experts_per_tok=1, n_group=1, topk_group=1, tie_word_embeddings=False),
+                        num_experts_per_tok=1, n_group=1, topk_group=1, num_nextn_predict_layers=1,
+                        tie_word_embeddings=False),
+    # GLM-4.5: q/k/v biases, QK norm, dense first layers, two draft layers (model.layers.3 and .4)
+    "glm4_moe": dict(vocab_size=10, hidden_size=8, intermediate_size=6, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=3, n_routed_experts=3,
+                     n_shared_experts=1, moe_intermediate_size=5, first_k_dense_replace=1, num_experts_per_tok=1,
+                     attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5,
+                     num_nextn_predict_layers=2, tie_word_embeddings=False),
 }
-CONFIGS["deepseek_v3_no_q_lora"] = dict(CONFIGS["deepseek_v3"], q_lora_rank=None)
-FAMILY_OF = {k: k.removesuffix("_no_q_lora") for k in CONFIGS}
+CONFIGS["deepseek_v3_no_q_lora"] = dict(CONFIGS["deepseek_v3"], q_lora_rank=None, num_nextn_predict_layers=0)
+# GLM-4.5-Air-like: no QK norm; no draft
+CONFIGS["glm4_moe_air"] = dict(CONFIGS["glm4_moe"], use_qk_norm=False, num_nextn_predict_layers=0)
+# Kimi-K2's config.json says model_type kimi_k2 and maps onto DeepSeek-V3 (here: more experts, no draft)
+CONFIGS["kimi_k2"] = dict(CONFIGS["deepseek_v3"], model_type="kimi_k2", n_routed_experts=16, num_experts_per_tok=2,
+                          num_nextn_predict_layers=0)
+FAMILY_OF = {k: {"kimi_k2": "deepseek_v3", "glm4_moe_air": "glm4_moe"}.get(k, k.removesuffix("_no_q_lora"))
+             for k in CONFIGS}
+MLA = ("deepseek_v3",)
 
 SPECS = ["local", "te", "te_grouped"]
 
@@ -131,8 +146,25 @@ def mlp(hf, cfg, i, te, grouped):
     return sd
 
 
+def decoder_layer(hf, cfg, i, te, grouped, mla):
+    """One decoder layer's Megatron tensors (`decoder.layers.{i}.`) from HF layer i."""
+    return {**(mla_attention if mla else gqa_attention)(hf, cfg, i, te), **mlp(hf, cfg, i, te, grouped)}
+
+
+def mtp_layer(hf, cfg, depth, te, grouped, mla):
+    """Megatron's MTP depth `depth` (`mtp.layers.{depth}.`) from the HF draft layer num_hidden_layers + depth."""
+    i = cfg["num_hidden_layers"] + depth
+    m, h = f"mtp.layers.{depth}.", f"model.layers.{i}."
+    layer = decoder_layer(hf, cfg, i, te, grouped, mla)
+    sd = {m + "transformer_layer." + name.removeprefix(f"decoder.layers.{i}."): t for name, t in layer.items()}
+    sd.update({m + "enorm.weight": hf[h + "enorm.weight"], m + "hnorm.weight": hf[h + "hnorm.weight"],
+               m + "eh_proj.weight": hf[h + "eh_proj.weight"],
+               m + "final_layernorm.weight": hf[h + "shared_head.norm.weight"]})
+    return sd
+
+
 def megatron_state(hf, cfg, spec, mla=False):
-    """A full TP=1 Megatron state dict in `spec` naming, with a padded vocabulary."""
+    """A full TP=1 Megatron state dict in `spec` naming, with a padded vocabulary (and the MTP block)."""
     te, grouped = spec != "local", spec == "te_grouped"
     embed = hf["model.embed_tokens.weight"]
     sd = {
@@ -142,8 +174,9 @@ def megatron_state(hf, cfg, spec, mla=False):
         "output_layer.weight": pad_vocab(hf.get("lm_head.weight", embed), padded_vocab_size=PADDED_VOCAB),
     }
     for i in range(cfg["num_hidden_layers"]):
-        sd.update((mla_attention if mla else gqa_attention)(hf, cfg, i, te))
-        sd.update(mlp(hf, cfg, i, te, grouped))
+        sd.update(decoder_layer(hf, cfg, i, te, grouped, mla))
+    for depth in range(cfg.get("num_nextn_predict_layers") or 0):
+        sd.update(mtp_layer(hf, cfg, depth, te, grouped, mla))
     return sd
 
 
@@ -166,7 +199,7 @@ def test_family_converts_full_state_dict_exactly(key, spec):
     cfg = CONFIGS[key]
     conv = get_converter(FAMILY_OF[key], cfg, dtype=torch.float32)
     hf = hf_state(conv)
-    sd = megatron_state(hf, cfg, spec, mla=FAMILY_OF[key] == "deepseek_v3")
+    sd = megatron_state(hf, cfg, spec, mla=FAMILY_OF[key] in MLA)
     produced = convert_all(conv, sd)
     names = [n for n, _ in produced]
     assert len(names) == len(set(names))
@@ -184,7 +217,7 @@ def test_every_megatron_name_matches_exactly_one_rule(key):
     conv = get_converter(FAMILY_OF[key], cfg, dtype=torch.float32)
     hf = hf_state(conv)
     for spec in SPECS:
-        for name in megatron_state(hf, cfg, spec, mla=family.name == "deepseek_v3"):
+        for name in megatron_state(hf, cfg, spec, mla=family.name in MLA):
             hits = [r.megatron for r in family.rules if r.megatron_pattern.match(name) is not None]
             assert len(hits) == 1, (name, hits)
 
@@ -197,22 +230,47 @@ def _hf_model_class(family):
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+        "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
     }[family]
+
+
+DRAFT_ONLY = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+
+
+def _saved_shapes(model_cls, config, path) -> dict[str, tuple]:
+    from safetensors import safe_open
+
+    torch.manual_seed(0)
+    model_cls(config).save_pretrained(path)
+    with safe_open(path / "model.safetensors", "pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
 
 
 @pytest.mark.parametrize("key", CONFIGS)
 def test_expected_layout_equals_what_transformers_saves(key, tmp_path):
-    """Names and shapes from the config alone match transformers' own save_pretrained checkpoint."""
-    from safetensors import safe_open
+    """Names and shapes from the config alone match transformers' own save_pretrained checkpoint.
 
+    transformers drops the draft layers (DeepSeek-V3 and GLM-4.5 ignore them on load), so a draft
+    layer is checked against a model with that many more layers: its decoder-layer tensors are
+    what transformers saves for those layers, plus the draft's own enorm, hnorm, eh_proj and
+    shared_head.norm.
+    """
     config_cls, model_cls = _hf_model_class(FAMILY_OF[key])
-    hf_config = config_cls(**CONFIGS[key])
-    torch.manual_seed(0)
-    model_cls(hf_config).save_pretrained(tmp_path)
-    with safe_open(tmp_path / "model.safetensors", "pt") as f:
-        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    values = {k: v for k, v in CONFIGS[key].items() if k != "model_type"}
+    hf_config = config_cls(**values)
+    saved = _saved_shapes(model_cls, hf_config, tmp_path / "main")
     conv = get_converter(FAMILY_OF[key], hf_config)  # a PretrainedConfig, not a dict
-    assert {n: s for n, (s, _) in conv.expected_hf_tensors().items()} == saved
+    main, drafts = values["num_hidden_layers"], values.get("num_nextn_predict_layers", 0)
+    draft = {f"model.layers.{main + d}.": d for d in range(drafts)}
+    expected = {n: s for n, (s, _) in conv.expected_hf_tensors().items()}
+    assert conv.draft_layers == drafts
+    assert {n: s for n, s in expected.items() if not n.startswith(tuple(draft))} == saved
+    if drafts:
+        longer = _saved_shapes(model_cls, config_cls(**dict(values, num_hidden_layers=main + drafts)), tmp_path / "all")
+        own = {f"{prefix}{t}" for prefix in draft for t in DRAFT_ONLY}
+        assert {n: s for n, s in expected.items() if n.startswith(tuple(draft)) and n not in own} == \
+            {n: s for n, s in longer.items() if n.startswith(tuple(draft))}
+        assert own <= set(expected)
     assert conv.expected_hf_tensors() == get_converter(FAMILY_OF[key], CONFIGS[key]).expected_hf_tensors()
 
 
@@ -238,7 +296,9 @@ def test_target_dtype_and_float32_router_bias():
     assert expected["model.layers.2.mlp.gate.weight"][1] == torch.float32
     assert conv.is_buffer("decoder.layers.2.mlp.router.expert_bias")
     assert not conv.is_buffer("decoder.layers.2.mlp.router.weight")
-    assert conv.buffer_patterns == ("decoder.layers.{layer}.mlp.router.expert_bias",)
+    assert conv.buffer_patterns == ("decoder.layers.{layer}.mlp.router.expert_bias",
+                                    "mtp.layers.{layer}.transformer_layer.mlp.router.expert_bias")
+    assert conv.is_buffer("mtp.layers.0.transformer_layer.mlp.router.expert_bias")
 
 
 def test_tied_output_layer_is_an_explicit_skip():
@@ -359,3 +419,113 @@ def test_unknown_family_lists_known_ones():
 def test_config_errors_name_the_key(family, cfg, fragment):
     with pytest.raises(ConfigError, match=fragment):
         get_converter(family, cfg)
+
+
+# -- multi-token-prediction draft layers ------------------------------------------------------------
+
+def test_draft_depth_is_the_layer_after_the_main_ones():
+    conv = get_converter("glm4_moe", CONFIGS["glm4_moe"], dtype=torch.float32)  # 3 main layers, 2 drafts
+    fc2 = torch.arange(8 * 5, dtype=torch.float32).reshape(8, 5)
+    assert conv.convert("mtp.layers.1.transformer_layer.mlp.experts.local_experts.2.linear_fc2.weight", fc2) == \
+        [("model.layers.4.mlp.experts.2.down_proj.weight", fc2)]
+    [(name, _)] = conv.convert("mtp.layers.0.final_layernorm.weight", torch.ones(8))
+    assert name == "model.layers.3.shared_head.norm.weight"
+    assert conv.shard_role("model.layers.3.eh_proj.weight").value == "replicated"
+
+
+def test_draft_false_leaves_the_mtp_block_out_by_name():
+    cfg = CONFIGS["glm4_moe"]
+    conv = get_converter("glm4_moe", cfg, dtype=torch.float32, draft=False)
+    assert conv.draft_layers == 0
+    assert not [n for n in conv.expected_hf_tensors() if n.startswith(("model.layers.3.", "model.layers.4."))]
+    sd = megatron_state(hf_state(get_converter("glm4_moe", cfg, dtype=torch.float32)), cfg, "local")
+    mtp = [n for n in sd if n.startswith("mtp.")]
+    assert mtp and all(conv.is_skipped(n) and conv.convert(n, sd[n]) == [] for n in mtp)
+    conv.check_complete(n for name, t in sd.items() for n, _ in conv.convert(name, t))
+
+
+@pytest.mark.parametrize("family, key, error, fragments", [
+    ("glm4_moe", "glm4_moe_air", UnexpectedTensorError,
+     ["mtp.layers.0.eh_proj.weight", "num_nextn_predict_layers=0", "weight_sync.draft: skip"]),
+    ("deepseek_v3", "kimi_k2", UnexpectedTensorError, ["mtp.layers.0.eh_proj.weight", "num_nextn_predict_layers=0"]),
+    ("qwen3", "qwen3", UnmappedParameterError, ["no rule for 'mtp.layers.0.eh_proj.weight'"]),
+])
+def test_an_mtp_block_without_a_draft_layer_is_refused_by_name(family, key, error, fragments):
+    conv = get_converter(family, CONFIGS[key])
+    with pytest.raises(error) as e:
+        conv.convert("mtp.layers.0.eh_proj.weight", torch.zeros(8, 16))
+    assert all(f in str(e.value) for f in fragments), str(e.value)
+
+
+def test_missing_draft_layers_say_build_the_mtp_block_or_skip_the_draft():
+    conv = get_converter("glm4_moe", CONFIGS["glm4_moe"])
+    main = [n for n in conv.expected_hf_tensors() if not n.startswith(("model.layers.3.", "model.layers.4."))]
+    with pytest.raises(MissingTensorError) as e:
+        conv.check_complete(main)
+    msg = str(e.value)
+    assert "model.layers.3.eh_proj.weight" in msg and "mtp.layers.{layer}.eh_proj.weight" in msg
+    assert "mtp_num_layers=2" in msg and "weight_sync.draft: skip" in msg
+
+
+# Kimi-K2-Instruct's config.json as released (the fields that shape tensors; no weights bundled).
+KIMI_K2_INSTRUCT = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2", vocab_size=163840, hidden_size=7168,
+    intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_nextn_predict_layers=0,
+    num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1, n_routed_experts=384,
+    routed_scaling_factor=2.827, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+    qk_nope_head_dim=128, topk_method="noaux_tc", n_group=1, topk_group=1, num_experts_per_tok=8, moe_layer_freq=1,
+    first_k_dense_replace=1, norm_topk_prob=True, scoring_func="sigmoid", tie_word_embeddings=False,
+    quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                         "weight_block_size": [128, 128]},
+)
+
+
+def test_kimi_k2_config_maps_onto_deepseek_v3_at_384_experts():
+    from converters import family_of_model_type
+
+    assert family_of_model_type("kimi_k2").name == "deepseek_v3"
+    conv = get_converter("deepseek_v3", KIMI_K2_INSTRUCT)
+    plain = conv.expected_hf_tensors(quantized=False)
+    # 3 outside the layers; dense layer 0: 2 norms + 7 MLA + 3 MLP; 60 MoE layers: 2 + 7 + gate + bias
+    # + 3 shared + 384 * 3 experts
+    assert len(plain) == 3 + 12 + 60 * (2 + 7 + 2 + 3 + 384 * 3)
+    assert conv.draft_layers == 0 and "model.layers.61.eh_proj.weight" not in plain
+    assert plain["model.layers.60.mlp.experts.383.down_proj.weight"] == ((7168, 2048), torch.bfloat16)
+    assert plain["model.layers.1.self_attn.q_b_proj.weight"][0] == (64 * (128 + 64), 1536)
+    assert plain["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"][0] == (512 + 64, 7168)
+    assert "model.layers.0.mlp.gate.weight" not in plain  # first_k_dense_replace=1
+    stored = conv.expected_hf_tensors()
+    assert stored["model.layers.60.mlp.experts.383.down_proj.weight"] == ((7168, 2048), torch.float8_e4m3fn)
+    assert stored["model.layers.60.mlp.experts.383.down_proj.weight_scale_inv"] == ((56, 16), torch.float32)
+    assert stored["model.layers.60.mlp.gate.weight"] == ((384, 7168), torch.float32)  # routers stay unquantized
+
+
+def test_a_glm_tensor_the_config_switches_off_is_refused_naming_the_switch():
+    conv = get_converter("glm4_moe", CONFIGS["glm4_moe_air"])  # use_qk_norm false
+    with pytest.raises(UnexpectedTensorError) as e:
+        conv.convert("decoder.layers.0.self_attention.q_layernorm.weight", torch.ones(3))
+    assert "model.layers.0.self_attn.q_norm.weight" in str(e.value) and "use_qk_norm" in str(e.value)
+    no_bias = get_converter("glm4_moe", dict(CONFIGS["glm4_moe"], attention_bias=False))
+    with pytest.raises(UnexpectedTensorError, match="attention_bias"):
+        no_bias.convert("decoder.layers.0.self_attention.linear_qkv.bias", torch.zeros(24))
+
+
+def test_kimi_k2_config_json_is_read_and_compared_as_deepseek_v3(tmp_path):
+    """transformers has no kimi_k2 config class; engines read Kimi-K2's config.json as DeepSeek-V3's (vLLM does),
+    and the rendezvous compares a trainer's config.json dict with an engine's config of it field by field."""
+    import json
+
+    import transformers
+
+    from converters import config_model_type
+    from megatron_sync.model_digest import model_differences, model_fields
+    from megatron_sync.serve import load_model_config
+
+    assert config_model_type("kimi_k2") == "deepseek_v3" and config_model_type("qwen3") == "qwen3"
+    values = {k: v for k, v in KIMI_K2_INSTRUCT.items() if k != "quantization_config"}
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    config = load_model_config(str(tmp_path))
+    assert isinstance(config, transformers.DeepseekV3Config) and config.n_routed_experts == 384
+    assert model_differences(model_fields(values), model_fields(config)) == []
+    assert get_converter("deepseek_v3", config).expected_hf_tensors() == \
+        get_converter("deepseek_v3", values).expected_hf_tensors()

@@ -94,7 +94,7 @@ def _assert_holds(run: _Run, version: int, stream_version: int) -> None:
     for tp_rank, (_, engine) in enumerate(run.ranks):
         assert engine.version == version
         for meta in run.metas:
-            assert torch.equal(engine.weights[meta.name], shard_rule(make_tensor(meta, stream_version), tp_rank, 2))
+            assert torch.equal(engine.weights[meta.name], shard_rule(meta, make_tensor(meta, stream_version), tp_rank, 2))
 
 
 def test_the_registry_builds_it_and_the_config_requires_its_directories(tmp_path):

@@ -11,7 +11,8 @@ import pytest
 
 from megatron_sync.config import WeightSyncConfig
 from megatron_sync.engines.base import EngineClient, Rendezvous, plan_rendezvous
-from megatron_sync.engines.fleet import EngineFleet, clients_from_config, parse_engine
+from megatron_sync.config import parse_engine
+from megatron_sync.engines.fleet import EngineFleet, clients_from_config
 from megatron_sync.engines.sglang.client import SGLangEngineClient
 from megatron_sync.engines.vllm.client import PAUSE_PLANS, VLLMEngineClient
 from megatron_sync.engines.vllm.wire import JoinInfo, UpdateInfo

@@ -14,8 +14,22 @@ import torch
 from tests.support.dist import run_distributed
 
 DENSE = ("llama", "qwen2", "qwen3")
-MOE = ("qwen3_moe", "deepseek_v3")
+MOE = ("qwen3_moe", "deepseek_v3", "glm4_moe_mtp", "deepseek_v3_mtp", "kimi_k2")
 SMALL_BUDGET = 4096  # bytes: forces one-tensor batches, so the memory bound is tight
+
+
+def _spec(case: str):
+    """The tiny model of a case: a family's default, or one of the variants below."""
+    from tests.support import models
+
+    variants = {
+        # GLM-4.5 with partial rotary and one MTP draft layer (on the last pipeline stage, with the
+        # stage's embedding copy under PP), DeepSeek-V3 with its MTP layer, Kimi-K2's shape (32 experts)
+        "glm4_moe_mtp": dict(family="glm4_moe", partial_rotary_factor=0.5, mtp_layers=1),
+        "deepseek_v3_mtp": dict(family="deepseek_v3", mtp_layers=1),
+        "kimi_k2": models.KIMI_K2,
+    }
+    return models.ModelSpec(**variants.get(case, dict(family=case)))
 
 
 def _stream_family(family: str, layout_kw: dict, budget: int):
@@ -25,11 +39,11 @@ def _stream_family(family: str, layout_kw: dict, budget: int):
     from megatron_sync.stream import MegatronWeightStream
     from tests.support import models
 
-    spec = models.ModelSpec(family=family)
+    spec = _spec(family)
     chunks = models.build_model_chunks(spec, vpp=layout_kw.get("vpp"))
     models.load_reference_weights(chunks, models.reference_weights(spec, seed=7), spec)
     layout = ParallelLayout.from_megatron()
-    converter = get_converter(family, models.hf_config(spec), dtype=torch.bfloat16)
+    converter = get_converter(spec.family, models.hf_config(spec), dtype=torch.bfloat16)
     tracker = GatherMemoryTracker()
     stream = MegatronWeightStream(chunks, layout, converter, gather_budget_bytes=budget, tracker=tracker)
     produced = {name: tensor.clone() for name, tensor in stream}
@@ -48,7 +62,7 @@ def _worker(rank, world_size, layout_kw, families, budget):
 @pytest.fixture(scope="module")
 def reference():
     """Single-rank conversion of every family: the bytes every layout must reproduce."""
-    [out] = run_distributed(_worker, 1, {}, DENSE + MOE, SMALL_BUDGET, timeout=240)
+    [out] = run_distributed(_worker, 1, {}, DENSE + MOE, SMALL_BUDGET, timeout=360)
     return {family: r["tensors"] for family, r in out.items()}
 
 
@@ -68,11 +82,11 @@ LAYOUTS = [
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(540)
 @pytest.mark.parametrize("world_size,layout_kw,families", LAYOUTS)
 def test_layout_yields_single_rank_tensors(reference, world_size, layout_kw, families):
     budget = LARGE_BUDGET if world_size == 1 else SMALL_BUDGET
-    per_rank = run_distributed(_worker, world_size, layout_kw, families, budget, timeout=300)
+    per_rank = run_distributed(_worker, world_size, layout_kw, families, budget, timeout=420)
     for family in families:
         merged: dict[str, torch.Tensor] = {}
         for out in per_rank:

@@ -25,6 +25,23 @@ def test_gated_fc1_shards_hold_gate_then_up_halves():
     assert shard1.flatten().tolist() == [2, 3, 6, 7]  # [gate_1; up_1]
 
 
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_unequal_pieces_split_then_merge_is_identity(size):
+    full = torch.arange(24 * 3).reshape(24, 3)
+    pieces = (8, 8, 4, 4)  # a gated-delta-net in_proj: q, k, v, z of different widths
+    shards = [split_strided_shard(full, 0, pieces, size, r) for r in range(size)]
+    assert torch.equal(merge_strided_shards(shards, 0, pieces), full)
+
+
+def test_unequal_pieces_shard_holds_its_part_of_every_piece():
+    # Full TP=1 layout [q0 q1 q2 q3 | k0 k1 k2 k3 | v0 v1]: each TP=2 rank holds [q_r; k_r; v_r].
+    full = torch.arange(10)[:, None]
+    assert split_strided_shard(full, 0, (4, 4, 2), 2, 0).flatten().tolist() == [0, 1, 4, 5, 8]
+    assert split_strided_shard(full, 0, (4, 4, 2), 2, 1).flatten().tolist() == [2, 3, 6, 7, 9]
+    shards = [torch.tensor([[0], [1], [4], [5], [8]]), torch.tensor([[2], [3], [6], [7], [9]])]
+    assert merge_strided_shards(shards, 0, (4, 4, 2)).flatten().tolist() == list(range(10))
+
+
 def _expert(layer, j, kind, num_local=2):
     template = f"decoder.layers.{layer}.mlp.experts.local_experts.{{expert}}.{kind}.weight"
     slot = ExpertSlot(layer=layer, template=template, local_index=j, num_local=num_local)

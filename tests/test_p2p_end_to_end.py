@@ -5,7 +5,7 @@ and converts only its assigned tensors. An inference job of reference-layout rec
 (one or two engines; KV heads replicated where the engine's TP exceeds them) gets the plan
 inputs over the rendezvous store, and both sides agree on the plan digest. Each backend
 (torch.distributed on gloo, Mooncake over TCP) then moves one version. The test checks,
-against a single-rank conversion of the same weights sliced by `ReferenceEngine.shard_of`:
+against a single-rank conversion of the same weights cut through the reference engine's layout:
 every receiver's shards bit for bit; bytes received at the transport == shard bytes; each
 trainer rank's replica == its assigned share, and below its stage's total.
 """
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tests.support.dist import free_port
-from tests.p2p_support import SENTINEL, run_side_by_side, untouched_outside_placements
+from tests.p2p_support import SENTINEL, receivers_of, ref, run_side_by_side, untouched_outside_placements
+from tests.support.fakes import shard_of
 
 BACKENDS = ("torch", "mooncake")
 BUCKET = 16 * 1024
@@ -26,10 +27,8 @@ GATHER_BUDGET = 4096
 SEED = 7
 
 
-def _engines(engine_tps, kv):
-    from megatron_sync.p2p.layout import ReferenceLayout
-
-    return [ReferenceLayout(tp, num_kv_heads=kv) for tp in engine_tps]
+def _fleet(case, specs):
+    return receivers_of([ref(tp) for tp in case["engines"]], specs, case["kv"])
 
 
 def _mover(backend, group, trainers, receivers):
@@ -57,8 +56,8 @@ def _trainer(rank, world, case, port, receivers):
     from converters import get_converter
     from megatron_sync.gather import GatherMemoryTracker
     from megatron_sync.p2p.execute import send_share
-    from megatron_sync.p2p.layout import specs_to_wire, tensor_specs
-    from megatron_sync.p2p.plan import build_transfer_plan, fleet_receivers, send_bytes_per_tensor
+    from megatron_sync.layout.rank import specs_to_wire
+    from megatron_sync.p2p.plan import build_transfer_plan, send_bytes_per_tensor
     from megatron_sync.p2p.replica import DistributedReplica
     from megatron_sync.parallel import ParallelLayout
     from megatron_sync.stream import MegatronWeightStream
@@ -70,11 +69,11 @@ def _trainer(rank, world, case, port, receivers):
     chunks = models.build_model_chunks(spec)
     models.load_reference_weights(chunks, models.reference_weights(spec, seed=SEED), spec)
     converter = get_converter(case["family"], models.hf_config(spec), dtype=torch.bfloat16)
-    specs = tensor_specs(converter)
-    fleet = fleet_receivers(specs, _engines(case["engines"], case["kv"]))
+    specs = converter.tensor_specs()
+    fleet = _fleet(case, specs)
     tracker = GatherMemoryTracker()
     stream = MegatronWeightStream(chunks, ParallelLayout.from_megatron(), converter, gather_budget_bytes=GATHER_BUDGET)
-    replica = DistributedReplica(stream, rank=rank, cost=send_bytes_per_tensor(specs, fleet),
+    replica = DistributedReplica(stream, rank=rank, cost=send_bytes_per_tensor(specs, [r.layout for r in fleet]),
                                  gather_budget_bytes=GATHER_BUDGET, tracker=tracker)
     replica.refresh()
     holders = replica.assignment.hf_holders()
@@ -100,24 +99,22 @@ def _trainer(rank, world, case, port, receivers):
 
 def _receiver(index, count, case, port, trainers):
     from megatron_sync.p2p.execute import receive_shards
-    from megatron_sync.p2p.layout import specs_from_wire
-    from megatron_sync.p2p.plan import build_transfer_plan, fleet_receivers
+    from megatron_sync.layout.rank import specs_from_wire
+    from megatron_sync.p2p.plan import build_transfer_plan
 
     group = _open(trainers + index, trainers + count, port)
     inputs = json.loads(group.board.fetch("plan_inputs", 240))
     specs = specs_from_wire(inputs["specs"])
-    plan = build_transfer_plan(specs, inputs["holders"], fleet_receivers(specs, _engines(case["engines"], case["kv"])),
-                               BUCKET)
+    plan = build_transfer_plan(specs, inputs["holders"], _fleet(case, specs), BUCKET)
     _agree_on_plan(group, plan)
     me = plan.receivers[index]
-    by_name = {s.name: s for s in specs}
     out = {"engine": me.engine, "rank": me.rank, "shard_bytes": me.layout.shard_bytes}
     for version, backend in enumerate(BACKENDS, start=1):
         mover = _mover(backend, group, trainers, count)
         staging = torch.full((me.layout.nbytes,), SENTINEL, dtype=torch.uint8)
         mover.expose(index, staging)
         stats = receive_shards(plan, index, staging, mover, group.board, version=version, timeout_s=120)
-        out[backend] = {"shards": {n: v.clone() for n, v in me.layout.shard_views(staging, by_name).items()},
+        out[backend] = {"shards": {p.name: me.layout.destination(staging, p).clone() for p in me.layout.placements},
                         "received": stats.nbytes, "clean": untouched_outside_placements(me.layout, staging)}
         group.all_gather_json(index)
         mover.close()
@@ -126,7 +123,7 @@ def _receiver(index, count, case, port, trainers):
 
 
 def _reference_shards(case, engine_tp, rank):
-    """Return `ReferenceEngine.shard_of` of the single-rank conversion of the same seeded weights."""
+    """Return the reference engine's params of the single-rank conversion of the same seeded weights."""
     from converters import get_converter
     from megatron_sync.engines.reference import ReferenceEngine
     from tests.support import models
@@ -138,7 +135,7 @@ def _reference_shards(case, engine_tp, rank):
     for name, tensor in models.reference_weights(spec, seed=SEED).items():
         full.update(converter.convert(name, tensor))
     engine = ReferenceEngine(cfg, tp_rank=rank, tp_size=engine_tp, dtype=torch.bfloat16)
-    return {name: engine.shard_of(name, full[name]) for name in full}
+    return {name: shard_of(engine, name, full[name]) for name in full}
 
 
 CASES = [

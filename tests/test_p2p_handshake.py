@@ -6,26 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_sync.errors import AgreedFailure, PeerFailureError
-from megatron_sync.p2p.handshake import exchange, fleet_layouts
-from megatron_sync.p2p.layout import ReferenceLayout, VllmLayout
-
-
-def test_fleet_layouts_form_engines_of_consecutive_ranks():
-    ref, vllm = ReferenceLayout(2, num_kv_heads=1).to_wire(), VllmLayout(2, num_kv_heads=2).to_wire()
-    engines = fleet_layouts([ref, ref, vllm, vllm], engine_tp_size=2)
-    assert [e.to_wire() for e in engines] == [ref, vllm]
-
-
-@pytest.mark.parametrize("published,words", [
-    ([ReferenceLayout(2, num_kv_heads=1).to_wire(), ReferenceLayout(2, num_kv_heads=2).to_wire()],
-     "publish different layouts"),
-    ([ReferenceLayout(1, num_kv_heads=1).to_wire()] * 2, "tp_size=1, but weight_sync.engine_tp_size=2"),
-    ([{"kind": "sglang", "tp_size": 2}] * 2, "kind 'sglang' is unknown"),
-    ([ReferenceLayout(2, num_kv_heads=1).to_wire()] * 3, "do not form engines"),
-])
-def test_fleet_layouts_refuse_what_does_not_fit_by_name(published, words):
-    with pytest.raises(ValueError, match=words):
-        fleet_layouts(published, engine_tp_size=2)
+from megatron_sync.p2p.handshake import exchange
 
 
 class _Gathers:

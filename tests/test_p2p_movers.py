@@ -1,7 +1,7 @@
 """Byte movers on loopback with real processes: the bytes that arrive are the bytes that were sent.
 
 Two senders hold the full tensors of a tiny model; three receivers (a reference engine at
-TP=1 and a vLLM-layout engine at TP=2) start from a staging buffer filled with a sentinel
+TP=1 and an engine fusing its params at TP=2, as vLLM does) start from a staging buffer filled with a sentinel
 byte. Each backend moves one version; every receiver then checks its shards against the
 full tensors, that no byte outside its placements changed, and the bytes counted at the
 transport against its shard bytes.
@@ -16,27 +16,15 @@ import pytest
 import torch
 
 from tests.support.dist import free_port, run_distributed
-from tests.p2p_support import SENTINEL, seeded_full, synthetic_plan, untouched_outside_placements
+from tests.p2p_support import SENTINEL, fusing, misplaced, ref, seeded_full, synthetic_plan, untouched_outside_placements
 
 SENDERS = 2
 RECEIVE_TIMEOUT_S = 5
 BACKENDS = ("torch", "mooncake")
 
 
-def _ref(tp):
-    from megatron_sync.p2p.layout import ReferenceLayout
-
-    return lambda kv: ReferenceLayout(tp, num_kv_heads=kv)
-
-
-def _vllm(tp):
-    from megatron_sync.p2p.layout import VllmLayout
-
-    return lambda kv: VllmLayout(tp, num_kv_heads=kv)
-
-
 def _plan(bucket=4096):
-    return synthetic_plan("qwen3_moe", [_ref(1), _vllm(2)], SENDERS, bucket)
+    return synthetic_plan("qwen3_moe", [ref(1), fusing(2)], SENDERS, bucket)
 
 
 def _mover(backend, group, plan):
@@ -73,10 +61,7 @@ def _sync_once(rank, plan, specs, holders, mover, group, version, *, sender_faul
     mover.expose(index, staging)
     stats = receive_shards(plan, index, staging, mover, group.board, version=version,
                            timeout_s=timeout_s or group.timeout_s)
-    by_name = {s.name: s for s in specs}
-    wrong = [name for name, view in layout.shard_views(staging, by_name).items()
-             if not torch.equal(view, next(p for p in layout.placements if p.name == name).region.of(seeded_full(by_name[name])))]
-    return {"wrong": wrong, "clean": untouched_outside_placements(layout, staging),
+    return {"wrong": misplaced(layout, staging, specs), "clean": untouched_outside_placements(layout, staging),
             "received": stats.nbytes, "shard_bytes": layout.shard_bytes, "ranges": stats.ranges}
 
 
@@ -159,9 +144,9 @@ class _Corrupting:
     def __getattr__(self, name):
         return getattr(self._mover, name)
 
-    def write(self, message, ranges, payload):
+    def write(self, message, ranges, payload, set_offset=0):
         payload[0] ^= 0xFF
-        self._mover.write(message, ranges, payload)
+        self._mover.write(message, ranges, payload, set_offset)
 
 
 @pytest.mark.multiproc
@@ -244,10 +229,7 @@ def _nccl_worker(rank, world, port, planned):
     layout = plan.receivers[rank - SENDERS].layout
     staging = torch.zeros(layout.nbytes, dtype=torch.uint8, device="cuda")
     stats = receive_shards(plan, rank - SENDERS, staging, mover, group.board, version=1, timeout_s=60)
-    by_name = {s.name: s for s in specs}
-    ok = all(torch.equal(v.cpu(), p.region.of(seeded_full(by_name[p.name])))
-             for p, v in zip(layout.placements, layout.shard_views(staging, by_name).values()))
-    return ok and stats.nbytes == layout.shard_bytes
+    return not misplaced(layout, staging, specs) and stats.nbytes == layout.shard_bytes
 
 
 @pytest.mark.gpu

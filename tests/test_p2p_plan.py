@@ -7,39 +7,17 @@ import math
 import pytest
 import torch
 
-from megatron_sync.p2p.assign import ReplicaUnit, TrainerRank, assign_replica
-from megatron_sync.p2p.layout import ReferenceLayout, VllmLayout, tensor_specs
-from megatron_sync.p2p.plan import build_transfer_plan, fleet_receivers, send_bytes_per_tensor
-from tests.support import models
-
-
-def _setup(family, engines, senders, bucket, *, kv=2, balance_sends=True):
-    from converters import get_converter
-
-    cfg = models.hf_config(models.ModelSpec(family=family, num_kv_heads=kv))
-    specs = tensor_specs(get_converter(family, cfg))
-    receivers = fleet_receivers(specs, [make(kv) for make in engines])
-    units = [ReplicaUnit(s.name, 0, ((s.name, s.nbytes),)) for s in specs]
-    cost = send_bytes_per_tensor(specs, receivers) if balance_sends else None
-    holders = assign_replica(units, [TrainerRank(r) for r in range(senders)], cost=cost).hf_holders()
-    return specs, receivers, holders, build_transfer_plan(specs, holders, receivers, bucket)
-
-
-def ref(tp):
-    return lambda kv: ReferenceLayout(tp, num_kv_heads=kv)
-
-
-def vllm(tp, **kw):
-    return lambda kv: VllmLayout(tp, num_kv_heads=kv, **kw)
+from megatron_sync.p2p.plan import build_transfer_plan
+from tests.p2p_support import fusing, ref, synthetic_plan as _setup
 
 
 CASES = [
     pytest.param("qwen3", [ref(1)], 2, 4096, 2, id="ref-tp1"),
     pytest.param("llama", [ref(2)], 2, 4096, 1, id="ref-tp2-replicated-kv"),
     pytest.param("qwen3_moe", [ref(1), ref(2)], 4, 1 << 20, 2, id="two-engines"),
-    pytest.param("qwen3_moe", [vllm(4)], 4, 4096, 2, id="vllm-tp4"),
-    pytest.param("qwen3_moe", [vllm(2, expert_parallel=True), ref(2)], 3, 8192, 2, id="vllm-ep2-and-ref"),
-    pytest.param("deepseek_v3", [vllm(2), ref(4)], 4, 4096, 4, id="mla-two-engines"),
+    pytest.param("qwen3_moe", [fusing(4)], 4, 4096, 2, id="fusing-tp4"),
+    pytest.param("qwen3_moe", [fusing(2, expert_parallel=True), ref(2)], 3, 8192, 2, id="fusing-ep2-and-ref"),
+    pytest.param("deepseek_v3", [fusing(2), ref(4)], 4, 4096, 4, id="mla-two-engines"),
 ]
 
 
@@ -47,7 +25,7 @@ CASES = [
 def test_every_receiver_gets_each_of_its_shards_exactly_once(family, engines, senders, bucket, kv):
     specs, receivers, _, plan = _setup(family, engines, senders, bucket, kv=kv)
     for index, receiver in enumerate(receivers):
-        offsets = receiver.layout.param_offsets()
+        offsets = receiver.layout.param_offsets
         mine = sorted((r.dst, r.dst + r.nbytes, r.name) for r in plan.ranges if r.receiver == index)
         for (_, end, _), (start, _, _) in zip(mine, mine[1:]):
             assert end <= start, "two ranges overlap in one receiver's staging"
@@ -97,12 +75,12 @@ def test_sender_queues_keep_pair_order_and_start_on_different_receivers(family, 
 
 
 def test_plan_is_deterministic_and_its_digest_sees_every_input():
-    args = ("qwen3_moe", [ref(1), vllm(2)], 3, 4096)
+    args = ("qwen3_moe", [ref(1), fusing(2)], 3, 4096)
     a, b = _setup(*args)[3], _setup(*args)[3]
     assert a.digest() == b.digest()
-    assert _setup("qwen3_moe", [ref(1), vllm(2)], 3, 8192)[3].digest() != a.digest()
-    assert _setup("qwen3_moe", [ref(1), vllm(2)], 2, 4096)[3].digest() != a.digest()
-    assert _setup("qwen3_moe", [vllm(2), ref(1)], 3, 4096)[3].digest() != a.digest()
+    assert _setup("qwen3_moe", [ref(1), fusing(2)], 3, 8192)[3].digest() != a.digest()
+    assert _setup("qwen3_moe", [ref(1), fusing(2)], 2, 4096)[3].digest() != a.digest()
+    assert _setup("qwen3_moe", [fusing(2), ref(1)], 3, 4096)[3].digest() != a.digest()
 
 
 @pytest.mark.parametrize("family,engines,senders,bucket,kv", CASES)
@@ -117,11 +95,11 @@ def test_walking_the_plan_in_process_fills_every_receiver_exactly(family, engine
             for i in m.ranges:
                 r = plan.ranges[i]
                 staging[r.receiver][r.dst:r.dst + r.nbytes] = r.source(held[sender][r.name])
-    by_name = {s.name: s for s in specs}
     for receiver, buf in zip(receivers, staging):
-        for name, view in receiver.layout.shard_views(buf, by_name).items():
-            placement = next(p for p in receiver.layout.placements if p.name == name)
-            assert torch.equal(view, placement.region.of(full[name])), name
+        want = torch.zeros_like(buf)
+        for name in receiver.layout.by_name:
+            receiver.layout.write(want, name, full[name])
+        assert torch.equal(buf, want)
 
 
 def test_balancing_by_sent_bytes_evens_out_senders():

@@ -30,6 +30,7 @@ import torch
 
 from megatron_sync.transport import register_transport
 from megatron_sync.transport.p2p import P2PTransport
+from tests.support.fakes import shard_of
 
 LOGITS_ATOL = 1e-4  # float32, different kernels and reduction order
 SEED = 3  # tests.support.jobs.trainer_job's reference weights
@@ -69,11 +70,11 @@ class _DieOnWrite:
     def __getattr__(self, name):
         return getattr(self._mover, name)
 
-    def write(self, message, ranges, payload) -> None:
+    def write(self, message, ranges, payload, set_offset=0) -> None:
         self._left -= 1
         if self._left == 0:
             os._exit(KILL_EXIT_CODE)
-        self._mover.write(message, ranges, payload)
+        self._mover.write(message, ranges, payload, set_offset)
 
 
 register_transport("p2p_faulty", _FaultyP2P)  # at import: every spawned job imports this module
@@ -97,7 +98,7 @@ def _reference_shards(case: dict, tp_rank: int) -> dict[str, torch.Tensor]:
     for name, tensor in models.reference_weights(spec, seed=SEED).items():
         full.update(converter.convert(name, tensor))
     slicer = _slicer(case, tp_rank)
-    return {name: slicer.shard_of(name, t) for name, t in full.items()}
+    return {name: shard_of(slicer, name, t) for name, t in full.items()}
 
 
 def _slicer(case: dict, tp_rank: int):
@@ -153,7 +154,7 @@ def test_p2p_syncs_exact_shards_and_only_shard_bytes_through_the_drivers(backend
         wrong = [n for n in v1 if not torch.equal(v1[n], reference[tp_rank][n])]
         assert not wrong, f"inference rank {rank}, version 1: {wrong[:5]}"
         for version, held in zip(versions[1:], engine["held"][1:]):
-            wrong = [n for n, shard in held["shards"].items() if not torch.equal(shard, slicer.shard_of(n, sent[version - 1][n]))]
+            wrong = [n for n, shard in held["shards"].items() if not torch.equal(shard, shard_of(slicer, n, sent[version - 1][n]))]
             assert not wrong, f"inference rank {rank}, version {version}: {wrong[:5]}"
         for version, held in enumerate(engine["held"]):
             diff = (held["logits"] - trainers[0]["logits"][version]).abs().max().item()
@@ -167,6 +168,11 @@ def test_p2p_syncs_exact_shards_and_only_shard_bytes_through_the_drivers(backend
         assert all(ratio == 1.0 for ratio in ratios.values()), (version, ratios)
         sent_bytes = sum(json.loads(t["metrics"][version - 1])["bytes"] for t in trainers)
         assert sent_bytes == sum(shard_bytes), (version, sent_bytes, shard_bytes)
+        # Every phase P2P runs is measured (gather, convert and checksum on the senders; checksum on receivers).
+        for t in trainers:
+            phases = json.loads(t["metrics"][version - 1])["phases_s"]
+            assert all(phases[p] > 0 for p in ("gather", "convert", "checksum", "transfer", "commit")), phases
+        assert all(json.loads(m)["phases_s"]["checksum"] > 0 for m in reports), reports
     # The distributed replica: each rank holds its assigned share, none holds everything.
     total = sum(t["replica"]["assigned"] for t in trainers)
     for rank, t in enumerate(trainers):
@@ -227,6 +233,7 @@ def test_p2p_settings_are_validated_and_named():
     for bad, words in [({"p2p_backend": "nixl"}, "p2p_backend='nixl' is not valid"),
                        ({"p2p_protocol": "udp"}, "p2p_protocol='udp' is not valid"),
                        ({"p2p_local_hostname": ""}, "p2p_local_hostname must be"),
-                       ({"engines": ["vllm=http://h:8000"]}, "engines driven over HTTP")]:
+                       ({"engines": ["sglang=http://h:30000"]}, "SGLang's update API does not expose")]:
         with pytest.raises(ValueError, match=words):
             WeightSyncConfig(transport="p2p", **bad)
+    assert WeightSyncConfig(transport="p2p", engines=["vllm=http://h:8000"]).engines == ("vllm=http://h:8000",)

@@ -161,6 +161,18 @@ def test_bookkeeping_fields_do_not_change_the_digest(change):
     assert model_digest(model_fields({**QWEN3, **change})) == model_digest(model_fields(QWEN3))
 
 
+@pytest.mark.parametrize("model_type, change", [
+    ("gpt_oss", {"swiglu_limit": 5.0}), ("gpt_oss", {"sliding_window": 64}),
+    ("gpt_oss", {"layer_types": ["full_attention", "sliding_attention"]}),
+    ("qwen3_next", {"layer_types": ["full_attention", "linear_attention"]}),
+    ("qwen3_next", {"linear_num_value_heads": 8}), ("qwen3_next", {"shared_expert_intermediate_size": 64}),
+], ids=lambda c: c if isinstance(c, str) else next(iter(c)))
+def test_a_layer_kind_field_changes_the_digest(model_type, change):
+    base = {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 250}
+    assert model_digest(model_fields({**base, **change})) != model_digest(model_fields(base))
+
+
 def test_a_config_json_and_the_loaded_config_give_the_same_fields():
     from transformers import AutoConfig
 

@@ -14,25 +14,25 @@ from megatron_sync.scale.plans import ScalePlanner
 from megatron_sync.scale.timing import predict
 from megatron_sync.transport.rendezvous import Identity, disagreements, expectations
 
-# (what it declares, trainer, engines, driven over HTTP, the transport the model must pick)
+# (what it declares, trainer, engines, SGLang engines, the transport the model must pick)
 DECLARED = [
     ("8 trainer GPUs, 4 engines of 8: every engine rank needs a quarter of what broadcast sends it",
      TrainerLayout(tp=2, dp=4, ep=8), FleetLayout(engines=4, tp=8, expert_parallel=True), False, "broadcast"),
     ("64 trainer GPUs, one engine of 32 with EP: each rank needs 1/32 of the model, sent by 64 ranks",
      TrainerLayout(tp=2, dp=32, ep=8), FleetLayout(engines=1, tp=32, expert_parallel=True), False, "p2p"),
-    ("the same layouts with engines driven over HTTP (vLLM): p2p cannot write into them",
+    ("the same layouts with SGLang engines: p2p cannot write into them",
      TrainerLayout(tp=2, dp=32, ep=8), FleetLayout(engines=1, tp=32, expert_parallel=True), True, "broadcast"),
 ]
 
 
-@pytest.mark.parametrize("what,trainer,fleet,driven,expected", DECLARED, ids=["broadcast", "p2p", "driven"])
-def test_auto_picks_the_fastest_prediction_on_three_declared_cases(what, trainer, fleet, driven, expected):
+@pytest.mark.parametrize("what,trainer,fleet,sglang,expected", DECLARED, ids=["broadcast", "p2p", "sglang"])
+def test_auto_picks_the_fastest_prediction_on_three_declared_cases(what, trainer, fleet, sglang, expected):
     """Moonlight-16B-A3B on H100 nodes: the choice is the candidate whose prediction (recomputed here with
     the time model, independently of `choose`) is smallest; the three cases pick what is declared."""
     family, config = model_named("moonlight-16b-a3b")
     planner = ScalePlanner(family, config, trainer, fleet)
     profile = profile_named("h100")
-    choice = choose(planner, profile, excluded=exclusions(quantized=False, driven_engines=driven))
+    choice = choose(planner, profile, excluded=exclusions(sglang_engines=sglang))
     runnable = [c for c in choice.candidates if c.seconds is not None]
     for c in runnable:
         again = predict(planner.plan(c.transport, bucket_bytes=int(c.bucket_size_mb * 2**20)), profile)
@@ -40,12 +40,12 @@ def test_auto_picks_the_fastest_prediction_on_three_declared_cases(what, trainer
     fastest = min(runnable, key=lambda c: (c.seconds, c.bucket_size_mb))
     assert (choice.transport, choice.bucket_size_mb) == (fastest.transport, fastest.bucket_size_mb)
     assert choice.transport == expected, choice.describe()
-    assert {c.transport for c in runnable} == ({"broadcast"} if driven else {"broadcast", "p2p"})
+    assert {c.transport for c in runnable} == ({"broadcast"} if sglang else {"broadcast", "p2p"})
 
 
-def test_quantized_checkpoints_and_file_transports_are_not_candidates():
-    assert set(exclusions(quantized=True, driven_engines=False)) == {"p2p", "disk_delta"}
-    assert set(exclusions(quantized=False, driven_engines=False)) == {"disk_delta"}
+def test_sglang_engines_and_file_transports_are_not_candidates():
+    assert set(exclusions(sglang_engines=True)) == {"p2p", "disk_delta"}
+    assert set(exclusions(sglang_engines=False)) == {"disk_delta"}
 
 
 def test_an_unknown_hardware_profile_is_refused_naming_the_known_ones():

@@ -24,7 +24,7 @@ MOE_SPEC = dict(family="qwen3_moe", hidden_size=128, num_layers=4, num_heads=4, 
 # ---------------------------------------------------------------- the Megatron side against megatron-core
 
 
-def _real_units(rank: int, world: int, family: str, layout_kw: dict) -> dict | None:
+def _real_units(rank: int, world: int, family: str, layout_kw: dict, spec_kw: dict) -> dict | None:
     """Build the tiny model under `layout_kw` and return stage 0's gather units as plan_gather_units
     lists them on rank 0 (HF outputs -> full shape, sharding, EP owner)."""
     from converters import get_converter
@@ -35,7 +35,7 @@ def _real_units(rank: int, world: int, family: str, layout_kw: dict) -> dict | N
     from tests.support.dist import init_megatron
 
     init_megatron(**layout_kw)
-    spec = models.ModelSpec(family=family)
+    spec = models.ModelSpec(family=family, **spec_kw)
     chunks = models.build_model_chunks(spec)
     layout = ParallelLayout.from_megatron()
     converter = get_converter(family, models.hf_config(spec))
@@ -54,14 +54,16 @@ def _describe(units, converter) -> dict:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family,layout", [("qwen3", {"tp": 2}), ("qwen3_moe", {"ep": 2}),
-                                           ("deepseek_v3", {"tp": 2})])
-def test_the_megatron_side_equals_megatron_cores_own_parameters(family, layout):
+@pytest.mark.parametrize("family,layout,spec_kw", [
+    ("qwen3", {"tp": 2}, {}), ("qwen3_moe", {"ep": 2}, {}), ("deepseek_v3", {"tp": 2}, {"mtp_layers": 1}),
+    ("glm4_moe", {"ep": 2}, {"mtp_layers": 1})], ids=["qwen3-tp2", "qwen3_moe-ep2", "deepseek_v3-tp2-mtp",
+                                                       "glm4_moe-ep2-mtp"])
+def test_the_megatron_side_equals_megatron_cores_own_parameters(family, layout, spec_kw):
     """Derived from the family's rule table on meta tensors, every gather unit (its HF outputs, full
-    shape with Megatron's vocabulary padding, TP/ETP sharding with gate/up's stride, EP owner) is the one
-    megatron-core's model yields through the library's own source walk."""
-    real = run_distributed(_real_units, 2, family, layout, timeout=240)[0]
-    spec = ModelSpec(family=family)
+    shape with Megatron's vocabulary padding, TP/ETP sharding with gate/up's stride, EP owner; the MTP
+    draft block's too) is the one megatron-core's model yields through the library's own source walk."""
+    real = run_distributed(_real_units, 2, family, layout, spec_kw, timeout=240)[0]
+    spec = ModelSpec(family=family, **spec_kw)
     converter = converter_for(family, hf_config(spec))
     trainer = TrainerLayout(tp=layout.get("tp", 1), ep=layout.get("ep", 1), dp=2 // layout.get("tp", 1))
     mine = _describe(stage_units(converter, trainer, torch.float32)[0], converter)
@@ -146,10 +148,10 @@ def test_kimi_k2_one_trillion_parameters_plans_on_metadata():
 @pytest.mark.parametrize("name,params", [("deepseek-v3", 671e9), ("kimi-k2", 1.03e12), ("qwen3-235b-a22b", 235e9),
                                          ("glm-4.5", 355e9), ("qwen3-30b-a3b", 30.5e9), ("glm-4.5-air", 106e9)])
 def test_bundled_configs_give_the_published_parameter_counts(name, params):
-    """The bundled config.json files, through the families' tables, hold the published parameter counts
-    (within 1%; GLM-4.5's 355B counts its MTP layer, which is not synced)."""
+    """The bundled config.json files, through the families' tables, hold the published parameter counts of
+    the main model (within 1%; the draft layers come on top: DeepSeek-V3's 14B make its 685B checkpoint)."""
     family, config = model_named(name)
-    converter = converter_for(family, config, quantized=False)
+    converter = converter_for(family, config, quantized=False, draft=False)
     counted = sum(m.numel for m in converter.expected_metas(quantized=False))
     assert abs(counted - params) / params < 0.01, (name, counted)
     assert MODELS[name].source.startswith("https://huggingface.co/")

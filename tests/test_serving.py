@@ -31,6 +31,7 @@ from megatron_sync.engines.serving import GenerationServer
 from megatron_sync.meta import TensorMeta
 from tests.support.dist import free_port, run_distributed
 from tests.test_reference_engine import tiny_config
+from tests.support.fakes import shard_of
 
 PROMPTS = [[17, 201, 5, 88, 140], [3, 99, 245, 61, 12, 170, 7]]
 MAX_NEW, SWITCH_AT = 8, 3
@@ -251,7 +252,7 @@ def test_tp2_cached_greedy_equals_uncached(served):
 def _engine_with(models, key: str, version: int) -> tuple[ReferenceEngine, dict]:
     engine = ReferenceEngine(tiny_config("qwen3"), tp_rank=0, tp_size=1)
     full = full_state_from_hf_model(models[key])
-    engine.load_shards({n: engine.shard_of(n, t) for n, t in full.items()}, version)
+    engine.load_shards({n: shard_of(engine, n, t) for n, t in full.items()}, version)
     return engine, full
 
 
@@ -271,7 +272,7 @@ def test_commit_not_taken_in_time_is_withdrawn_and_generation_stays_on_old_versi
 
     def late_commit() -> None:
         try:
-            server.commit({n: engine.shard_of(n, t).clone() for n, t in full_b.items()}, 2)
+            server.commit({n: shard_of(engine, n, t).clone() for n, t in full_b.items()}, 2)
             outcome.append("applied")
         except TimeoutError as e:
             outcome.append(str(e))
@@ -298,7 +299,7 @@ def test_wait_lets_requests_in_flight_finish_on_the_old_version_then_applies(mod
 
     def before_step(step: int) -> None:
         if step == SWITCH_AT:
-            shards = {n: engine.shard_of(n, t).clone() for n, t in full_b.items()}
+            shards = {n: shard_of(engine, n, t).clone() for n, t in full_b.items()}
             committing.append(threading.Thread(target=server.commit, args=(shards, 2)))
             committing[0].start()
             server.wait_for_commit(2, timeout=10.0)  # staged before this boundary

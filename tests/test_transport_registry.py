@@ -18,9 +18,11 @@ import torch
 
 from megatron_sync.meta import TensorMeta
 from megatron_sync.transport import register_transport, transport_names
-from megatron_sync.transport.base import BucketHeader, BucketTransport, PendingBucket
+from megatron_sync.transport.base import BucketHeader, PendingBucket
+from megatron_sync.transport.buckets import PlanBucketTransport
 from megatron_sync.transport.control import StoreControlChannel
 from megatron_sync.transport.group import StoreBoard
+from tests.support.fakes import shard_of
 
 
 class _Done:
@@ -54,7 +56,7 @@ class _StoreReceive(PendingBucket):
         return self.header is not None
 
 
-class StoreTransport(BucketTransport):
+class StoreTransport(PlanBucketTransport):
     """Toy transport: buckets, metadata and agreement through the rendezvous store."""
 
     name = "store"
@@ -138,4 +140,4 @@ def test_a_toy_transport_drives_a_full_sync_through_the_drivers():
         assert [h["version"] for h in engine["held"]] == [1, 2]
         for version, held in enumerate(engine["held"]):
             for name, shard in held["shards"].items():
-                assert torch.equal(shard, slicer.shard_of(name, sent[version][name])), (version, name)
+                assert torch.equal(shard, shard_of(slicer, name, sent[version][name])), (version, name)

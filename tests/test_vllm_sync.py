@@ -17,12 +17,11 @@ import os
 import time
 
 import pytest
-import torch
 
 from tests.support.dist import free_port, run_distributed
 from tests.support.real_engines import (
-    QWEN3, HFReference, StreamingGeneration, TrainerError, TrainerProcess, VLLMServer, engine_problems, generate,
-    greedy_completion, weight_version, write_model_dir,
+    QWEN3, HFReference, StreamingGeneration, TrainerError, TrainerProcess, VLLMServer, engine_problems,
+    greedy_completion, megatron_job_syncs, serving, weight_version,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
@@ -43,17 +42,11 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("vllm_tp2")
-    write_model_dir(str(folder / "model"), QWEN3, seed=0)
     faults = str(folder / "faults.json")
     # One core per worker: with unbound OpenMP threads two TP workers on 2 cores decode ~50x slower.
     env = {"MEGATRON_SYNC_TEST_FAULTS": faults, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    server = VLLMServer(str(folder / "model"), "--tensor-parallel-size", str(WORKERS),
-                        log_path=str(folder / "server.log"), env=env)
-    try:
-        server.wait_ready()
+    with serving(str(folder), QWEN3, "--tensor-parallel-size", str(WORKERS), env=env) as (server, _):
         yield Served(server, faults)
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -71,89 +64,60 @@ def settings(url: str, **overrides) -> dict:
 # ---------------------------------------------------------------- Megatron trains, vLLM serves
 
 
-def _sent_tensors(syncer) -> dict[str, torch.Tensor]:
-    """Return every stage's sent tensors on every trainer rank (each stage source holds its own)."""
-    import torch.distributed as dist
-
-    replica = syncer.sender.replica
-    local = {} if replica is None else {
-        e.name: replica.view(e.name).clone() for b in replica.buckets for e in b.entries}
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, local)
-    return {name: t for part in everyone for name, t in part.items()}
-
-
-def _megatron_trainer(rank: int, world: int, tp: int, pp: int, url: str, values: dict) -> list[dict]:
-    """One trainer rank: Megatron at (tp, pp) trains a tiny Qwen3 and syncs 3 versions to the server."""
-    import torch.distributed as dist
-
-    from megatron_sync.config import WeightSyncConfig
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.sync import TrainerWeightSync
-    from tests.support import models
-    from tests.support.dist import init_megatron
-    from tests.support.real_engines import tiny_hf_config
-    from tests.support.train import make_optimizer, train_step, wrap_in_ddp
-
-    init_megatron(tp=tp, pp=pp, seed=1234)
-    chunks = models.build_model_chunks(QWEN3)
-    models.load_reference_weights(chunks, models.reference_weights(QWEN3, seed=1234), QWEN3)
-    layout = ParallelLayout.from_megatron()
-    model = wrap_in_ddp(chunks)
-    optimizer = make_optimizer(model, lr=2e-2)
-    # Every rank builds the same engine clients from the settings; only the leader drives them.
-    sync = TrainerWeightSync(WeightSyncConfig.from_dict(values), model, layout=layout,
-                             hf_config=tiny_hf_config(QWEN3))
-    reports = []
-    try:
-        for step in range(3):
-            if step:
-                tokens = torch.randint(0, QWEN3.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
-                train_step(model, optimizer, tokens, layout)
-            started = time.perf_counter()
-            sync.sync()
-            seconds = time.perf_counter() - started
-            sent = _sent_tensors(sync)
-            if rank == 0:
-                reports.append({
-                    "version": sync.version, "sync_s": seconds,
-                    "problems": engine_problems(url, QWEN3, sent, [*PROMPTS, LONG_PROMPT]),
-                    "tokens": greedy_completion(url, PROMPTS[0], 8), "reported": weight_version(url),
-                    "spans": [(s["version"], s["start"], s["end"])
-                              for s in generate(url, PROMPTS[0], 2)["weight_versions"]]})
-            dist.barrier()
-    finally:
-        sync.close()
-    return reports
-
-
-LAYOUTS = [pytest.param(2, 1, id="megatron-tp2"), pytest.param(1, 2, id="megatron-pp2")]
+# (trainer layout, transport settings): every transport and both P2P movers write into the server's workers
+RUNS = [
+    pytest.param({"tp": 2}, {}, id="megatron-tp2-broadcast"),
+    pytest.param({"pp": 2}, {}, id="megatron-pp2-broadcast"),
+    pytest.param({"tp": 2}, {"transport": "p2p", "p2p_backend": "torch"}, id="megatron-tp2-p2p-torch"),
+    pytest.param({"pp": 2}, {"transport": "p2p", "p2p_backend": "mooncake", "p2p_local_hostname": "127.0.0.1"},
+                 id="megatron-pp2-p2p-mooncake"),
+]
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("tp,pp", LAYOUTS)
-def test_megatron_trainer_syncs_three_versions_exactly(served, tp, pp):
-    """Each synced version: the server's greedy tokens are transformers' on the sent tensors; version reported."""
+@pytest.mark.parametrize("parallel,transport", RUNS)
+def test_megatron_trainer_syncs_three_versions_exactly(served, parallel, transport):
+    """Each synced version: the server's greedy tokens are transformers' on the sent tensors; version reported.
+    Each worker receives and keeps only its own shard: over P2P the bytes it received are its shard's, over
+    broadcast it copies only its shard out of every bucket; it holds two staging sets of its shard."""
     greedy_completion(served.url, LONG_PROMPT, 4)  # the previous weights' KV for this prefix is now cached
-    reports = run_distributed(_megatron_trainer, 2, tp, pp, served.url, settings(served.url), timeout=360)[0]
+    reports = run_distributed(megatron_job_syncs, 2, QWEN3, parallel, served.url,
+                              settings(served.url, **transport), [*PROMPTS, LONG_PROMPT], timeout=360)[0]
     for r in reports:
-        print(f"[tp={tp} pp={pp}] version {r['version']}: sync {r['sync_s']:.2f}s, tokens {r['tokens']}")
+        print(f"[{parallel} {transport.get('transport', 'broadcast')}] version {r['version']}: sync {r['sync_s']:.2f}s, "
+              f"tokens {r['tokens']}, workers {[(m['bytes'], m['shard_bytes'], m['held_bytes']) for m in r['receivers']]}")
     assert [r["version"] for r in reports] == [1, 2, 3]
     for r in reports:
         assert not r["problems"], f"version {r['version']}: " + "; ".join(r["problems"])
         assert r["reported"] == str(r["version"])
         assert r["spans"] == [(str(r["version"]), 0, 2)]
+        assert len(r["receivers"]) == WORKERS
+        for m in r["receivers"]:
+            moved = m["bytes"] if transport else m["copied_bytes"]
+            assert moved == m["shard_bytes"] > 0, m  # exactly this worker's shard
+            assert m["held_bytes"] < 2.1 * m["shard_bytes"] + (0 if transport else 2 * 0.05 * 2**20 + 4096), m
+        if transport:
+            shards = [m["shard_bytes"] for m in r["receivers"]]
+            assert sum(shards) < 1.2 * sum(t.nbytes for t in _full_model()), "workers received more than shards"
     assert len({tuple(r["tokens"]) for r in reports}) > 1, "training never changed the greedy tokens"
+
+
+def _full_model() -> list:
+    from tests.support.real_engines import hf_checkpoint
+
+    return list(hf_checkpoint(QWEN3, 0).values())
 
 
 # ---------------------------------------------------------------- a worker that fails to load
 
 
-def test_a_worker_failing_to_load_leaves_every_worker_on_the_previous_version(served, trainer):
-    """Worker 1 fails halfway through loading v2: the error names it; both workers serve v1's exact tokens."""
+@pytest.mark.parametrize("transport", [{}, {"transport": "p2p"}], ids=["broadcast", "p2p"])
+def test_a_worker_failing_to_load_leaves_every_worker_on_the_previous_version(served, trainer, transport):
+    """Worker 1 fails halfway through loading v2 (after some of its layers changed): the error names it;
+    both workers serve v1's exact tokens (worker 1 reloaded v1 from its other staging set)."""
     try:
         trainer.load(11)
-        trainer.connect(**settings(served.url))
+        trainer.connect(**settings(served.url, **transport))
         assert trainer.sync() == 1
         v1 = trainer.sent()
         with open(served.faults, "w") as f:

@@ -17,12 +17,11 @@ from converters.quant.config import (
 from converters.quant.fp8 import Fp8Block, Fp8Tensor
 from converters.quant.int4 import Int4Group, pack_int4, unpack_int4
 from converters.quant.plan import (
-    QuantPlan, dequantize, output_groups, quantize, quantized_names, shard_quantized, slice_output,
-    slice_quantized,
+    QuantPlan, dequantize, output_groups, part_specs, quantize, quantized_names, shard_quantized, slice_quantized,
 )
 
 __all__ = [
     "Fp8Block", "Fp8Tensor", "Int4Group", "QuantScheme", "QuantConfig", "TargetGroup", "QuantPlan",
     "DEFAULT_UNQUANTIZED", "parse_quantization_config", "select_targets", "quantized_names", "quantize",
-    "dequantize", "slice_quantized", "slice_output", "shard_quantized", "output_groups", "pack_int4", "unpack_int4",
+    "dequantize", "slice_quantized", "part_specs", "shard_quantized", "output_groups", "pack_int4", "unpack_int4",
 ]

@@ -1,4 +1,4 @@
-"""Helpers shared by the quantization formats: weight naming, shape checks, shard-edge checks."""
+"""Helpers shared by the quantization formats: weight naming, shape checks, row chunks."""
 
 from __future__ import annotations
 
@@ -23,19 +23,6 @@ def require_float(name: str, dtype: torch.dtype) -> None:
     """Raise ValueError unless `dtype` is a source dtype the quantizers accept (fp32, bf16, fp16)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{name!r} has dtype {dtype}; quantize from float32, bfloat16 or float16")
-
-
-def check_boundary(name: str, dim: int, index: int, size: int, unit: int, setting: str) -> None:
-    """Raise ValueError unless `index` (a shard edge along `dim`) is 0, `size`, or a multiple of `unit`."""
-    if not 0 <= index <= size:
-        raise ValueError(f"{name!r}: shard edge {index} is outside dim {dim} of size {size}")
-    if index in (0, size) or index % unit == 0:
-        return
-    raise ValueError(
-        f"{name!r}: a shard edge at index {index} of dim {dim} (size {size}) falls inside a "
-        f"quantization unit of {unit} ({setting}); pick an inference tensor-parallel size whose shards "
-        f"are multiples of {unit} along dim {dim}, or change {setting} in the HF quantization_config"
-    )
 
 
 # Quantization runs over row chunks of about this many elements: it bounds the float32 temporaries

@@ -7,7 +7,9 @@ Supported configs (anything else raises ValueError naming the key and the suppor
   would default a missing key to [128, 128]; write the key to be unambiguous).
   Every Linear is quantized except modules named *exactly* in
   `ignored_layers` / `modules_to_not_convert` (vLLM's "exact" match mode;
-  transformers also accepts prefixes and suffixes there).
+  transformers also accepts prefixes and suffixes there), and, as vLLM does,
+  a layer's routed experts are one module: an entry naming any of them keeps
+  all of that layer's experts unquantized.
 - `quant_method: compressed-tensors` with `format: pack-quantized` and
   symmetric int4 group weights without activation quantization (W4A16):
   `Int4Group`. A Linear module is quantized by the first config group whose `targets`
@@ -175,10 +177,26 @@ def _matches(module: str, entry: str) -> bool:
     return entry == module
 
 
+# vLLM builds a layer's routed experts as one module, "model.layers.{L}.mlp.experts": its fp8 method skips
+# quantizing all of them when any ignore entry naming experts contains that module's name as a substring
+# (`is_layer_skipped`, exact mode), so ignoring one expert's projection leaves the whole layer's experts
+# unquantized (and, as in vLLM, "...layers.1.mlp.experts" is a substring of "...layers.11.mlp.experts.0...").
+_ROUTED_EXPERT = re.compile(r"(?P<module>.+\.mlp\.experts)\.\d+\.[^.]+")
+# vLLM fuses these sibling projections into one module; all must share one scheme (it refuses a mix).
+_FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _ignored(module: str, config: QuantConfig) -> bool:
+    expert = _ROUTED_EXPERT.fullmatch(module)
+    if expert is not None and config.method == "fp8":
+        return any(expert["module"] in entry for entry in config.ignore if "experts" in entry)
+    return any(_matches(module, e) for e in config.ignore)
+
+
 def _scheme_for(module: str, linear: bool, config: QuantConfig) -> QuantScheme | None:
     if not linear:  # engines quantize Linear layers only, whatever a regex target matches
         return None
-    if any(_matches(module, e) for e in config.ignore):
+    if _ignored(module, config):
         return None
     for by_name in (True, False):  # a name or regex target wins over the class target
         for group in config.groups:
@@ -187,20 +205,41 @@ def _scheme_for(module: str, linear: bool, config: QuantConfig) -> QuantScheme |
     return None
 
 
+def _check_fused_siblings(names: Iterable[str], selected: Mapping[str, QuantScheme]) -> None:
+    """Raise ValueError when projections vLLM fuses into one module (q/k/v, gate/up) would get different
+    schemes: vLLM refuses such a checkpoint ("all shards of fused layers must have the same precision")."""
+    present = set(names)
+    for siblings in _FUSED_SIBLINGS:
+        for name in present:
+            parent, _, leaf = name.removesuffix(".weight").rpartition(".")
+            if leaf != siblings[0]:
+                continue
+            members = [f"{parent}.{s}.weight" for s in siblings if f"{parent}.{s}.weight" in present]
+            schemes = {m: selected.get(m) for m in members}
+            if len(set(map(repr, schemes.values()))) > 1:
+                raise ValueError(
+                    f"quantization_config quantizes the projections vLLM fuses into one module differently: "
+                    f"{ {m: (str(s) if s else 'unquantized') for m, s in schemes.items()} }; vLLM requires one "
+                    f"scheme for all of {list(siblings)}: list all or none of them in the ignore list")
+
+
 def select_targets(config: QuantConfig, hf_names: Iterable[str], is_linear_weight: IsLinearWeight, *,
                    keep_unquantized: Iterable[str] = DEFAULT_UNQUANTIZED) -> dict[str, QuantScheme]:
     """Return {hf weight name: scheme} for the weights `config` quantizes, in `hf_names` order.
 
     `is_linear_weight(name)` says whether an HF weight belongs to a Linear
     module; `keep_unquantized` holds name patterns (`{layer}`/`{expert}`
-    grammar, whole-name match) that are never quantized.
+    grammar, whole-name match) that are never quantized. Ignore entries apply
+    as vLLM applies them (routed experts per layer; fused projections alike).
     """
     keep = [compile_pattern(p) for p in keep_unquantized]
+    names = list(hf_names)
     selected = {}
-    for name in hf_names:
+    for name in names:
         if not name.endswith(".weight") or any(p.match(name) is not None for p in keep):
             continue
         scheme = _scheme_for(name[: -len(".weight")], bool(is_linear_weight(name)), config)
         if scheme is not None:
             selected[name] = scheme
+    _check_fused_siblings(names, selected)
     return selected

@@ -42,12 +42,12 @@ half the subnormal step 2**-9; |x / s| never exceeds 448, UE8M0 included.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 
 from converters.quant.base import (
-    abs_max, check_boundary, require_2d, require_float, row_chunks, weight_prefix,
+    abs_max, require_2d, require_float, row_chunks, weight_prefix,
 )
 from megatron_sync.meta import TensorMeta
 
@@ -123,8 +123,10 @@ class Fp8Block:
             scales.append(scale.view(scale.shape[0], scale.shape[2]))
         return [(name, q), (weight_prefix(name) + "weight_scale_inv", torch.cat(scales))]
 
-    def dequantize(self, name: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """Return the weight rebuilt from its e4m3 values and block scales, cast to `dtype`."""
+    def dequantize(self, name: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                   shape: Optional[tuple[int, int]] = None) -> torch.Tensor:
+        """Return the weight rebuilt from its e4m3 values and block scales, cast to `dtype` (the values
+        carry the shape; `shape` is accepted for symmetry with INT4)."""
         q, scale = tensors[name], tensors[weight_prefix(name) + "weight_scale_inv"].float()
         rows, cols = q.shape
         (bo, bi), (rb, cb) = self.block, scale.shape
@@ -133,18 +135,11 @@ class Fp8Block:
         full = scale.repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
         return (q.float() * full).to(dtype)
 
-    def slice_output(self, name: str, output: str, tensor: torch.Tensor, shape: tuple[int, int], dim: int,
-                     start: int, stop: int) -> torch.Tensor:
-        """Return the part of output `output` (the e4m3 weight or its block scales) of weight `name`, whose
-        logical shape is `shape`, that holds the weight's rows (dim 0) or cols (dim 1) [start, stop)."""
-        unit = self.block[dim]
-        for edge in (start, stop):
-            check_boundary(name, dim, edge, shape[dim], unit, "weight_block_size")
+    def output_units(self, name: str) -> dict[str, Optional[tuple[int, int]]]:
+        """Return, per output of weight `name`, the weight elements one of its elements covers along each dim
+        (the e4m3 values 1:1, a block scale one block); a shard edge must fall on a block edge."""
         weight, scale = self.output_names(name)
-        if output == weight:
-            return tensor.narrow(dim, start, stop - start)
-        assert output == scale, f"{output!r} is not an output of {name!r}"
-        return tensor.narrow(dim, start // unit, -(-stop // unit) - start // unit)
+        return {weight: (1, 1), scale: self.block}
 
 
 @dataclass(frozen=True)
@@ -178,16 +173,13 @@ class Fp8Tensor:
             q[r0:r1].copy_(x[r0:r1].to(torch.float32, copy=True).mul_(inverse).clamp_(-FP8_MAX, FP8_MAX))
         return [(name, q), (weight_prefix(name) + "weight_scale", scale)]
 
-    def dequantize(self, name: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    def dequantize(self, name: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                   shape: Optional[tuple[int, int]] = None) -> torch.Tensor:
         """Return the weight rebuilt from its e4m3 values and its scale, cast to `dtype`."""
         return (tensors[name].float() * tensors[weight_prefix(name) + "weight_scale"].float()).to(dtype)
 
-    def slice_output(self, name: str, output: str, tensor: torch.Tensor, shape: tuple[int, int], dim: int,
-                     start: int, stop: int) -> torch.Tensor:
-        """Return the part of output `output` of weight `name` holding its rows/cols [start, stop) along
-        `dim`: a narrow of the e4m3 weight; the scale, shared by every shard, whole."""
+    def output_units(self, name: str) -> dict[str, Optional[tuple[int, int]]]:
+        """Return, per output of weight `name`, the weight elements one of its elements covers along each dim:
+        the e4m3 values 1:1; the scale, shared by every shard, None (held whole)."""
         weight, scale = self.output_names(name)
-        if output == weight:
-            return tensor.narrow(dim, start, stop - start)
-        assert output == scale, f"{output!r} is not an output of {name!r}"
-        return tensor
+        return {weight: (1, 1), scale: None}

@@ -22,15 +22,14 @@ the u terms from computing x / s and q * s in that dtype).
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 
 from converters.quant.base import (
-    abs_max, check_boundary, require_2d, require_float, row_chunks, weight_prefix,
+    abs_max, require_2d, require_float, row_chunks, weight_prefix,
 )
 from megatron_sync.meta import TensorMeta
 
@@ -137,27 +136,18 @@ class Int4Group:
         q = wide.div_(scale.unsqueeze(-1).float()).to(dtype)
         return scale, q.clamp_(QMIN, QMAX).round_().add_(8)  # + 8 is exact: the unsigned nibble
 
-    def dequantize(self, name: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """Return the weight rebuilt as q * scale (in the scale dtype), cast to `dtype`."""
+    def dequantize(self, name: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                   shape: Optional[tuple[int, int]] = None) -> torch.Tensor:
+        """Return the weight rebuilt as q * scale (in the scale dtype), cast to `dtype`. `shape` is the logical
+        shape of what `tensors` hold (a shard's own); default: their `weight_shape` (a whole weight)."""
         packed, scale, _ = (tensors[n] for n in self.output_names(name))
-        rows, cols = self.logical_shape(name, tensors)
+        rows, cols = shape if shape is not None else self.logical_shape(name, tensors)
         q = unpack_int4(packed, cols).to(scale.dtype)
         return (q.view(rows, -1, self.group_size) * scale.unsqueeze(-1)).view(rows, cols).to(dtype)
 
-    def slice_output(self, name: str, output: str, tensor: torch.Tensor, shape: tuple[int, int], dim: int,
-                     start: int, stop: int) -> torch.Tensor:
-        """Return the part of output `output` of weight `name` (logical `shape`) that holds its rows (dim 0)
-        or cols (dim 1) [start, stop): packed words and scales narrowed, `weight_shape` the slice's own."""
-        unit = math.lcm(self.group_size, PACK) if dim == 1 else 1
-        for edge in (start, stop):
-            check_boundary(name, dim, edge, shape[dim], unit, _SETTING)
+    def output_units(self, name: str) -> dict[str, Optional[tuple[int, int]]]:
+        """Return, per output of weight `name`, the weight elements one of its elements covers along each dim:
+        a packed word 8 columns, a scale one group; `weight_shape` (the whole weight's) None: every shard
+        holds it whole, as vLLM loads it."""
         packed, scale, logical = self.output_names(name)
-        if output == logical:
-            local = list(shape)
-            local[dim] = stop - start
-            return torch.tensor(local, dtype=torch.int64, device=tensor.device)
-        assert output in (packed, scale), f"{output!r} is not an output of {name!r}"
-        if dim == 0:
-            return tensor.narrow(0, start, stop - start)
-        per_col = PACK if output == packed else self.group_size  # columns per packed word / per scale
-        return tensor.narrow(1, start // per_col, -(-stop // per_col) - start // per_col)
+        return {packed: (1, PACK), scale: (1, self.group_size), logical: None}

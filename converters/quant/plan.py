@@ -9,7 +9,7 @@ Unquantized names pass through every method unchanged.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
@@ -18,6 +18,7 @@ from converters.quant.config import (
 )
 from converters.quant.fp8 import Fp8Block, Fp8Tensor
 from converters.quant.int4 import Int4Group
+from megatron_sync.layout.regions import Shard, TensorSpec, weight_region
 from megatron_sync.meta import TensorMeta
 
 Layout = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
@@ -35,30 +36,40 @@ def quantize(name: str, tensor: torch.Tensor, scheme: QuantScheme) -> list[tuple
 
 
 def dequantize(name: str, tensors: Mapping[str, torch.Tensor], scheme: QuantScheme,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Return weight `name` rebuilt from its quantized tensors (keyed by their names), cast to `dtype`."""
-    return scheme.dequantize(name, tensors, dtype)
+               dtype: torch.dtype = torch.float32, shape: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+    """Return weight `name` rebuilt from its quantized tensors (keyed by their names), cast to `dtype`;
+    `shape` is the logical shape they hold (a shard's own; default: the whole weight's)."""
+    return scheme.dequantize(name, tensors, dtype, shape)
+
+
+def _part_specs(name: str, outputs: Iterable[TensorMeta], weight_shape: tuple[int, ...], scheme: QuantScheme,
+                role: Shard) -> list[TensorSpec]:
+    units = scheme.output_units(name)
+    return [TensorSpec(m.name, m.shape, m.dtype, role, weight_shape, units[m.name], units[m.name] is None)
+            for m in outputs]
+
+
+def part_specs(name: str, shape: Iterable[int], dtype: torch.dtype, scheme: QuantScheme,
+               role: Shard = Shard.REPLICATED) -> list[TensorSpec]:
+    """Return the specs of the tensors `quantize` makes from weight `name` (of `shape`, `role`): each with the
+    weight's shape and how a slice of the weight maps onto it (`TensorSpec.unit` / `whole`)."""
+    shape = tuple(shape)
+    return _part_specs(name, scheme.outputs(name, shape, dtype), shape, scheme, role)
 
 
 def slice_quantized(name: str, tensors: Mapping[str, torch.Tensor], scheme: QuantScheme, dim: int,
                     start: int, stop: int) -> dict[str, torch.Tensor]:
-    """Return the quantized tensors of weight rows (dim 0) or cols (dim 1) [start, stop), scales included.
+    """Return the quantized tensors of the whole weight `name` that hold its rows (dim 0) or cols (dim 1)
+    [start, stop), scales included (`weight_region`; a per-tensor scale and `weight_shape` whole).
 
     Raises ValueError when an edge falls inside a scale block or group.
     """
-    shape = scheme.logical_shape(name, tensors)
-    return {out: slice_output(name, out, tensors[out], scheme, shape, dim, start, stop)
-            for out in scheme.output_names(name)}
-
-
-def slice_output(name: str, output: str, tensor: torch.Tensor, scheme: QuantScheme, shape: Iterable[int],
-                 dim: int, start: int, stop: int) -> torch.Tensor:
-    """Return the part of `output` (one tensor `quantize` made from weight `name` of logical `shape`) that
-    holds the weight's rows (dim 0) or cols (dim 1) [start, stop); an engine slices one received tensor
-    at a time with it. Raises ValueError when an edge falls inside a scale block or group."""
     if dim not in (0, 1) or not 0 <= start < stop:
         raise ValueError(f"{name!r}: cannot slice dim {dim} over [{start}, {stop})")
-    return scheme.slice_output(name, output, tensor, tuple(shape), dim, start, stop)
+    outputs = [TensorMeta.of(out, tensors[out]) for out in scheme.output_names(name)]
+    specs = _part_specs(name, outputs, tuple(scheme.logical_shape(name, tensors)), scheme, Shard.REPLICATED)
+    return {spec.name: weight_region(spec, dim, start, stop - start).of(tensors[spec.name].contiguous())
+            for spec in specs}
 
 
 def shard_quantized(name: str, tensors: Mapping[str, torch.Tensor], scheme: QuantScheme, dim: int,
@@ -149,22 +160,17 @@ class QuantPlan:
         must share a bucket (literal names in the converters' pattern grammar)."""
         return output_groups(out for name, s in self.schemes.items() for out in s.output_names(name))
 
-    def slice_output(self, output: str, tensor: torch.Tensor, shape: Iterable[int], dim: int, start: int,
-                     stop: int) -> torch.Tensor:
-        """Return the part of produced tensor `output` that holds rows/cols [start, stop) along `dim` of
-        its HF weight, whose logical shape is `shape` (a narrow for an unquantized tensor)."""
-        weight = self._weight_of.get(output)
-        if weight is None:
-            return tensor.narrow(dim, start, stop - start)
-        return slice_output(weight, output, tensor, self.schemes[weight], shape, dim, start, stop)
-
-    def dequantize(self, name: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """Return HF weight `name` in `dtype`, rebuilt from its quantized tensors when it is quantized."""
+    def specs(self, name: str, shape: Iterable[int], dtype: torch.dtype, role: Shard) -> list[TensorSpec]:
+        """Return the specs of what `quantize` produces for HF tensor `name` (itself when unquantized)."""
         scheme = self.schemes.get(name)
-        return tensors[name].to(dtype) if scheme is None else scheme.dequantize(name, tensors, dtype)
+        if scheme is None:
+            return [TensorSpec(name, tuple(shape), dtype, role)]
+        return part_specs(name, shape, dtype, scheme, role)
 
-    def shard(self, name: str, tensors: Mapping[str, torch.Tensor], dim: int, rank: int, world: int
-              ) -> dict[str, torch.Tensor]:
-        """Return rank `rank`'s chunk of weight `name` and of its scales; see `shard_quantized`."""
-        return shard_quantized(name, tensors, self.schemes[name], dim, rank, world)
+    def dequantize(self, name: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                   shape: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+        """Return HF weight `name` in `dtype`, rebuilt from its quantized tensors when it is quantized;
+        `shape` is the logical shape they hold (a shard's own; default: the whole weight's)."""
+        scheme = self.schemes.get(name)
+        return tensors[name].to(dtype) if scheme is None else scheme.dequantize(name, tensors, dtype, shape)
 

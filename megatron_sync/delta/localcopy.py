@@ -27,7 +27,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from megatron_sync.delta import fsio
+import megatron_sync.delta.fsio as fsio
 from megatron_sync.delta.chain import Held
 from megatron_sync.delta.errors import CorruptFileError
 from megatron_sync.delta.manifest import TORCH_DTYPES, TensorEntry

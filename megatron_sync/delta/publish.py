@@ -24,7 +24,8 @@ import numpy as np
 import torch
 import xxhash
 
-from megatron_sync.delta import fsio, storedir
+import megatron_sync.delta.fsio as fsio
+import megatron_sync.delta.storedir as storedir
 from megatron_sync.delta.codec import Encoded, encode_delta, encode_snapshot
 from megatron_sync.delta.manifest import (
     MANIFEST, SAFETENSORS_DTYPES, Chunk, Manifest, Part, TensorEntry, digest,

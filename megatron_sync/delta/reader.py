@@ -29,7 +29,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from megatron_sync.delta import storedir
+import megatron_sync.delta.storedir as storedir
 from megatron_sync.delta.chain import ChainPlan, Held, Lease, Step, plan_chain
 from megatron_sync.delta.codec import decode_into
 from megatron_sync.delta.errors import ChainError, CorruptFileError, VersionNotPublishedError

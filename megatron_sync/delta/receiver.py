@@ -13,8 +13,9 @@ rounds over every inference rank:
 2. staged: each applier decodes the chain into its uncommitted slot and
    verifies every digest; the other ranks of its host learn the slot files.
    Nothing has touched the engine yet: this runs while it keeps generating.
-3. loaded: every rank hands its shards of the staged tensors (views into the
-   memory-mapped slot: `load_shards` copies them) to `commit`, which pauses
+3. loaded: every rank hands its params, cut from the staged tensors through its
+   engine's layout (views into the memory-mapped slot where a param is one
+   region: `load_shards` copies them), to `commit`, which pauses
    generation only for the load. Only when every rank loaded do the appliers
    commit their local copies. A rank that loaded while another failed rolls
    back to its snapshot, so no engine serves a mix of versions.
@@ -76,6 +77,7 @@ class DeltaReceiver(Receiver):
                  rank: int, version_offset: int, timeout_s: float, commit: Optional[Commit] = None,
                  metrics_path: Optional[str] = None, rollback: bool = True) -> None:
         self.engine, self.stores, self.gather, self.index, self.rank = engine, stores, gather, index, rank
+        self.layout = engine.rank_layout()
         self.version_offset, self.timeout_s = version_offset, timeout_s
         self._agreed = AgreedCommit(self._gather_agreed, index, engine, commit, rollback=rollback)
         self.metrics_path = metrics_path
@@ -210,7 +212,7 @@ class DeltaReceiver(Receiver):
         """Load this rank's shards as `target`; agree; roll back here if another rank failed to load."""
         shards, error = {}, None
         try:
-            shards = {name: self.engine.shard_of(name, full) for name, full in tensors.items()}
+            shards = self.layout.params_from(tensors)
         except Exception as e:  # noqa: BLE001 — agreed on in the round: no rank loads
             error = f"cutting this rank's shards of version {target} failed: {describe(e, limit=3)}"
         self._agreed.load_agreed(version, shards, metrics, as_version=target, error=error)

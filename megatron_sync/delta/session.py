@@ -36,7 +36,7 @@ import time
 import uuid
 from typing import Any, Callable, Optional
 
-from megatron_sync.delta import fsio
+import megatron_sync.delta.fsio as fsio
 from megatron_sync.errors import PeerFailureError
 
 SESSION = "session.json"

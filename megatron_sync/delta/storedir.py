@@ -21,7 +21,7 @@ import socket
 import time
 from typing import Optional
 
-from megatron_sync.delta import fsio
+import megatron_sync.delta.fsio as fsio
 from megatron_sync.delta.chain import Held, Lease, VersionInfo, versions_to_keep
 from megatron_sync.delta.errors import CorruptFileError
 from megatron_sync.delta.manifest import Manifest, parse_version_dirname, read_manifest, version_dirname

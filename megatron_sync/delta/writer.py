@@ -41,7 +41,7 @@ from typing import Callable, Mapping, Optional
 import numpy as np
 import torch
 
-from megatron_sync.delta import storedir
+import megatron_sync.delta.storedir as storedir
 from megatron_sync.delta.errors import DeltaError, StoreWriteError, WriterClosedError
 from megatron_sync.delta.fsio import FileLock
 from megatron_sync.delta.options import WriterOptions

@@ -1,11 +1,13 @@
 """What an inference engine exposes to the receiver, and what the trainer may drive around a sync.
 
-The receiver hands an engine full HF-checkpoint-format tensors one at a time
-and asks it for *its own* slice (under the engine's own tensor parallelism);
-it stages those slices and only calls `load_shards` once every rank of the
-engine holds every tensor of the new version. Engines never see a partial
-version. `snapshot()` lets the receiver undo a load that succeeded here but
-failed on another rank.
+An engine rank publishes its layout (`rank_layout()`, `megatron_sync.layout`):
+its params, and which region of which full HF checkpoint tensor lands where in
+them. Every transport writes through it (a receiver of full tensors copies the
+rank's regions, a point-to-point transport writes exactly those bytes) into a
+staging set of the rank's params, and calls `load_shards` only once every rank
+of the engine holds every param of the new version. Engines never see a
+partial version. `snapshot()` lets the receiver undo a load that succeeded
+here but failed on another rank, when it holds no copy of the live params.
 
 Engines driven through their own API (vLLM, SGLang) also get an
 `EngineClient` on the trainer side: the trainer's leader starts the engine's
@@ -19,15 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from megatron_sync.layout.rank import RankLayout
 from megatron_sync.meta import TensorMeta
 
 if TYPE_CHECKING:
     from megatron_sync.config import WeightSyncConfig
-    from megatron_sync.p2p.layout import EngineLayout
 
 
 @runtime_checkable
@@ -35,17 +37,19 @@ class EngineAdapter(Protocol):
     """What an engine rank implements so the receiver can update it."""
 
     def expected_tensors(self) -> list[TensorMeta]:
-        """Return the full (unsharded) HF tensors this engine loads: names, shapes, dtypes."""
+        """Return the full (unsharded) HF tensors this engine (all its ranks together) loads."""
 
-    def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """Return this rank's slice of the full tensor `name` (a view or a copy; pure)."""
+    def rank_layout(self) -> RankLayout:
+        """Return this rank's params and where each region of each full HF tensor it needs lands in them."""
 
-    def load_shards(self, shards: dict[str, torch.Tensor], version: int) -> None:
-        """Make `shards` (one entry per expected tensor) the live weights, as `version`."""
+    def load_shards(self, shards: Mapping[str, torch.Tensor], version: int) -> None:
+        """Make `shards` (one tensor per param of `rank_layout()`, by param name) the live weights, as
+        `version`. The mapping may be kept by reference: the receiver leaves it untouched until two syncs
+        later."""
 
-    def snapshot(self) -> Optional[dict[str, torch.Tensor]]:
-        """Return copies of the live shards (what `load_shards` takes back to undo a load), or None
-        when this engine cannot snapshot (a load that fails elsewhere then leaves this rank ahead)."""
+    def snapshot(self) -> Optional[Mapping[str, torch.Tensor]]:
+        """Return the live params (what `load_shards` takes back to undo a load), or None when this engine
+        cannot snapshot (a load that fails elsewhere then leaves this rank ahead)."""
 
     @property
     def version(self) -> int:
@@ -96,19 +100,6 @@ class Joining(Protocol):
 
     def wait(self, timeout_s: float) -> None:
         """Return once the engine's workers joined; raise (naming the engine) if they failed."""
-
-
-@runtime_checkable
-class LayoutEngine(EngineAdapter, Protocol):
-    """An engine rank whose memory layout is known from metadata: what a P2P transport needs.
-
-    Its layout says which region of every HF tensor each rank holds and where it lies
-    in the rank's staging memory, so trainer ranks can write exactly those bytes there
-    and the rank commits them with `load_shards(layout's shard views of the staging)`.
-    """
-
-    def memory_layout(self) -> "EngineLayout":
-        """Return the layout of this engine (all its TP ranks): `megatron_sync.p2p.layout`'s classes."""
 
 
 @runtime_checkable

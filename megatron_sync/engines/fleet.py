@@ -16,34 +16,17 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import torch
 
+from megatron_sync.config import ENGINE_CLIENTS, WeightSyncConfig, parse_engine
 from megatron_sync.engines.base import EngineClient, Joining, Rendezvous, plan_rendezvous
 from megatron_sync.errors import SyncAbortedError
 
 if TYPE_CHECKING:
-    from megatron_sync.config import WeightSyncConfig
     from megatron_sync.transport.base import Transport
 
 log = logging.getLogger("megatron_sync")
 
-ENGINE_CLIENTS = {
-    "vllm": "megatron_sync.engines.vllm.client:VLLMEngineClient",
-    "sglang": "megatron_sync.engines.sglang.client:SGLangEngineClient",
-}
-"""Kinds of `weight_sync.engines` entries -> the EngineClient class driving that engine (import paths)."""
-
 JOIN_GRACE_S = 60.0
 """How much longer than `timeout_s` a join may take: it returns only after the plan handshake."""
-
-
-def parse_engine(entry: str) -> tuple[str, str]:
-    """Return (kind, url) of one `weight_sync.engines` entry "KIND=URL"; ValueError names the fix."""
-    kind, sep, url = entry.partition("=") if isinstance(entry, str) else ("", "", "")
-    if not sep or kind not in ENGINE_CLIENTS or not url.startswith(("http://", "https://")):
-        raise ValueError(
-            f"engines entry {entry!r} is not KIND=URL with KIND one of {sorted(ENGINE_CLIENTS)} and an "
-            "http(s) URL, e.g. 'vllm=http://10.0.0.7:8000'"
-        )
-    return kind, url
 
 
 def clients_from_config(config: "WeightSyncConfig") -> list[EngineClient]:

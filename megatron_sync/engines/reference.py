@@ -5,12 +5,16 @@ the meta device, swaps its projections for tensor-parallel layers that hold only
 this rank's shard, and only then allocates memory, so no rank ever holds the
 full model. What the engine loads (names, shapes, dtypes) and how each tensor is
 split come from the model family's one home in `converters/` (each HF tensor
-row's `Shard` role); this engine maps the roles to vLLM-style slicing:
+row's `Shard` role), sliced by `megatron_sync.layout` (`Sharding`, the one
+place slices are computed) the way vLLM slices, except the vocabulary:
 
 - COLUMN (dim 0) and ROW (dim 1, outputs summed over the group) in equal chunks;
 - KV_HEADS by key/value heads, a head replicated when TP exceeds them;
-- REPLICATED as is, and VOCAB replicated too (embeddings and lm_head whole, so
+- REPLICATED as is, and VOCAB whole too (embeddings and lm_head whole, so
   every rank computes full-vocabulary logits without a gather).
+
+Its layout (`rank_layout()`) stores each HF tensor's shard as its own param,
+named like the HF tensor; `load_shards` takes those params.
 
 The engine speaks the HF checkpoint format (what the trainer sends), with
 per-expert names; transformers 5 keeps experts fused in memory
@@ -19,10 +23,10 @@ and `FUSED_EXPERTS` says where each per-expert tensor lives inside the fused one
 
 Quantized checkpoints (an HF config with a `quantization_config`): the engine
 expects the quantized names (FP8 values + `weight_scale_inv` / `weight_scale`,
-INT4 `weight_packed` / `weight_scale` / `weight_shape`), cuts a weight's
-scales with the weight (`Converter.slice_hf_tensor`: block rows with their
-weight rows), and at `load_shards` dequantizes them into its float live
-weights. It keeps the received quantized shards as they came, so `snapshot()`
+INT4 `weight_packed` / `weight_scale` / `weight_shape`), holds a weight's
+scales cut with the weight (block rows with their weight rows; a per-tensor
+scale and INT4's `weight_shape` whole, as vLLM holds them), and at
+`load_shards` dequantizes them into its float live weights. It keeps the received quantized shards as they came, so `snapshot()`
 returns the wire format and a rollback reloads exactly what was there.
 """
 
@@ -41,24 +45,15 @@ from torch import nn
 
 from converters import Shard, family_of_model_type, get_converter
 from converters.patterns import compile_pattern
-from megatron_sync.engines.tp_layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    all_reduce_,
-    even_range,
-    kv_head_range,
-    local_kv_heads,
-)
+from megatron_sync.engines.draft import build_causal_lm, draft_logits
+from megatron_sync.engines.tp_layers import ColumnParallelLinear, RowParallelLinear, all_reduce_, local_kv_heads
+from megatron_sync.layout.rank import RankLayout
+from megatron_sync.layout.regions import VOCAB_WHOLE, Sharding
+from megatron_sync.layout.roles import RoleLayout
 from megatron_sync.meta import TensorMeta
 
 if TYPE_CHECKING:
     from transformers.cache_utils import Cache
-
-    from megatron_sync.p2p.layout import EngineLayout
-
-# This engine's slicing of each role: vocabulary tensors stay whole on every rank.
-ENGINE_SPLIT = {Shard.REPLICATED: Shard.REPLICATED, Shard.VOCAB: Shard.REPLICATED,
-                Shard.COLUMN: Shard.COLUMN, Shard.ROW: Shard.ROW, Shard.KV_HEADS: Shard.KV_HEADS}
 
 # transformers 5's in-memory home of per-expert checkpoint tensors: (checkpoint pattern, fused tensor, part).
 _EXPERTS = "model.layers.{layer}.mlp.experts."
@@ -106,7 +101,8 @@ class ReferenceEngine:
     `family` names the converters family (default: the one whose `hf_model_types`
     include the config's `model_type`). `group` is the torch.distributed group of
     this engine's ranks (None: the default group); `logits` and `generate` are
-    collective over it.
+    collective over it. The engine also holds the draft (multi-token-prediction)
+    layers the config declares (`engines/draft.py`), unless `draft=False`.
     """
 
     def __init__(
@@ -118,6 +114,7 @@ class ReferenceEngine:
         group: dist.ProcessGroup | None = None,
         dtype: torch.dtype = torch.float32,
         family: str | None = None,
+        draft: bool = True,
     ):
         if not (tp_size >= 1 and 0 <= tp_rank < tp_size):
             raise ValueError(f"tp_rank={tp_rank} must lie in [0, tp_size={tp_size}) with tp_size >= 1")
@@ -130,19 +127,19 @@ class ReferenceEngine:
         self.family = family or family_of_model_type(getattr(hf_config, "model_type", None)).name
         self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
         self.config = copy.deepcopy(hf_config)
-        self.converter = get_converter(self.family, self.config, dtype=dtype)
+        self.converter = get_converter(self.family, self.config, dtype=dtype, draft=draft)
         self._expected = {m.name: m for m in self.converter.expected_metas()}  # as received (quantized names)
         self._weights = {m.name: m for m in self.converter.expected_metas(quantized=False)}  # as computed with
-        self._splits = {name: ENGINE_SPLIT[self.converter.shard_role(name)] for name in self._weights}
+        self._roles = {name: self.converter.shard_role(name) for name in self._weights}
         self._quantized_parts = {n for n in self._expected if self.converter.quant.weight_of(n) is not None}
         self._check_heads()
+        self.sharding = Sharding(tp_size, num_kv_heads=self._num_kv_heads(), vocab=VOCAB_WHOLE)
+        self._layout = RoleLayout(self.sharding).rank_layout(self.converter.tensor_specs(), tp_rank)  # edges checked
+        self._params = {p.name: p for p in self._layout.params}
         self._version = 0
         with torch.device("meta"):
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_config(self.config, dtype=dtype, experts_implementation="eager")
+            model = build_causal_lm(self.config, dtype=dtype, draft_layers=self.converter.draft_layers)
         self._index_checkpoint(model)
-        self._local_shapes = {name: self.local_shape(name) for name in self._expected}  # block edges checked here
         with torch.device("meta"):
             self._parallelize(model)
         self.model = _materialize(model)
@@ -160,38 +157,18 @@ class ReferenceEngine:
         """Return the full HF-checkpoint tensors this engine loads, in the family's order."""
         return list(self._expected.values())
 
-    def shard_dim(self, name: str) -> int | None:
-        """Return the dimension of `name` split over TP ranks (None when every rank holds all of it)."""
-        return self._split_of(name).dim
-
-    def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """Return this rank's slice of the full checkpoint tensor `name` (a view; pure).
-
-        A quantized weight's scales are cut where its values are: the scale blocks or groups
-        covering this rank's weight rows or columns.
-        """
-        self._split_of(name)
-        meta = self._expected[name]
-        if tuple(full.shape) != meta.shape:
-            raise ValueError(
-                f"{name}: got shape {tuple(full.shape)}, this {self.family} config expects {meta.shape}; "
-                "send the full (unsharded, vocab-trimmed) HF tensor for the same config"
-            )
-        if full.dtype != meta.dtype:
-            raise ValueError(f"{name}: got dtype {full.dtype}, this engine loads it as {meta.dtype}; cast before sending")
-        return self._cut(name, full)
-
-    def memory_layout(self) -> "EngineLayout":
-        """Return this engine's layout for the P2P transport: each HF tensor's shard under its own name."""
-        from megatron_sync.p2p.layout import ReferenceLayout  # p2p.layout reads ENGINE_SPLIT from here
-
-        return ReferenceLayout(self.tp_size, num_kv_heads=self._num_kv_heads())
+    def rank_layout(self) -> RankLayout:
+        """Return this rank's layout: each HF tensor's shard (`Sharding.rank_region`) as its own param."""
+        return self._layout
 
     def local_shape(self, name: str) -> tuple[int, ...]:
         """Return the shape of this rank's shard of `name`."""
-        self._split_of(name)
-        meta = self._expected[name]
-        return tuple(self._cut(name, torch.empty(meta.shape, dtype=meta.dtype, device="meta")).shape)
+        if name not in self._params:
+            raise ValueError(
+                f"{name!r} is not a tensor of this {self.family} engine; expected HF checkpoint names "
+                f"such as {next(iter(self._expected))!r} (see expected_tensors())"
+            )
+        return tuple(self._params[name].shape)
 
     # ---- live weights ----
 
@@ -209,21 +186,17 @@ class ReferenceEngine:
                 f"unexpected {unexpected[:8]} ({len(unexpected)})"
             )
         for name, shard in shards.items():
-            shape, dtype = self._local_shapes[name], self._expected[name].dtype
-            if tuple(shard.shape) != shape or shard.dtype != dtype:
+            param = self._params[name]
+            if tuple(shard.shape) != tuple(param.shape) or shard.dtype != param.dtype:
                 raise ValueError(
                     f"{name}: shard {tuple(shard.shape)} {shard.dtype} != this rank's "
-                    f"{shape} {dtype}; produce it with shard_of() of the same engine"
+                    f"{tuple(param.shape)} {param.dtype}; cut it with this engine's rank_layout()"
                 )
         quant = self.converter.quant
-        for weight in quant.schemes:  # what the values and scales dequantize to (INT4: its weight_shape)
-            shape = quant.schemes[weight].logical_shape(weight, shards)
-            if tuple(shape) != tuple(self._live[weight].shape):
-                raise ValueError(f"{weight}: its quantized shards hold shape {tuple(shape)}, this rank computes "
-                                 f"with {tuple(self._live[weight].shape)}; produce them with shard_of()")
         with torch.no_grad():
             for name, live in self._live.items():
-                live.copy_(shards[name] if name not in quant.schemes else quant.dequantize(name, shards, live.dtype))
+                live.copy_(shards[name] if name not in quant.schemes
+                           else quant.dequantize(name, shards, live.dtype, shape=tuple(live.shape)))
         self._held = {name: shards[name] for name in self._quantized_parts}
         self._version = version
 
@@ -239,6 +212,10 @@ class ReferenceEngine:
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Return full-vocabulary logits [B, S, V] for `tokens` [B, S], identical on every rank."""
         return self.model(input_ids=tokens, use_cache=False).logits
+
+    def draft_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Return the draft layers' next-token logits [depth, B, S, V] for `tokens` [B, S] (collective)."""
+        return draft_logits(self.model, tokens)
 
     @torch.no_grad()
     def forward_cached(self, tokens: torch.Tensor, cache: Cache | None = None) -> tuple[torch.Tensor, Cache]:
@@ -295,7 +272,7 @@ class ReferenceEngine:
     @property
     def _has_kv_heads(self) -> bool:
         """True for grouped-query attention (separate key/value heads), False for MLA."""
-        return Shard.KV_HEADS in self._splits.values()
+        return Shard.KV_HEADS in self._roles.values()
 
     def _index_checkpoint(self, model: nn.Module) -> None:
         """Find every weight's place in memory; every in-memory tensor must get one."""
@@ -308,7 +285,6 @@ class ReferenceEngine:
                     f"{self.family}: checkpoint tensor {name!r} has no place in transformers' "
                     f"{type(model).__name__}; the family's HF layout and the HF config disagree"
                 )
-            self._check_divisible(name, meta.shape, self._splits[name])
             self._slots[name] = slot
         covered = {slot.memory_name for slot in self._slots.values()}
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
@@ -318,35 +294,6 @@ class ReferenceEngine:
                 f"{self.family}: in-memory tensors {uncovered[:8]} of transformers' {type(model).__name__} "
                 f"are not in the family's HF layout; add HFTensor rows for them in converters/{self.family}.py"
             )
-
-    def _check_divisible(self, name: str, shape: tuple[int, ...], split: Shard) -> None:
-        if split in (Shard.COLUMN, Shard.ROW) and shape[split.dim] % self.tp_size:
-            raise ValueError(
-                f"{name}: dim {split.dim} of size {shape[split.dim]} does not divide by the engine's "
-                f"tp_size={self.tp_size}; pick a tp_size that divides it"
-            )
-
-    def _split_of(self, name: str) -> Shard:
-        if name not in self._expected:
-            raise ValueError(
-                f"{name!r} is not a tensor of this {self.family} engine; expected HF checkpoint names "
-                f"such as {next(iter(self._expected))!r} (see expected_tensors())"
-            )
-        return self._splits[self.converter.weight_of(name)]
-
-    def _range(self, split: Shard, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
-        """Return (dim, start, stop) of this rank's part of a weight of `shape` (None: all of it)."""
-        if split is Shard.REPLICATED:
-            return None
-        if split is Shard.KV_HEADS:
-            return (0, *kv_head_range(shape[0], self.config.num_key_value_heads, self.tp_rank, self.tp_size))
-        return (split.dim, *even_range(shape[split.dim], self.tp_rank, self.tp_size))
-
-    def _cut(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """Return this rank's part of checkpoint tensor `name`: its weight's range, scales cut alike."""
-        weight = self.converter.weight_of(name)
-        cut = self._range(self._splits[weight], self._weights[weight].shape)
-        return full if cut is None else self.converter.slice_hf_tensor(name, full, *cut)
 
     def _quantized_zeros(self) -> dict[str, torch.Tensor]:
         """Return the quantized shards of this rank's (zero) quantized weights: what `snapshot()`
@@ -359,13 +306,13 @@ class ReferenceEngine:
         """Swap sharded projections and fused experts for local-shard versions (on the meta device);
         give every tensor the dtype the family loads it in (DeepSeek's router stays float32)."""
         direct = {n: s for n, s in self._slots.items() if s.part is None}
-        splits = {n.removesuffix(".weight"): self._splits[n] for n in direct}
         for module_name, module in list(model.named_modules()):
             for child_name, child in list(module.named_children()):
-                full_name = f"{module_name}.{child_name}" if module_name else child_name
-                split = splits.get(full_name, Shard.REPLICATED)
-                if isinstance(child, nn.Linear) and split is not Shard.REPLICATED:
-                    setattr(module, child_name, self._tp_linear(full_name, child, split))
+                weight = f"{module_name}.{child_name}.weight" if module_name else f"{child_name}.weight"
+                if isinstance(child, nn.Linear) and weight in direct:
+                    local = tuple(self._params[weight].shape) if weight in self._params else None
+                    if local is not None and local != tuple(child.weight.shape):
+                        setattr(module, child_name, self._tp_linear(child, self._roles[weight], local))
             if isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):  # fused experts
                 self._shard_fused_experts(module)
             if hasattr(module, "num_key_value_groups"):
@@ -373,15 +320,13 @@ class ReferenceEngine:
         for name in direct:
             _set_dtype(model, name, self._weights[name].dtype)
 
-    def _tp_linear(self, name: str, linear: nn.Linear, split: Shard) -> nn.Module:
-        dim, start, stop = self._range(split, tuple(linear.weight.shape))
-        local = linear.weight.narrow(dim, start, stop - start)
+    def _tp_linear(self, linear: nn.Linear, role: Shard, local: tuple[int, ...]) -> nn.Module:
+        """Return the TP linear holding this rank's `local` shard of `linear` (summed over the group for ROW)."""
         has_bias = linear.bias is not None
-        if split is Shard.ROW:
-            return RowParallelLinear(
-                local.shape[1], linear.out_features, has_bias, linear.weight.dtype, self.group, self.tp_size
-            )
-        return ColumnParallelLinear(linear.in_features, local.shape[0], has_bias, linear.weight.dtype)
+        if role is Shard.ROW:
+            return RowParallelLinear(local[1], linear.out_features, has_bias, linear.weight.dtype, self.group,
+                                     self.tp_size)
+        return ColumnParallelLinear(linear.in_features, local[0], has_bias, linear.weight.dtype)
 
     def _shard_fused_experts(self, experts: nn.Module) -> None:
         """Keep this rank's gate/up rows ([gate_local; up_local]) and down columns; sum outputs."""

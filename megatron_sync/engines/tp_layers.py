@@ -1,9 +1,8 @@
-"""Tensor-parallel building blocks of the reference engine: pure shard slicing and TP linears.
+"""Tensor-parallel building blocks of the reference engine: TP linears and the group sum.
 
-Slicing functions take the full tensor and the rank's position and no process
-group, so they are testable without processes. The linear layers hold only
-their shard and talk to the engine's group only where a partial sum must be
-completed (row parallel).
+The linear layers hold only their shard (sliced by `megatron_sync.layout`, the
+one place slices are computed) and talk to the engine's group only where a
+partial sum must be completed (row parallel).
 """
 
 from __future__ import annotations
@@ -12,39 +11,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-
-
-def even_range(size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
-    """Return [start, stop) of chunk `tp_rank` of `tp_size` equal contiguous chunks of `size` indices."""
-    assert size % tp_size == 0, f"size {size} does not divide by tp {tp_size}"
-    step = size // tp_size
-    return tp_rank * step, (tp_rank + 1) * step
-
-
-def kv_head_range(rows: int, num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
-    """Return [start, stop) of this rank's key/value head rows among `rows` = heads * head_dim.
-
-    With more ranks than heads, each head is replicated on tp_size / num_kv_heads
-    consecutive ranks, the way vLLM and SGLang shard GQA.
-    """
-    if num_kv_heads % tp_size == 0:
-        return even_range(rows, tp_rank, tp_size)
-    assert tp_size % num_kv_heads == 0, (num_kv_heads, tp_size)
-    return even_range(rows, tp_rank // (tp_size // num_kv_heads), num_kv_heads)
-
-
-def split_even(full: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """Return chunk `tp_rank` of `tp_size` equal contiguous chunks of `full` along `dim` (a view)."""
-    start, stop = even_range(full.shape[dim], tp_rank, tp_size)
-    return full.narrow(dim, start, stop - start)
-
-
-def split_kv_heads(
-    full: torch.Tensor, num_kv_heads: int, tp_rank: int, tp_size: int
-) -> torch.Tensor:
-    """Return this rank's key/value heads of `full` (dim 0 = heads * head_dim); see `kv_head_range`."""
-    start, stop = kv_head_range(full.shape[0], num_kv_heads, tp_rank, tp_size)
-    return full.narrow(0, start, stop - start)
 
 
 def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:

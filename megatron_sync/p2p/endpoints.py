@@ -5,11 +5,15 @@ and convert only its assigned tensors), write each planned range straight into t
 memory of the inference ranks that need it, then take part in the two agreement rounds.
 All trainer ranks send at once; each receiver hears from every holder of its tensors.
 
-Receiver (every inference rank): one staging buffer holding exactly this rank's shards (its
-layout's params back to back), allocated once; receive into it, verify every range's
-checksum, then the two rounds of `transport/commit.py`: "all intact" -> commit the staged
-shards (typed views into the staging buffer) -> "all loaded", rolling back if another rank
-failed. A sender that fails tells its receivers (every rank then aborts the version together,
+Both take the endpoint of `megatron_sync.transport.p2p` (a `Transport` with `num_trainer_ranks`, `group`
+and a byte `mover`), which builds them.
+
+Receiver (every inference rank): two staging sets of exactly this rank's params (its layout's
+params back to back, `megatron_sync.layout.staging`), allocated and exposed once; a version is
+received into the set the engine does not run from (both sides flip sets after every version
+all ranks committed, so the senders know where to write), every range's checksum verified,
+then the two rounds of `transport/commit.py`: "all intact" -> commit the staged params (typed
+views into the set) -> "all loaded", rolling back from the other set if another rank failed. A sender that fails tells its receivers (every rank then aborts the version together,
 and the next sync goes ahead); a sender that dies raises PeerFailureError on the ranks
 waiting for it, and the transport must be rebuilt (see `megatron_sync/transport/p2p.py`).
 """
@@ -22,21 +26,21 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from megatron_sync.agreement import describe
+from megatron_sync.checksum import resolve_checksum
 from megatron_sync.errors import PeerFailureError, SyncError
+from megatron_sync.layout.staging import StagingSets
 from megatron_sync.metrics import PhaseTimer, SyncMetrics
 from megatron_sync.p2p.execute import fail_share, receive_shards, send_share
 from megatron_sync.p2p.handshake import PlanInputs, handshake
-from megatron_sync.p2p.layout import tensor_specs
-from megatron_sync.p2p.plan import TransferPlan, fleet_receivers, send_bytes_per_tensor
+from megatron_sync.p2p.plan import TransferPlan, send_bytes_per_tensor
 from megatron_sync.p2p.replica import DistributedReplica
-from megatron_sync.transport.base import Commit, Receiver, Sender
+from megatron_sync.transport.base import Commit, Receiver, Sender, Transport
 from megatron_sync.transport.commit import AgreedCommit, sender_rounds
 
 if TYPE_CHECKING:
     from megatron_sync.config import WeightSyncConfig
-    from megatron_sync.engines.base import LayoutEngine
+    from megatron_sync.engines.base import EngineAdapter
     from megatron_sync.stream import MegatronWeightStream
-    from megatron_sync.transport.p2p import P2PTransport
 
 log = logging.getLogger("megatron_sync")
 MiB = 2**20
@@ -45,31 +49,29 @@ MiB = 2**20
 class P2PSender(Sender):
     """The trainer half on one trainer rank (transport rank == its global trainer rank)."""
 
-    def __init__(self, transport: "P2PTransport", replica: DistributedReplica, plan: TransferPlan, *,
-                 metrics_path: Optional[str] = None) -> None:
+    def __init__(self, transport: "Transport", replica: DistributedReplica, plan: TransferPlan, *,
+                 checksum: str, metrics_path: Optional[str] = None) -> None:
         self.transport, self.replica, self.plan = transport, replica, plan
+        self.checksum = checksum
         self.metrics_path = metrics_path
         self.history: list[SyncMetrics] = []
         self.messages = len(plan.sender_queue(transport.rank))
         self._attempt = 0  # syncs so far; trainer and engines count them in step
+        self._target = 0  # the staging set every receiver takes the next version into (StagingSets.target)
 
     def sent_tensors(self) -> dict[str, torch.Tensor]:
         """Return this rank's share of the distributed replica by HF name."""
         return dict(self.replica.tensors)
 
     @classmethod
-    def connect(cls, transport: "P2PTransport", stream: "MegatronWeightStream",
+    def connect(cls, transport: "Transport", stream: "MegatronWeightStream",
                 config: "WeightSyncConfig") -> "P2PSender":
         """Return the sender after the start-up handshake (collective over the trainer job and the transport)."""
-        specs = tensor_specs(stream.converter)
+        specs = stream.converter.tensor_specs()
         built: list[DistributedReplica] = []
 
-        def build_replica(engines) -> Optional[PlanInputs]:
-            if stream.converter.quant.schemes:
-                # An INT4 weight's `weight_shape` is each shard's own shape, not a region of the full tensor.
-                raise ValueError("transport 'p2p' does not move quantized checkpoints yet (the HF config has a "
-                                 "quantization_config); use transport 'broadcast' for quantized engines")
-            cost = send_bytes_per_tensor(specs, fleet_receivers(specs, engines))
+        def build_replica(layouts) -> Optional[PlanInputs]:
+            cost = send_bytes_per_tensor(specs, layouts)
             replica = DistributedReplica(stream, rank=transport.rank, cost=cost,
                                          gather_budget_bytes=int(config.gather_budget_mb * MiB))
             built.append(replica)
@@ -82,7 +84,8 @@ class P2PSender(Sender):
         plan = handshake(transport, num_trainer_ranks=transport.num_trainer_ranks,
                          engine_tp_size=config.engine_tp_size, bucket_bytes=config.bucket_size_bytes,
                          replica=build_replica)
-        return cls(transport, built[0], plan, metrics_path=config.metrics_path)
+        return cls(transport, built[0], plan, checksum=resolve_checksum(config.checksum, transport.mover.device),
+                   metrics_path=config.metrics_path)
 
     def sync(self, version: int) -> SyncMetrics:
         """Refresh this rank's share, send it, agree; raise SyncAbortedError / PeerFailureError on failure."""
@@ -95,73 +98,72 @@ class P2PSender(Sender):
                 self.replica.refresh()
             except Exception as e:  # noqa: BLE001 — agreed on below, so every rank aborts together
                 error = f"trainer rank {rank} preparing its share: {describe(e, limit=3)}"
-            metrics.phases["gather"] += self.replica.phase_seconds.get("gather", 0.0)
-            metrics.phases["convert"] += self.replica.phase_seconds.get("convert", 0.0)
+            metrics.add("gather", self.replica.phase_seconds.get("gather", 0.0))
+            metrics.add("convert", self.replica.phase_seconds.get("convert", 0.0))
+            offsets = {i: self._target * self.plan.set_bytes(i) for i in range(len(self.plan.receivers))}
             with PhaseTimer(metrics, "transfer"):
                 if error is not None:
                     fail_share(self.plan, rank, mover, board, version=version, error=error, attempt=self._attempt)
                 else:
                     try:
                         stats = send_share(self.plan, rank, self.replica.tensors, mover, board, version=version,
-                                           attempt=self._attempt)
+                                           attempt=self._attempt, algorithm=self.checksum, set_offsets=offsets)
                         metrics.bytes, metrics.num_buckets = stats.nbytes, self.messages
+                        metrics.add("checksum", stats.checksum_seconds)
+                        metrics.phases["transfer"] -= stats.checksum_seconds
                     except PeerFailureError:
                         raise  # a receiver is gone: the transport must be rebuilt
                     except Exception as e:  # noqa: BLE001 — its receivers already have the error
                         error = f"trainer rank {rank} sending: {describe(e, limit=3)}"
             with PhaseTimer(metrics, "commit"):
                 sender_rounds(self.transport, version, error)
+            self._target = 1 - self._target  # every rank committed: the receivers flipped their sets
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
         return metrics
 
 
 class P2PReceiver(Receiver):
-    """The inference half on one inference rank: staging memory of exactly its shards."""
+    """The inference half on one inference rank: two staging sets of exactly its params."""
 
-    def __init__(self, transport: "P2PTransport", engine: "LayoutEngine", config: "WeightSyncConfig",
+    def __init__(self, transport: "Transport", engine: "EngineAdapter", config: "WeightSyncConfig",
                  commit: Optional[Commit] = None) -> None:
-        from megatron_sync.engines.base import LayoutEngine
-
         self.transport, self.engine, self.timeout_s = transport, engine, config.timeout_s
         self.index = transport.rank - transport.num_trainer_ranks
-        supported = isinstance(engine, LayoutEngine)
-
-        def layout():
-            if not supported:
-                raise TypeError(f"transport 'p2p' needs an engine that publishes its memory layout "
-                                f"(megatron_sync.engines.base.LayoutEngine); {type(engine).__name__} does not")
-            return engine.memory_layout()
-
         self.plan = handshake(transport, num_trainer_ranks=transport.num_trainer_ranks,
                               engine_tp_size=config.engine_tp_size, bucket_bytes=config.bucket_size_bytes,
-                              layout=layout, expected=engine.expected_tensors())
+                              layout=engine.rank_layout, expected=engine.expected_tensors())
         self.layout = self.plan.receivers[self.index].layout
-        self._specs = {s.name: s for s in self.plan.tensors}
-        self.staging = transport.mover.staging_buffer(self.layout.nbytes)
-        transport.mover.expose(self.index, self.staging)
-        self._agreed = AgreedCommit.over(transport, engine, commit)
+        self.checksum = resolve_checksum(config.checksum, transport.mover.device)
+        self.staging = StagingSets(self.layout, transport.mover.staging_buffer)
+        transport.mover.expose(self.index, self.staging.memory)
+        self._agreed = AgreedCommit.over(transport, engine, commit, live_shards=self.staging.live_params)
         self.metrics_path = config.metrics_path
         self.history: list[SyncMetrics] = []
         self._attempt = 0  # syncs so far; trainer and engines count them in step
 
     def receive(self, version: int) -> SyncMetrics:
-        """Receive and verify this rank's shards of `version`; commit them once every rank agrees."""
+        """Receive and verify this rank's params of `version`; commit them once every rank agrees."""
         self._attempt += 1
-        metrics = SyncMetrics(version, role="receiver", rank=self.transport.rank)
+        metrics = SyncMetrics(version, role="receiver", rank=self.transport.rank,
+                              shard_bytes=self.layout.shard_bytes, held_bytes=self.staging.nbytes)
         with PhaseTimer(metrics, "total"):
             error = None
+            staged = self.staging.begin()
             try:
                 with PhaseTimer(metrics, "transfer"):
-                    stats = receive_shards(self.plan, self.index, self.staging, self.transport.mover,
-                                           self.transport.group.board, version=version, timeout_s=self.timeout_s,
-                                           attempt=self._attempt)
+                    stats = receive_shards(self.plan, self.index, self.staging.buffer(self.staging.target),
+                                           self.transport.mover, self.transport.group.board, version=version,
+                                           timeout_s=self.timeout_s, attempt=self._attempt, algorithm=self.checksum)
                 metrics.bytes, metrics.num_buckets = stats.nbytes, len(self.plan.incoming(self.index))
+                metrics.add("checksum", stats.checksum_seconds)
+                metrics.phases["transfer"] -= stats.checksum_seconds
             except PeerFailureError:
                 raise  # a sender died or stalls: the transport must be rebuilt; the engine keeps its version
             except SyncError as e:  # a corrupt range, or a sender that reported its failure: agreed on
                 error = f"[inference rank {self.index}] {type(e).__name__}: {e}"
-            self._agreed(version, error, self.layout.shard_views(self.staging, self._specs), metrics)
+            self._agreed(version, error, staged, metrics)
+            self.staging.committed(version)
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
         return metrics

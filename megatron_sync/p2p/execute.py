@@ -1,7 +1,8 @@
 """Walking a transfer plan: senders pack and write their messages, receivers verify what landed.
 
 Out of band, on the control channel, each sender posts one report per receiver once its last
-message to that receiver is written: the xxh3-64 of every range and the bytes the transport
+message to that receiver is written: the checksum of every range (`weight_sync.checksum`, the
+one mechanism of `megatron_sync.checksum`; none with "none") and the bytes the transport
 accepted, or the error that stopped it (a sender that fails also sends filler in place of its
 unsent messages, so two-sided receives finish). A receiver waits (bounded) for its own
 receives, which fail at once when a two-sided sender dies, then for the reports of all its
@@ -18,16 +19,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import torch
-import xxhash
 
+from megatron_sync.checksum import checksum
+from megatron_sync.errors import CorruptBucketError, PeerFailureError, SenderFailedError
 from megatron_sync.p2p.movers import ByteMover, Control
 from megatron_sync.p2p.plan import Range, TransferPlan
-from megatron_sync.errors import CorruptBucketError, PeerFailureError, SenderFailedError
-
-
-def checksum(data: torch.Tensor) -> int:
-    """Return the xxh3-64 of a flat uint8 tensor's bytes (copied to host if on a device)."""
-    return xxhash.xxh3_64_intdigest(data.detach().cpu().contiguous().numpy())
 
 
 def report_key(version: int, sender: int, receiver: int, attempt: int = 0) -> str:
@@ -43,6 +39,7 @@ class TransferStats:
     bytes_per_peer: dict[int, int] = field(default_factory=dict)
     ranges: int = 0
     seconds: float = 0.0
+    checksum_seconds: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -60,11 +57,14 @@ def pack(ranges: list[Range], replica: Mapping[str, torch.Tensor], buffer: torch
 
 
 def send_share(plan: TransferPlan, sender: int, replica: Mapping[str, torch.Tensor], mover: ByteMover,
-               control: Control, *, version: int, attempt: int = 0) -> TransferStats:
+               control: Control, *, version: int, attempt: int = 0, algorithm: str = "xxh3",
+               set_offsets: Mapping[int, int] | None = None) -> TransferStats:
     """Send every message of `sender` in its queue order; post one report per receiver.
 
-    On a failure, every receiver still waiting for this sender gets the error as its
-    report (so it fails at once instead of timing out), then the error is raised.
+    `algorithm` checksums every range ("none": no checksums); `set_offsets[receiver]` is where
+    the receiver's target staging set starts in what it exposed. On a failure, every receiver
+    still waiting for this sender gets the error as its report (so it fails at once instead
+    of timing out), then the error is raised.
     """
     start = time.perf_counter()
     queue = plan.sender_queue(sender)
@@ -74,6 +74,7 @@ def send_share(plan: TransferPlan, sender: int, replica: Mapping[str, torch.Tens
     for m in queue:
         left[m.receiver] = left.get(m.receiver, 0) + 1
     sums: dict[int, list[list[int]]] = {receiver: [] for receiver in left}
+    sent = {receiver: sum(len(m.ranges) for m in queue if m.receiver == receiver) for receiver in left}
     stats = TransferStats()
     before = mover.bytes_written
     buffer = mover.send_buffer(max(m.nbytes for m in queue))
@@ -82,17 +83,20 @@ def send_share(plan: TransferPlan, sender: int, replica: Mapping[str, torch.Tens
         for done, m in enumerate(queue):
             ranges = [plan.ranges[i] for i in m.ranges]
             payload = pack(ranges, replica, buffer)
+            stats.checksum_seconds -= time.perf_counter()
             at = 0
             for r in ranges:
-                sums[m.receiver].append([r.index, checksum(payload[at:at + r.nbytes])])
+                if algorithm != "none":
+                    sums[m.receiver].append([r.index, checksum(payload[at:at + r.nbytes], algorithm)])
                 at += r.nbytes
-            mover.write(m, plan.ranges, payload)
+            stats.checksum_seconds += time.perf_counter()
+            mover.write(m, plan.ranges, payload, (set_offsets or {}).get(m.receiver, 0))
             stats.ranges += len(ranges)
             left[m.receiver] -= 1
             if left[m.receiver] == 0:
                 moved = mover.bytes_written.get(m.receiver, 0) - before.get(m.receiver, 0)
                 stats.bytes_per_peer[m.receiver] = moved
-                report = {"checksums": sums.pop(m.receiver), "bytes": moved}
+                report = {"checksums": sums.pop(m.receiver), "bytes": moved, "ranges": sent[m.receiver]}
                 control.post(report_key(version, sender, m.receiver, attempt), json.dumps(report).encode())
     except Exception as exc:
         error = f"trainer rank {sender}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
@@ -136,8 +140,10 @@ def _give_up(messages, receivers, plan: TransferPlan, mover: ByteMover, control:
 
 
 def receive_shards(plan: TransferPlan, receiver: int, staging: torch.Tensor, mover: ByteMover,
-                   control: Control, *, version: int, timeout_s: float, attempt: int = 0) -> TransferStats:
-    """Receive this receiver's ranges into `staging`, verify each checksum; return what arrived.
+                   control: Control, *, version: int, timeout_s: float, attempt: int = 0,
+                   algorithm: str = "xxh3") -> TransferStats:
+    """Receive this receiver's ranges into `staging` (its target staging set), verify each range's
+    `algorithm` checksum (none with "none"); return what arrived.
 
     Waits (bounded by `timeout_s` in all) for the receives, then for every sender's
     report. Raises PeerFailureError when a sender died or stays silent (a two-sided
@@ -157,10 +163,14 @@ def receive_shards(plan: TransferPlan, receiver: int, staging: torch.Tensor, mov
     reports = _collect_reports(control, version, attempt, receiver, sorted({m.sender for m in messages}),
                                deadline, timeout_s)
     stats = TransferStats(bytes_per_peer=arrived or {s: r["bytes"] for s, r in reports.items()})
-    stats.ranges = _verify(plan, receiver, staging, reports)
+    verify_start = time.perf_counter()
+    stats.ranges = sum(r["ranges"] for r in reports.values())
+    checked = _verify(plan, receiver, staging, reports, algorithm)
+    stats.checksum_seconds = time.perf_counter() - verify_start
     expected = sum(len(m.ranges) for m in messages)
-    if stats.ranges != expected:
-        raise CorruptBucketError(f"receiver {receiver}: {stats.ranges} ranges reported, {expected} planned")
+    if stats.ranges != expected or (algorithm != "none" and checked != expected):
+        raise CorruptBucketError(f"receiver {receiver}: {stats.ranges} ranges reported ({checked} checksummed), "
+                                 f"{expected} planned")
     stats.seconds = time.perf_counter() - start
     return stats
 
@@ -183,13 +193,14 @@ def _collect_reports(control: Control, version: int, attempt: int, receiver: int
     return reports
 
 
-def _verify(plan: TransferPlan, receiver: int, staging: torch.Tensor, reports: dict[int, dict]) -> int:
+def _verify(plan: TransferPlan, receiver: int, staging: torch.Tensor, reports: dict[int, dict],
+            algorithm: str) -> int:
     """Check every reported range's checksum against `staging`; return how many were checked."""
     checked = 0
     for sender, report in reports.items():
         for index, want in report["checksums"]:
             r = plan.ranges[index]
-            if r.receiver != receiver or checksum(staging[r.dst:r.dst + r.nbytes]) != want:
+            if r.receiver != receiver or checksum(staging[r.dst:r.dst + r.nbytes], algorithm) != want:
                 raise CorruptBucketError(
                     f"receiver {receiver}: range {index} of {r.name} (rows {r.row}..{r.row + r.rows - 1}, "
                     f"{r.nbytes} bytes from trainer rank {sender}) does not match its checksum; nothing is applied"

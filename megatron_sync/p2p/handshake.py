@@ -3,26 +3,31 @@
 Three all-gathers on the transport group, in the same order on every rank; each carries
 errors too, so a rank that fails makes every rank fail at the same step:
 
-1. every inference rank publishes its engine's layout (`LayoutEngine.memory_layout()`);
+1. every inference rank publishes its rank layout (`EngineAdapter.rank_layout()`: its
+   params and which region of which HF tensor lands where in them);
 2. the trainer ranks build the distributed replica (its assignment balances the bytes each
-   HF tensor is sent to the fleet those layouts describe) and trainer rank 0 publishes the
+   HF tensor is sent to the ranks those layouts describe) and trainer rank 0 publishes the
    plan inputs: every HF tensor with its shard role, and the trainer rank holding it;
-3. every rank builds the transfer plan from those and compares digests (and each inference
-   rank checks that the plan carries exactly the tensors its engine loads): any difference
-   fails every rank with PlanMismatchError.
+3. every rank checks every layout against those tensors (a region outside a tensor, a
+   dtype that differs, a name the trainer does not produce fails every rank naming it),
+   builds the transfer plan and compares digests (and each inference rank checks that the
+   plan carries exactly the tensors its engine loads): any difference fails every rank
+   with PlanMismatchError.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_sync.agreement import describe, failures_of
 from megatron_sync.errors import AgreedFailure
+from megatron_sync.layout.rank import RankLayout, specs_from_wire, specs_to_wire
+from megatron_sync.layout.regions import TensorSpec
 from megatron_sync.meta import TensorMeta
-from megatron_sync.p2p.layout import EngineLayout, TensorSpec, engine_layout_from_wire, specs_from_wire, specs_to_wire
 from megatron_sync.p2p.plan import TransferPlan, build_transfer_plan, fleet_receivers
-from megatron_sync.plan import agree_on_plan, coverage_problem
+from megatron_sync.plan import coverage_problem
+from megatron_sync.transport.plan_agreement import agree_on_plan
 
 if TYPE_CHECKING:
     from megatron_sync.transport.base import Transport
@@ -44,28 +49,6 @@ def exchange(transport: "Transport", what: str, produce: Callable[[], Any]) -> l
     return [value for _, value in everyone]
 
 
-def fleet_layouts(published: Sequence[dict], engine_tp_size: int) -> list[EngineLayout]:
-    """Return one layout per engine from what each inference rank published, in rank order.
-
-    Engines are runs of `engine_tp_size` consecutive inference ranks (as the inference job
-    forms them); every rank of an engine must publish the same layout of that size.
-    """
-    if len(published) % engine_tp_size:
-        raise ValueError(f"{len(published)} inference ranks do not form engines of engine_tp_size={engine_tp_size}")
-    engines = []
-    for first in range(0, len(published), engine_tp_size):
-        ranks = published[first:first + engine_tp_size]
-        if any(wire != ranks[0] for wire in ranks):
-            raise ValueError(f"the ranks of the engine at inference ranks {first}..{first + engine_tp_size - 1} "
-                             f"publish different layouts: {ranks}")
-        layout = engine_layout_from_wire(ranks[0])
-        if layout.tp_size != engine_tp_size:
-            raise ValueError(f"the engine at inference rank {first} has tp_size={layout.tp_size}, but "
-                             f"weight_sync.engine_tp_size={engine_tp_size}; make them agree")
-        engines.append(layout)
-    return engines
-
-
 @dataclass(frozen=True)
 class PlanInputs:
     """What trainer rank 0 publishes in step 2: the HF tensors and the trainer rank holding each."""
@@ -82,26 +65,30 @@ class PlanInputs:
 
 
 def handshake(transport: "Transport", *, num_trainer_ranks: int, engine_tp_size: int, bucket_bytes: int,
-              layout: Optional[Callable[[], EngineLayout]] = None,
-              replica: Optional[Callable[[list[EngineLayout]], Optional[PlanInputs]]] = None,
+              layout: Optional[Callable[[], RankLayout]] = None,
+              replica: Optional[Callable[[list[RankLayout]], Optional[PlanInputs]]] = None,
               expected: Optional[list[TensorMeta]] = None) -> TransferPlan:
     """Run the three steps; return the transfer plan every rank agreed on.
 
-    Inference ranks pass `layout` (their engine's) and `expected` (what it loads); trainer
-    ranks pass `replica(engine layouts)`, which builds this rank's replica (collective over
-    the trainer job) and returns the plan inputs on trainer rank 0 (None elsewhere).
+    Inference ranks pass `layout` (their rank's) and `expected` (what their engine loads);
+    trainer ranks pass `replica(rank layouts)`, which builds this rank's replica (collective
+    over the trainer job) and returns the plan inputs on trainer rank 0 (None elsewhere).
+    `engine_tp_size` groups inference ranks into engines (labels in the plan only).
     """
     published = exchange(transport, "publishing the engines' layouts",
                          lambda: layout().to_wire() if layout is not None else None)
-    engines = fleet_layouts(published[num_trainer_ranks:], engine_tp_size)
+    layouts = [RankLayout.from_wire(wire) for wire in published[num_trainer_ranks:]]
     inputs = exchange(transport, "building the trainer's distributed replica",
-                      lambda: _wire(replica(engines)) if replica is not None else None)[0]
+                      lambda: _wire(replica(layouts)) if replica is not None else None)[0]
     if inputs is None:
         raise AgreedFailure("P2P start-up: building the trainer's distributed replica",
                             [(0, "trainer rank 0 published no plan inputs")])
     plan_inputs = PlanInputs.from_wire(inputs)
+    specs = {s.name: s for s in plan_inputs.specs}
+    for index, rank_layout in enumerate(layouts):  # the same check, and error, on every rank
+        rank_layout.check_against(specs, who=f"inference rank {index}")
     plan = build_transfer_plan(plan_inputs.specs, plan_inputs.holders,
-                               fleet_receivers(plan_inputs.specs, engines), bucket_bytes)
+                               fleet_receivers(layouts, engine_tp_size), bucket_bytes)
     agree_on_plan(transport, plan.digest(), coverage_problem(list(plan.tensors), expected) if expected else None)
     return plan
 

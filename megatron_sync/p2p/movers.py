@@ -47,6 +47,8 @@ class ByteMover(abc.ABC):
     """Moves message payloads into receivers' staging buffers; one instance per process."""
 
     name: str
+    device: torch.device = torch.device("cpu")
+    """Where this mover's staging and send buffers live (what checksums are computed next to)."""
 
     @abc.abstractmethod
     def expose(self, receiver: int, staging: torch.Tensor) -> None:
@@ -66,8 +68,10 @@ class ByteMover(abc.ABC):
         """Sender: return a flat uint8 buffer of at least `nbytes` that payloads may be packed into."""
 
     @abc.abstractmethod
-    def write(self, message: Message, ranges: Sequence[Range], payload: torch.Tensor) -> None:
-        """Sender: deliver `payload` (the message's ranges back to back) into the receiver's staging.
+    def write(self, message: Message, ranges: Sequence[Range], payload: torch.Tensor, set_offset: int = 0) -> None:
+        """Sender: deliver `payload` (the message's ranges back to back) into the receiver's staging, in
+        the staging set that starts `set_offset` bytes into what it exposed (each range at `set_offset +
+        range.dst`; a two-sided mover's receiver chose the set when it posted its receives).
 
         Returns once the payload may be reused; raises PeerFailureError when the receiver is gone.
         """
@@ -149,7 +153,7 @@ class TorchP2PMover(ByteMover):
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._buffer
 
-    def write(self, message, ranges, payload) -> None:
+    def write(self, message, ranges, payload, set_offset: int = 0) -> None:
         self._send(message, ranges, payload)
         self._written[message.receiver] = self._written.get(message.receiver, 0) + message.nbytes
 
@@ -257,16 +261,16 @@ class MooncakeMover(ByteMover):
                 "register it first (RDMA would reject it, Mooncake's TCP transport does not check)"
             )
 
-    def write(self, message, ranges, payload) -> None:
+    def write(self, message, ranges, payload, set_offset: int = 0) -> None:
         peer = self._peer(message.receiver)
         src, dst, lengths, at = [], [], [], 0
         for i in message.ranges:
             r = ranges[i]
-            if r.dst + r.nbytes > peer["nbytes"]:
+            if set_offset + r.dst + r.nbytes > peer["nbytes"]:
                 raise ValueError(f"range {r.index} ({r.name}) ends past receiver {message.receiver}'s staging buffer")
             self._check_registered(payload.data_ptr() + at, r.nbytes, f"range {r.index} ({r.name})")
             src.append(payload.data_ptr() + at)
-            dst.append(peer["addr"] + r.dst)
+            dst.append(peer["addr"] + set_offset + r.dst)
             lengths.append(r.nbytes)
             at += r.nbytes
         if self._engine.batch_transfer_sync_write(peer["session"], src, dst, lengths) != 0:

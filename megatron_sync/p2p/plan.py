@@ -2,11 +2,13 @@
 
 Pure data, computed once from both layouts and identical on every rank (compare `digest()`):
 
-- For every receiver (an engine's TP rank) and every placement of its layout, the holder
-  of that HF tensor (from the replica assignment) sends the placement's region, cut into
-  ranges of whole rows (dim 0 of the region) of at most `bucket_bytes`. A range is
-  contiguous on both ends: the sender narrows the region to the range's rows and sends
-  them contiguous; the receiver writes them at `dst` in its flat staging buffer.
+- For every receiver (an inference rank, with the rank layout its engine published) and
+  every placement of its layout, the holder of that HF tensor (from the replica assignment)
+  sends the placement's region, cut into ranges of whole rows (dim 0 of the region) of at
+  most `bucket_bytes`. A range is contiguous on both ends: the sender takes the range's rows
+  of the region and sends them contiguous; the receiver writes them at `dst` in a staging
+  set of its params (`dst` counts from the set's start; the set a version goes to is the
+  receiver's, see `megatron_sync.layout.staging`).
 - Ranges of one (sender, receiver) pair are packed, in plan order, into messages of at most
   `bucket_bytes` (one range larger than that, a single row, travels alone).
 - Each sender walks its messages round-robin over its receivers, starting at a receiver
@@ -26,8 +28,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from megatron_sync.meta import dtype_name
-from megatron_sync.p2p.layout import EngineLayout, Placement, RankLayout, Region, TensorSpec
+from megatron_sync.layout.rank import Placement, RankLayout
+from megatron_sync.layout.regions import Region, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -55,10 +57,7 @@ class Range:
 
     def source(self, full: torch.Tensor) -> torch.Tensor:
         """Return the bytes of this range from the sender's full tensor, contiguous (uint8, flat)."""
-        part = self.region.of(full)
-        if part.dim() > 0:
-            part = part.narrow(0, self.row, self.rows)
-        return part.contiguous().view(-1).view(torch.uint8)
+        return self.region.rows(self.row, self.rows).of(full).contiguous().view(-1).view(torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -114,40 +113,35 @@ class TransferPlan:
             out[r.sender] = out.get(r.sender, 0) + r.nbytes
         return out
 
+    def set_bytes(self, receiver: int) -> int:
+        """Return the bytes of one staging set of `receiver` (where its second set starts)."""
+        return self.receivers[receiver].layout.nbytes
+
     def digest(self) -> str:
         """Return the sha256 hex digest of a canonical JSON encoding of the plan."""
         canonical = {
             "bucket_bytes": self.bucket_bytes,
-            "tensors": [[t.name, list(t.shape), dtype_name(t.dtype), t.role.value] for t in self.tensors],
-            "receivers": [[r.engine, r.rank, [[p.name, list(p.shape), dtype_name(p.dtype)] for p in r.layout.params],
-                           [_placement_wire(p) for p in r.layout.placements]] for r in self.receivers],
-            "ranges": [[r.index, r.sender, r.receiver, r.name, _region_wire(r.region), r.row, r.rows, r.dst, r.nbytes]
+            "tensors": [t.to_wire() for t in self.tensors],
+            "receivers": [[r.engine, r.rank, r.layout.to_wire()] for r in self.receivers],
+            "ranges": [[r.index, r.sender, r.receiver, r.name, r.region.to_wire(), r.row, r.rows, r.dst, r.nbytes]
                        for r in self.ranges],
             "messages": [[m.index, m.sender, m.receiver, list(m.ranges), m.nbytes] for m in self.messages],
         }
         return hashlib.sha256(json.dumps(canonical, separators=(",", ":")).encode()).hexdigest()
 
 
-def _region_wire(region: Region) -> list:
-    return [region.dim, region.start, region.length]
+def fleet_receivers(layouts: Sequence[RankLayout], ranks_per_engine: int) -> tuple[Receiver, ...]:
+    """Return every inference rank in order, with the layout it published; engines are runs of
+    `ranks_per_engine` consecutive inference ranks."""
+    return tuple(Receiver(i // ranks_per_engine, i % ranks_per_engine, layout) for i, layout in enumerate(layouts))
 
 
-def _placement_wire(p: Placement) -> list:
-    return [p.name, _region_wire(p.region), p.param, p.offset, p.nbytes]
-
-
-def fleet_receivers(tensors: Sequence[TensorSpec], engines: Sequence[EngineLayout]) -> tuple[Receiver, ...]:
-    """Return every inference rank of the fleet in order (engine 0's ranks, then engine 1's, ...)."""
-    return tuple(Receiver(e, rank, engine.rank_layout(tensors, rank))
-                 for e, engine in enumerate(engines) for rank in range(engine.tp_size))
-
-
-def send_bytes_per_tensor(tensors: Sequence[TensorSpec], receivers: Sequence[Receiver]) -> dict[str, int]:
-    """Return the bytes each HF tensor is sent in total (over all receivers): its holder's sending cost."""
+def send_bytes_per_tensor(tensors: Sequence[TensorSpec], layouts: Sequence[RankLayout]) -> dict[str, int]:
+    """Return the bytes each HF tensor is sent in total (to every rank layout): its holder's sending cost."""
     sent = {t.name: 0 for t in tensors}
-    for receiver in receivers:
-        for p in receiver.layout.placements:
-            sent[p.name] += p.nbytes
+    for layout in layouts:
+        for p in layout.placements:
+            sent[p.name] = sent.get(p.name, 0) + p.nbytes
     return sent
 
 
@@ -159,7 +153,7 @@ def build_transfer_plan(tensors: Sequence[TensorSpec], holders: Mapping[str, int
     specs = {t.name: t for t in tensors}
     ranges: list[Range] = []
     for index, receiver in enumerate(receivers):
-        offsets = receiver.layout.param_offsets()
+        offsets = receiver.layout.param_offsets
         for p in receiver.layout.placements:
             if p.name not in specs or p.name not in holders:
                 raise ValueError(
@@ -168,14 +162,14 @@ def build_transfer_plan(tensors: Sequence[TensorSpec], holders: Mapping[str, int
                     "the trainer's HF tensors and the engine's layout must cover the same names"
                 )
             for row, rows, start, nbytes in _row_ranges(specs[p.name], p, bucket_bytes):
-                ranges.append(Range(len(ranges), holders[p.name], index, p.name, p.region, row, rows,
+                ranges.append(Range(len(ranges), holders[p.name], index, p.name, p.source, row, rows,
                                     offsets[p.param] + p.offset + start, nbytes))
     return TransferPlan(tuple(tensors), tuple(receivers), tuple(ranges), _messages(ranges, bucket_bytes), bucket_bytes)
 
 
 def _row_ranges(spec: TensorSpec, p: Placement, bucket_bytes: int) -> list[tuple[int, int, int, int]]:
     """Return (first row, rows, byte offset in the shard, bytes) pieces of placement `p`, each <= the bucket."""
-    shape = p.region.shape(spec.shape)
+    shape = p.source.sizes
     if not shape or shape[0] == 0:
         return [(0, 1 if not shape else 0, 0, p.nbytes)] if p.nbytes else []
     row_bytes = math.prod(shape[1:]) * spec.dtype.itemsize

@@ -8,9 +8,9 @@ and bucket size; an inference job whose `transport` is `auto` adopts them from t
 (`adopt_host_choice`), so both jobs always agree.
 
 Candidates are the transports that meet at the sync session and can run this job: broadcast, and p2p
-unless the engines are driven over HTTP (p2p writes into megatron-sync inference ranks) or the
-checkpoint is quantized (p2p refuses it). disk_delta meets through files, so the session cannot tell
-its engines; it is predicted by the report but not chosen here.
+unless the engines are SGLang servers (SGLang's update API does not expose its ranks' memory; p2p is
+refused for them). disk_delta meets through files, so the session cannot tell its engines; it is
+predicted by the report but not chosen here.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from megatron_sync.config import parse_engine
 from megatron_sync.scale.hardware import HardwareProfile, profile_named, profile_names
 from megatron_sync.scale.layouts import FleetLayout, TrainerLayout
 from megatron_sync.scale.plans import ScalePlanner
@@ -67,13 +68,11 @@ class Choice:
                    tuple(Candidate(*c) for c in wire["candidates"]))
 
 
-def exclusions(*, quantized: bool, driven_engines: bool) -> dict[str, str]:
+def exclusions(*, sglang_engines: bool) -> dict[str, str]:
     """Return transport -> why it cannot run a job with these properties."""
     out = {"disk_delta": "its engines meet through files, so the sync session cannot announce the choice"}
-    if driven_engines:
-        out["p2p"] = "the engines are driven over HTTP (weight_sync.engines); p2p writes into megatron-sync ranks"
-    elif quantized:
-        out["p2p"] = "the checkpoint is quantized (quantization_config); p2p does not move quantized checkpoints"
+    if sglang_engines:
+        out["p2p"] = "the engines are SGLang servers, whose update API does not expose their ranks' memory"
     return out
 
 
@@ -121,11 +120,10 @@ def resolve(config: Any, layout: Any, family: str, hf_config: Any) -> Choice:
     profile = profile_named(config.hardware_profile)
     gpus = int(profile.gpus_per_node.value)
     planner = ScalePlanner(family, hf_config, trainer_layout_of(layout, gpus), fleet_layout_of(config, gpus),
-                           dtype=config.dtype)
-    quantized = bool(planner.converter.quant.schemes)
-    checksum = config.checksum != "none"
-    return choose(planner, profile, excluded=exclusions(quantized=quantized, driven_engines=bool(config.engines)),
-                  options=SyncOptions(checksum=checksum, pause_resume=bool(config.engines)))
+                           dtype=config.dtype, draft=config.draft == "sync")
+    sglang = any(parse_engine(entry)[0] == "sglang" for entry in config.engines)
+    return choose(planner, profile, excluded=exclusions(sglang_engines=sglang),
+                  options=SyncOptions(checksum=config.checksum != "none", pause_resume=bool(config.engines)))
 
 
 def adopt_host_choice(config: Any, host_expects: dict) -> Any:

@@ -26,6 +26,7 @@ from megatron_sync.scale.layouts import TrainerLayout
 from megatron_sync.source import ExpertSlot, Sharding, SourceTensor
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")  # a layer or expert index inside a dotted name
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")  # the checkpoint's layer of an HF tensor
 _MAKE_VOCAB_DIVISIBLE_BY = 128  # Megatron's default --make-vocab-size-divisible-by
 
 
@@ -36,16 +37,22 @@ class MegatronTensor:
     name: str
     shape: tuple[int, ...]
     sharding: Sharding
-    layer: int | None
+    layer: int | None  # the checkpoint's layer (a draft layer's is num_hidden_layers + its depth)
     expert: int | None
     template: str | None  # experts: the name with "{expert}" open
+    draft: bool = False  # Megatron's multi-token-prediction block (on the last pipeline stage)
 
 
 _MEGATRON_SPLIT = {Shard.COLUMN: 0, Shard.KV_HEADS: 0, Shard.VOCAB: 0, Shard.ROW: 1}  # role -> TP dim; else whole
-# Megatron parameters split over TP although engines replicate their HF tensor (megatron-core 0.16.1's MLA
-# builds the latent down-projections column-parallel): rule template -> TP dim.
-_MEGATRON_SPLIT_BY_RULE = {"decoder.layers.{layer}.self_attention.linear_q_down_proj.weight": 0,
-                           "decoder.layers.{layer}.self_attention.linear_kv_down_proj.weight": 0}
+# Megatron parameters split over TP although engines replicate their HF tensor (megatron-core 0.16.1 builds
+# MLA's latent down-projections and the MTP block's eh_proj column-parallel): name within a layer -> TP dim.
+_MEGATRON_SPLIT_IN_LAYER = {"self_attention.linear_q_down_proj.weight": 0,
+                            "self_attention.linear_kv_down_proj.weight": 0, "eh_proj.weight": 0}
+
+
+def _in_layer(template: str) -> str:
+    """Return a rule's Megatron name within its layer (a main layer's, or the MTP block's decoder layer's)."""
+    return template.split(".{layer}.", 1)[-1].removeprefix("transformer_layer.")
 
 
 def megatron_tensors(converter: Any, tp: int) -> list[MegatronTensor]:
@@ -59,41 +66,56 @@ def megatron_tensors(converter: Any, tp: int) -> list[MegatronTensor]:
     config) and checks that together they produce exactly the checkpoint (`check_complete`).
     """
     hf = converter.expected_hf_tensors(quantized=False)
+    main_layers = converter.config["num_hidden_layers"]
     groups: dict[str, tuple[Any, dict[str, int], list[str]]] = {}
     cache: dict = {}
     for name in hf:
-        rule, captures = _producer(converter, name, cache)
+        rule, captures = _producer(converter, name, cache, main_layers)
         megatron = rule.megatron_pattern.format(**captures)
         groups.setdefault(megatron, (rule, captures, []))[2].append(name)
     out = []
     for megatron, (rule, captures, names) in groups.items():
+        layer = captures.get("layer")
+        if rule.draft:  # the draft depth d is the checkpoint's layer num_hidden_layers + d
+            layer += main_layers
         shapes = [hf[n][0] for n in names]
         shape = (sum(s[0] for s in shapes), *shapes[0][1:])
         if rule.transform is vocab:
             shape = (_padded_vocab(shape[0], tp), *shape[1:])
-        dim = _MEGATRON_SPLIT_BY_RULE.get(rule.megatron, _MEGATRON_SPLIT.get(converter.shard_role(names[0])))
+        dim = _MEGATRON_SPLIT_IN_LAYER.get(_in_layer(rule.megatron), _MEGATRON_SPLIT.get(converter.shard_role(names[0])))
         expert = captures.get("expert")
         sharding = Sharding() if dim is None else Sharding("etp" if expert is not None else "tp", dim,
                                                            2 if rule.transform is gate_up else 1)
         template = None if expert is None else rule.megatron.replace("{layer}", str(captures["layer"]))
-        out.append(MegatronTensor(megatron, shape, sharding, captures.get("layer"), expert, template))
+        out.append(MegatronTensor(megatron, shape, sharding, layer, expert, template, rule.draft))
     return out
 
 
-def _producer(converter: Any, hf_name: str, cache: dict):
-    """Return (rule, captures) of the first rule that outputs `hf_name`; names that differ only in their
-    indices share their rule (looked up once per such shape of name)."""
-    key = _INDEX.sub("#", hf_name)
+def _producer(converter: Any, hf_name: str, cache: dict, main_layers: int):
+    """Return (rule, captures in the rule's Megatron terms) of the first rule that outputs `hf_name`: a draft
+    rule for a layer past the main ones (its depth is the layer minus `main_layers`), else a main one. Names
+    that differ only in their indices share their rule (looked up once per such shape of name)."""
+    layer = _HF_LAYER.match(hf_name)
+    draft = layer is not None and int(layer.group(1)) >= main_layers
+    key = (_INDEX.sub("#", hf_name), draft)
     found = cache.get(key)
     if found is None:
         found = cache[key] = next(
-            ((rule, i) for rule in converter.family.rules for i, pattern in enumerate(rule.hf_patterns)
-             if (c := pattern.match(hf_name)) is not None
+            ((rule, i) for rule in converter.family.rules if rule.draft == draft
+             for i, pattern in enumerate(rule.hf_patterns)
+             if (c := _megatron_captures(pattern, hf_name, draft, main_layers)) is not None
              and not converter.is_skipped(rule.megatron_pattern.format(**c))), None)
         if found is None:
             raise ValueError(f"no rule of family {converter.family.name!r} produces {hf_name}")
     rule, i = found
-    return rule, rule.hf_patterns[i].match(hf_name)
+    return rule, _megatron_captures(rule.hf_patterns[i], hf_name, draft, main_layers)
+
+
+def _megatron_captures(pattern: Any, hf_name: str, draft: bool, main_layers: int) -> dict[str, int] | None:
+    captures = pattern.match(hf_name)
+    if captures is not None and draft:
+        captures["layer"] -= main_layers
+    return captures
 
 
 def _padded_vocab(rows: int, tp: int) -> int:
@@ -116,7 +138,7 @@ def stage_units(converter: Any, trainer: TrainerLayout, train_dtype: torch.dtype
     """Return every pipeline stage's gather units (`plan_gather_units` over one rank's meta-device
     parameters: EP rank 0's local experts), skipped names removed, each in its gather dtype."""
     tensors = megatron_tensors(converter, trainer.tp)
-    layers = 1 + max((t.layer for t in tensors if t.layer is not None), default=-1)
+    layers = 1 + max((t.layer for t in tensors if t.layer is not None and not t.draft), default=-1)
     stage_of = _stage_of_layers(layers, trainer.pp, trainer.vpp)
     num_experts = 1 + max((t.expert for t in tensors if t.expert is not None), default=-1)
     num_local = num_experts // trainer.ep if num_experts else 0
@@ -146,6 +168,8 @@ def stage_units(converter: Any, trainer: TrainerLayout, train_dtype: torch.dtype
 
 
 def _stage_of_global(t: MegatronTensor, stage_of: list[int], pp: int) -> int:
+    if t.draft:
+        return pp - 1  # megatron-core puts the MTP block on the last pipeline stage
     if t.layer is not None:
         return stage_of[t.layer]
     return 0 if t.name.startswith("embedding.") else pp - 1  # final norm and output layer: the last stage

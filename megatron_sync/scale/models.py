@@ -1,14 +1,9 @@
 """The models the scale model knows by name: bundled HF configs (written from published values) and families.
 
 Each bundled `configs/*.json` is a config.json reduced to the fields that define the tensors (sizes,
-experts, attention, vocabulary, quantization), copied from the model's published config.json on the
-Hugging Face Hub (`MODELS[...].source`); no file is downloaded at run time. Any other model is given
-as a path to its config.json plus a family name.
-
-GLM-4.5 (`model_type: glm4_moe`) has no family in `converters/` yet. Until one is registered, its
-tensors come from `GLM4_MOE_STANDIN` below: a `converters.Family` composed only of the shared row
-groups (`converters.common`) and DeepSeek-V3's MoE extras, labelled as a stand-in. It is never
-registered, so the real family can take the name `glm4_moe`; `model_named` prefers a registered one.
+experts, attention, vocabulary, draft layers, quantization), copied from the model's published
+config.json on the Hugging Face Hub (`MODELS[...].source`); no file is downloaded at run time. Any other
+model is given as a path to its config.json plus a family name.
 """
 
 from __future__ import annotations
@@ -18,36 +13,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from converters import FAMILIES, Converter, Family, get_family
-from converters.base import HFTensor, Rule
-from converters.common import (
-    DENSE_MLP_HF, DENSE_MLP_RULES, EMBEDDING_HF, EMBEDDING_RULES, EXPERT_RULES, GQA_HF, GQA_RULES, H, L,
-    INPUT_NORM_RULES, NORM_HF, POST_ATTENTION_NORM_RULES, QK_NORM_HF, QK_NORM_RULES, QKV_BIAS_HF,
-    QKV_BIAS_RULES, TIED_OUTPUT_SKIP, routed_expert_hf,
-)
-from converters.deepseek_v3 import MOE_EXTRA_HF, MOE_EXTRA_RULES, ROUTER_BIAS, is_moe_layer
+from converters import Converter, get_family
 from megatron_sync.meta import dtype_from_name
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
-
-# GLM-4.5 keeps its router in the model dtype in the checkpoint; its score-correction bias is fp32
-# like DeepSeek-V3's (MOE_EXTRA_RULES).
-_GLM_ROUTER = (Rule(L + "mlp.router.weight", H + "mlp.gate.weight"),)
-GLM4_MOE_STANDIN = Family(
-    name="glm4_moe_standin",
-    rules=EMBEDDING_RULES + INPUT_NORM_RULES + POST_ATTENTION_NORM_RULES + GQA_RULES + QKV_BIAS_RULES
-    + QK_NORM_RULES + DENSE_MLP_RULES + _GLM_ROUTER + EXPERT_RULES + MOE_EXTRA_RULES,
-    hf_tensors=EMBEDDING_HF + NORM_HF + GQA_HF + QKV_BIAS_HF
-    + tuple(HFTensor(r.name, r.shape, r.shard, r.layers, when=lambda cfg: bool(cfg.get("use_qk_norm")))
-            for r in QK_NORM_HF)
-    + DENSE_MLP_HF + routed_expert_hf("n_routed_experts") + MOE_EXTRA_HF,
-    skip=TIED_OUTPUT_SKIP,
-    buffers=(ROUTER_BIAS,),
-    is_moe_layer=is_moe_layer,
-    num_experts_key="n_routed_experts",
-    hf_model_types=("glm4_moe",),
-)
-"""Stand-in for GLM-4.5 until converters/ registers a glm4_moe family (not registered anywhere)."""
 
 
 @dataclass(frozen=True)
@@ -85,23 +54,15 @@ MODELS: dict[str, ModelEntry] = {m.name: m for m in (
 )}
 
 
-def family_for(name: str) -> Family:
-    """Return the registered family `name`; for "glm4_moe" the stand-in while none is registered."""
-    if name in FAMILIES:
-        return FAMILIES[name]
-    if name == "glm4_moe":
-        return GLM4_MOE_STANDIN
-    return get_family(name)  # raises UnknownFamilyError listing the known ones
-
-
-def converter_for(family: str, hf_config: Any, *, dtype: str = "bfloat16",
-                  quantized: bool = True) -> Converter:
+def converter_for(family: str, hf_config: Any, *, dtype: str = "bfloat16", quantized: bool = True,
+                  draft: bool = True) -> Converter:
     """Return the converter of `family` over `hf_config` at engine dtype `dtype`; `quantized=False` drops the
-    config's quantization_config (the engine then computes with float weights of `dtype`)."""
+    config's quantization_config (the engine then computes with float weights of `dtype`), `draft=False`
+    the multi-token-prediction draft layers (engines that serve no draft)."""
     if not quantized:
         hf_config = {k: v for k, v in (hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()).items()
                      if k != "quantization_config"}
-    return Converter(family_for(family), hf_config, dtype=dtype_from_name(dtype))
+    return Converter(get_family(family), hf_config, dtype=dtype_from_name(dtype), draft=draft)
 
 
 def model_named(name_or_path: str, family: str | None = None) -> tuple[str, dict[str, Any]]:

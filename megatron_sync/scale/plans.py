@@ -8,7 +8,7 @@ receiver moves (`scale.summary`):
 - the Megatron side (`scale.megatron_side`): every stage's gather units from `gather.plan_gather_units`;
 - broadcast: `plan.build_plan` (buckets per stage, keep-together groups);
 - P2P: `p2p.replica.replica_units` + `p2p.assign.assign_replica` (the distributed replica) and
-  `p2p.plan.build_transfer_plan` over the engines' role-based layouts (`p2p.layout`);
+  `p2p.plan.build_transfer_plan` over the engines' role-based layouts (`layout.roles.RoleLayout`);
 - disk-delta: `delta.chain.plan_chain` (what a reader applies per sync) and the writer's chunking;
 - colocated IPC (not built): the P2P plan with each inference rank on the trainer GPU of its number.
 
@@ -21,23 +21,20 @@ candidates by (stage, EP owner) instead of scanning every rank per unit (`assign
 from __future__ import annotations
 
 import copy
-import re
 import time
 import tracemalloc
 from collections import defaultdict
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
-from converters.base import Shard
 from megatron_sync.delta.chain import Held, VersionInfo, plan_chain
 from megatron_sync.delta.options import WriterOptions
 from megatron_sync.gather import GatherUnit
-from megatron_sync.meta import TensorMeta, dtype_from_name
+from megatron_sync.layout.rank import Placement
+from megatron_sync.layout.regions import VOCAB_BLOCKS, VOCAB_WHOLE, Region, Sharding, TensorSpec
+from megatron_sync.layout.roles import RoleLayout
+from megatron_sync.meta import dtype_from_name
 from megatron_sync.p2p.assign import ReplicaAssignment, ReplicaUnit, TrainerRank, assign_replica, candidates
-from megatron_sync.p2p.layout import (
-    WHOLE, Placement, RankLayout, ReferenceLayout, Region, TensorSpec, linear_expert_range, tensor_specs,
-    vllm_vocab_rows,
-)
 from megatron_sync.p2p.plan import Receiver, build_transfer_plan, send_bytes_per_tensor
 from megatron_sync.p2p.replica import replica_units
 from megatron_sync.plan import build_plan
@@ -47,68 +44,37 @@ from megatron_sync.scale.models import converter_for
 from megatron_sync.scale.summary import Endpoint, PlanSummary, Traffic
 
 TRANSPORTS = ("broadcast", "p2p", "disk_delta", "ipc")
-_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")  # an HF routed expert's index
 
 
 # ---------------------------------------------------------------- engine layouts (role-based)
 
 
-class ServingLayout:
-    """An engine's per-rank layout for planning: the reference engine's role-based regions, with the
-    vocabulary split by rows (`vllm_vocab_rows`) when `vocab_parallel`, and routed experts whole on
-    their EP rank (`linear_expert_range`) when `expert_parallel`. One param per HF tensor."""
+def engine_layout(fleet: FleetLayout, num_kv_heads: int) -> RoleLayout:
+    """Return the role-based layout of one engine of `fleet` (vocabulary in padded blocks unless the
+    engine keeps it whole, routed experts whole on their EP rank with expert parallelism)."""
+    sharding = Sharding(fleet.tp, num_kv_heads=num_kv_heads, vocab=VOCAB_BLOCKS if fleet.vocab_parallel else VOCAB_WHOLE)
+    return RoleLayout(sharding, expert_parallel=fleet.expert_parallel)
 
-    kind = "reference"
 
-    def __init__(self, tp_size: int, *, num_kv_heads: int, num_experts: int = 0, expert_parallel: bool = False,
-                 vocab_parallel: bool = True, vocab_padding: int = 64):
-        self.tp_size, self.num_experts = tp_size, num_experts
-        self.expert_parallel, self.vocab_parallel, self.vocab_padding = expert_parallel, vocab_parallel, vocab_padding
-        self._roles = ReferenceLayout(tp_size, num_kv_heads=num_kv_heads)
-        self._owned = [linear_expert_range(num_experts, r, tp_size) for r in range(tp_size)] if num_experts else []
-        self._expert_of: dict[str, int | None] = {}
-
-    def to_wire(self) -> dict[str, Any]:
-        return self._roles.to_wire()
-
-    def region(self, spec: TensorSpec, rank: int) -> Region | None:
-        """Return the region of `spec` rank `rank` holds, or None when it holds none of it."""
-        if self.expert_parallel:
-            expert = self._expert_of.get(spec.name, -1)
-            if expert == -1:
-                found = _EXPERT.match(spec.name)
-                expert = self._expert_of[spec.name] = int(found.group(1)) if found else None
-            if expert is not None:
-                return WHOLE if expert in self._owned[rank] else None
-        if spec.role is Shard.VOCAB and self.vocab_parallel:
-            start, length, _ = vllm_vocab_rows(spec.shape[0], rank, self.tp_size, self.vocab_padding)
-            return Region(0, start, length)
-        return self._roles.region(spec, rank)
-
-    def rank_layout(self, tensors: Sequence[TensorSpec], rank: int) -> RankLayout:
-        params, placements = [], []
-        for spec in tensors:
-            region = self.region(spec, rank)
-            if region is None:
-                continue
-            params.append(TensorMeta(spec.name, region.shape(spec.shape), spec.dtype))
-            placements.append(Placement(spec.name, region, spec.name, 0, region.nbytes(spec)))
-        return RankLayout(tuple(params), tuple(placements))
+def _nbytes(region: Region, spec: TensorSpec) -> int:
+    return region.numel * spec.dtype.itemsize
 
 
 class RegionTable:
     """Every HF tensor's region on every rank of one engine, computed once per kind of tensor: tensors of
-    equal shape, dtype and role (and, with expert parallelism, equal expert index) get equal regions."""
+    equal shape, dtype, role and quantization cut (and, with expert parallelism, equal expert) get equal
+    regions."""
 
-    def __init__(self, layout: ServingLayout, specs: Sequence[TensorSpec], ranks: int):
+    def __init__(self, layout: RoleLayout, specs: Sequence[TensorSpec], ranks: int):
         self.specs, self.ranks = list(specs), ranks
+        num_experts = 1 + max((s.expert for s in self.specs if s.expert is not None), default=-1)
         cache: dict[tuple, list[Region | None]] = {}
         self.kind: list[tuple] = []
         for spec in self.specs:
-            expert = _EXPERT.match(spec.name) if layout.expert_parallel else None
-            key = (spec.shape, spec.dtype, spec.role, int(expert.group(1)) if expert else None)
+            key = (spec.shape, spec.dtype, spec.role, spec.weight_shape, spec.unit, spec.whole,
+                   spec.expert if layout.expert_parallel else None)
             if key not in cache:
-                cache[key] = [layout.region(spec, r) for r in range(ranks)]
+                cache[key] = [layout.region(spec, r, num_experts) for r in range(ranks)]
             self.kind.append(key)
         self.regions = cache
 
@@ -127,7 +93,7 @@ class RegionTable:
         for kind, n in count.items():
             for r, region in enumerate(self.regions[kind]):
                 if region is not None:
-                    nbytes[r] += n * region.nbytes(example[kind])
+                    nbytes[r] += n * _nbytes(region, example[kind])
                     tensors[r] += n
         return nbytes, tensors
 
@@ -136,7 +102,7 @@ class RegionTable:
         per_kind: dict[tuple, int] = {}
         for spec, kind in zip(self.specs, self.kind):
             if kind not in per_kind:
-                per_kind[kind] = sum(r.nbytes(spec) for r in self.regions[kind] if r is not None)
+                per_kind[kind] = sum(_nbytes(r, spec) for r in self.regions[kind] if r is not None)
         return {spec.name: per_kind[kind] for spec, kind in zip(self.specs, self.kind)}
 
 
@@ -147,21 +113,18 @@ class ScalePlanner:
     """Plans one sync of a model between two layouts, on metadata, with the project's planners."""
 
     def __init__(self, family: str, hf_config: dict, trainer: TrainerLayout, fleet: FleetLayout, *,
-                 dtype: str = "bfloat16", train_dtype: str = "bfloat16"):
+                 dtype: str = "bfloat16", train_dtype: str = "bfloat16", draft: bool = True):
         self.trainer, self.fleet = trainer, fleet
         started = time.perf_counter()
-        self.converter = converter_for(family, hf_config, dtype=dtype)
-        self.specs: list[TensorSpec] = tensor_specs(self.converter)
+        self.converter = converter_for(family, hf_config, dtype=dtype, draft=draft)
+        self.specs: list[TensorSpec] = self.converter.tensor_specs()
         self.units = stage_units(self.converter, trainer, dtype_from_name(train_dtype))
         outputs = {u.name: self.converter.convert_meta(u.name, u.full_shape, u.dtype) for us in self.units for u in us}
         self.unit_hf_bytes = {name: sum(m.nbytes for m in metas) for name, metas in outputs.items()}
         self._known = _KnownOutputs(outputs)
         self.stage_metas = [[m for u in units for m in outputs[u.name]] for units in self.units]
         self.converter.check_complete(m.name for metas in self.stage_metas for m in metas)
-        cfg = self.converter.config
-        self.engine = ServingLayout(fleet.tp, num_kv_heads=cfg.get("num_key_value_heads") or 1,
-                                    num_experts=cfg.get(self.converter.family.num_experts_key) or 0,
-                                    expert_parallel=fleet.expert_parallel, vocab_parallel=fleet.vocab_parallel)
+        self.engine = engine_layout(fleet, self.converter.config.get("num_key_value_heads") or 1)
         self.regions = RegionTable(self.engine, self.specs, fleet.tp)
         self._shards: tuple[list[int], list[int]] | None = None
         self._source_traffic: dict[int, Traffic] | None = None
@@ -229,7 +192,8 @@ class ScalePlanner:
     def assignment(self, fast: bool = True) -> ReplicaAssignment:
         """Return the distributed replica's assignment, balanced by bytes sent to the whole fleet."""
         units = [u for stage, us in enumerate(self.units) for u in replica_units(us, self._known, stage)]
-        per_engine = self.regions.sent_bytes() if fast else send_bytes_per_tensor(self.specs, self._one_engine())
+        per_engine = (self.regions.sent_bytes() if fast else
+                      send_bytes_per_tensor(self.specs, [r.layout for r in self._one_engine()]))
         cost = {name: sent * self.fleet.engines for name, sent in per_engine.items()}
         assign = assign_balanced if fast else assign_replica
         return assign(units, self.trainer.ranks(), cost=cost)
@@ -327,10 +291,10 @@ class _KnownOutputs:
     """`convert_meta` answered from the outputs the planner already computed (planners that take a
     converter ask it once more per unit)."""
 
-    def __init__(self, outputs: dict[str, list[TensorMeta]]):
+    def __init__(self, outputs: dict[str, list[Any]]):
         self._outputs = outputs
 
-    def convert_meta(self, name: str, shape: Any, dtype: torch.dtype) -> list[TensorMeta]:
+    def convert_meta(self, name: str, shape: Any, dtype: Any) -> list[Any]:
         return self._outputs[name]
 
 
@@ -384,7 +348,7 @@ def _fast_transfer_totals(specs: Sequence[TensorSpec], regions: RegionTable, hol
             key = (regions.kind[i], rank)
             sizes = cut.get(key)
             if sizes is None:
-                placement = Placement(spec.name, region, spec.name, 0, region.nbytes(spec))
+                placement = Placement(spec.name, region, spec.name, 0, _nbytes(region, spec))
                 sizes = cut[key] = [n for _, _, _, n in _row_ranges(spec, placement, bucket_bytes)]
             rec, pair = receivers[rank], (sender, rank)
             for n in sizes:
@@ -462,5 +426,5 @@ def assign_balanced(units: Sequence[ReplicaUnit], ranks: Sequence[TrainerRank], 
     return ReplicaAssignment(tuple(units), tuple(holders), ranks)
 
 
-__all__ = ["ScalePlanner", "PlanSummary", "Endpoint", "Traffic", "ServingLayout", "RegionTable", "assign_balanced",
+__all__ = ["ScalePlanner", "PlanSummary", "Endpoint", "Traffic", "engine_layout", "RegionTable", "assign_balanced",
            "TRANSPORTS"]

@@ -8,9 +8,10 @@ transport's own phase timings, and how the two halves of a sync are built
 (P2P, disk delta) plugs in without the drivers changing.
 
 `BucketTransport` is the family of transports that move the plan's buckets
-(broadcast, and any toy transport a test registers): they implement three
-byte-moving methods, and the generic `WeightSender` / `WeightReceiver` do the
-rest (replica, checksums, staging, two-phase commit, rollback). A bucket's
+(broadcast, SGLang's group, and any toy transport a test registers): they
+implement three byte-moving methods, and the generic `WeightSender` /
+`WeightReceiver` do the rest (replica, checksums, staging, two-phase commit,
+rollback); `transport.buckets.PlanBucketTransport` wires those in. A bucket's
 header follows its payload, so the sender checksums the bytes while they travel.
 """
 
@@ -233,20 +234,3 @@ class BucketTransport(Transport):
     @abc.abstractmethod
     def recv_bucket(self, bucket: BucketPlan, out: torch.Tensor) -> PendingBucket:
         """Start receiving `bucket` (every rank but its stage's source) into `out`."""
-
-    @classmethod
-    def make_sender(cls, transport: Optional["Transport"], stream: "HFWeightStream",
-                    config: "WeightSyncConfig", keep_together: KeepTogether) -> Sender:
-        from megatron_sync.sender import WeightSender
-
-        return WeightSender.connect(stream, transport, bucket_size_bytes=config.bucket_size_bytes,
-                                    keep_together=keep_together, metrics_path=config.metrics_path,
-                                    checksum=config.checksum)
-
-    def make_receiver(self, engine: "EngineAdapter", config: "WeightSyncConfig", keep_together: KeepTogether,
-                      commit: Optional[Commit] = None) -> Receiver:
-        from megatron_sync.receiver import WeightReceiver
-
-        return WeightReceiver(engine, self, bucket_size_bytes=config.bucket_size_bytes,
-                              keep_together=keep_together, metrics_path=config.metrics_path, commit=commit,
-                              checksum=config.checksum)

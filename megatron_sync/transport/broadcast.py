@@ -18,7 +18,8 @@ import torch
 
 from megatron_sync.meta import TensorMeta
 from megatron_sync.plan import BucketPlan
-from megatron_sync.transport.base import BucketHeader, BucketTransport, PendingBucket
+from megatron_sync.transport.base import BucketHeader, PendingBucket
+from megatron_sync.transport.buckets import PlanBucketTransport
 from megatron_sync.transport.control import StoreControlChannel
 from megatron_sync.transport.group import Pending, TransportGroup, transport_group_over
 
@@ -41,7 +42,7 @@ def connect_group(config: "WeightSyncConfig", session: Optional["SyncSession"], 
                                 group_name=GROUP_NAME)
 
 
-class BroadcastTransport(BucketTransport):
+class BroadcastTransport(PlanBucketTransport):
     """Transport over one TransportGroup whose first `num_stages` ranks are the stage sources."""
 
     name = "broadcast"

@@ -36,17 +36,17 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
-from megatron_sync.delta import session as sessions
+import megatron_sync.delta.session as sessions
 from megatron_sync.delta.publish import PublishStats
+from megatron_sync.delta.receiver import DeltaReceiver
+from megatron_sync.delta.sender import DeltaSender
 from megatron_sync.delta.storedir import published_versions
+from megatron_sync.delta.writer import DeltaWriter
 from megatron_sync.transport.base import Commit, Transport
 from megatron_sync.transport.control import ControlChannel, StoreControlChannel
 
 if TYPE_CHECKING:
     from megatron_sync.config import WeightSyncConfig
-    from megatron_sync.delta.receiver import DeltaReceiver
-    from megatron_sync.delta.sender import DeltaSender
-    from megatron_sync.delta.writer import DeltaWriter
     from megatron_sync.engines.base import EngineAdapter
     from megatron_sync.parallel import ParallelLayout
     from megatron_sync.plan import KeepTogether
@@ -102,8 +102,6 @@ class DiskDeltaTransport(Transport):
     @classmethod
     def connect_trainer(cls, config: "WeightSyncConfig", layout: "ParallelLayout", *,
                         session: Any = None) -> "DiskDeltaTransport":
-        from megatron_sync.delta.writer import DeltaWriter
-
         # Every stage source reads the same number: no writer of this run has published yet.
         transport = cls(config, rank=layout.pp_rank, num_stages=layout.pp, control=_LeaderOnly(),
                         version_offset=latest_version(config.delta_dir))
@@ -156,8 +154,6 @@ class DiskDeltaTransport(Transport):
     @classmethod
     def make_sender(cls, transport: Optional["Transport"], stream: "HFWeightStream", config: "WeightSyncConfig",
                     keep_together: "KeepTogether") -> "DeltaSender":
-        from megatron_sync.delta.sender import DeltaSender
-
         if transport is None:
             return DeltaSender(stream, None, version_offset=0)
         assert isinstance(transport, DiskDeltaTransport), transport
@@ -167,8 +163,6 @@ class DiskDeltaTransport(Transport):
 
     def make_receiver(self, engine: "EngineAdapter", config: "WeightSyncConfig", keep_together: "KeepTogether",
                       commit: Optional[Commit] = None) -> "DeltaReceiver":
-        from megatron_sync.delta.receiver import DeltaReceiver
-
         # keep_together needs nothing here: a version is applied whole or not at all.
         self._receiver = DeltaReceiver(
             engine, stores=[stage_store(config.delta_dir, s) for s in range(self.num_stages)],

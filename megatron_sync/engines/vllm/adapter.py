@@ -1,34 +1,39 @@
-"""One vLLM worker's model as an `EngineAdapter`: full HF tensors in, vLLM's own `load_weights` applies them.
+"""One vLLM worker's model as an `EngineAdapter`: it receives and keeps only its own shard.
 
-Runs inside a vLLM worker process (imports vLLM). The receiver hands this
-adapter a complete, checksum-verified version only after every transport
-rank agreed it arrived intact; `load_shards` then applies it through vLLM's
-layerwise reload (`initialize_layerwise_reload` -> `model.load_weights` ->
-`finalize_layerwise_reload`), the path vLLM's own weight-transfer engines use,
-so vLLM fuses q/k/v and gate/up, slices for its own TP, and re-runs each
-layer's post-load processing (CPU weight packing, quantization).
+Runs inside a vLLM worker process (imports vLLM). At join the adapter records
+its rank layout from vLLM's own weight loaders (`layout.record_rank_layout`):
+which region of which HF checkpoint tensor lands where in this worker's
+parameters (fused q/k/v and gate/up, its TP slices, its experts under EP, its
+layers under PP). Every transport writes exactly those bytes into a staging
+set of this worker's params; once every transport rank agreed they arrived
+intact, `load_shards` applies them through vLLM's layerwise reload
+(`layout.load_params`: restore each layer in checkpoint layout, copy the
+staged params in, run its post-load processing: CPU weight packing,
+quantization), so the served weights are exactly what `load_weights` of the
+full tensors would have made.
 
 Restoring the previous version. vLLM keeps no copy of the weights it
-replaces, and `finalize_layerwise_reload` would process a partially received
-layer from uninitialised memory. So a failed load never reaches it: the
-layers still waiting for weights get their live tensors back untouched, and
-the previous version is then *reloaded* through the same layerwise path from
-the previous version's checkpoint-format tensors, which this adapter keeps in
-host memory (version 0: re-read from the served checkpoint by vLLM's own
-loader). The cost is one host copy of the full model per worker between syncs:
-the receiver's staged tensors of the last committed version, kept rather than
-freed, which are also what `snapshot()` hands the receiver when a load that
-succeeded here failed on another rank.
+replaces. A load that fails before any layer changed leaves the worker as it
+was; one that fails after gives the layers still waiting their live tensors
+back and then *reloads* the previous version through the same path: from the
+previous version's staged params, which the receiver keeps (its other staging
+set: at most this worker's own shard, nothing copied), or, for version 0,
+re-read from the served checkpoint by vLLM's own loader (nothing held).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from converters import get_converter
+from megatron_sync.engines.vllm.layout import (
+    PartialLoad, abandon_layerwise_reload, alias_names, load_params, record_rank_layout, refresh_alias_layers,
+)
+from megatron_sync.layout.rank import RankLayout
 from megatron_sync.meta import TensorMeta, dtype_name
 
 log = logging.getLogger("megatron_sync")
@@ -67,23 +72,24 @@ class CheckpointWeights(Mapping):
 
 
 class VLLMModelAdapter:
-    """The `EngineAdapter` of one vLLM worker (one TP/PP rank of the engine)."""
+    """The `EngineAdapter` of one vLLM worker (one TP/PP/EP rank of the engine)."""
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, *, worker_rank: int, label: str) -> None:
         self.model, self.vllm_config = model, vllm_config
         self.worker_rank, self.label = worker_rank, label
         self._expected: list[TensorMeta] = []
+        self._layout: Optional[RankLayout] = None
         self._version = 0
-        self._live: Any = None  # the live version's tensors, what a failed load restores
+        self._live: Any = None  # the live version's params (or version 0's checkpoint), what a failed load restores
 
-    def configure(self, family: str, dtype: torch.dtype) -> None:
-        """Derive the expected HF tensors from the served model's config; check the dtype agrees.
+    def configure(self, family: str, dtype: torch.dtype, draft: bool = True) -> None:
+        """Derive the expected HF tensors from the served model's config, check the dtype agrees, and record
+        this worker's layout from vLLM's loaders.
 
-        Raises ValueError naming the fix when the trainer's dtype is not the
-        one vLLM serves (vLLM would silently cast, and exactness would be lost).
+        Raises ValueError naming the fix when the trainer's dtype is not the one vLLM serves (vLLM would
+        silently cast, and exactness would be lost), when draft (MTP) layers are involved (`_refuse_draft`),
+        or when vLLM's loaders need a tensor the trainer's family does not produce.
         """
-        from converters import get_converter
-
         model_config = self.vllm_config.model_config
         if model_config.dtype != dtype:
             raise ValueError(
@@ -92,9 +98,29 @@ class VLLMModelAdapter:
                 f"or set weight_sync.dtype: {dtype_name(model_config.dtype)}"
             )
         hf_config = model_config.hf_config.to_dict()
-        self._expected = get_converter(family, hf_config, dtype=dtype).expected_metas()
+        converter = get_converter(family, hf_config, dtype=dtype, draft=draft)
+        self._refuse_draft(converter.draft_layers)
+        self._expected = converter.expected_metas()
+        self._layout = record_rank_layout(self.model, self._expected, who=self.label)
+        self._layout.check_against({m.name: m for m in self._expected}, who=self.label)
         if self._live is None:
             self._live = CheckpointWeights(self.vllm_config, self.model, [m.name for m in self._expected])
+
+    def _refuse_draft(self, draft_layers: int) -> None:
+        """Raise ValueError when a version would carry draft layers, or vLLM runs a draft model: this
+        adapter loads vLLM's target model only (the engine vLLM hands a weight-transfer backend), whose
+        `load_weights` skips draft-layer names, so a draft would silently keep its old weights."""
+        speculative = getattr(self.vllm_config, "speculative_config", None)
+        if getattr(speculative, "draft_model_config", None) is not None:
+            raise ValueError(
+                f"{self.label}: this vLLM server runs a speculative draft model ({speculative.method}), which "
+                "megatron_sync's vLLM backend does not update (it loads the target model only); the draft would "
+                "keep its start-up weights. Serve without --speculative-config")
+        if draft_layers:
+            raise ValueError(
+                f"{self.label}: the served config declares {draft_layers} draft (MTP) layer(s) "
+                "(num_nextn_predict_layers), which vLLM's target model drops on load; set weight_sync.draft: skip "
+                "(or num_nextn_predict_layers: 0 in the served config.json)")
 
     @property
     def version(self) -> int:
@@ -102,75 +128,98 @@ class VLLMModelAdapter:
         return self._version
 
     def expected_tensors(self) -> list[TensorMeta]:
-        """Return the full HF checkpoint tensors the served model consists of."""
+        """Return the full HF checkpoint tensors the served model (every worker together) consists of."""
         return list(self._expected)
 
-    def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """Return the full tensor in host memory: vLLM's loaders take full tensors and slice for TP."""
-        return full if full.device.type == "cpu" else full.to("cpu")
+    def rank_layout(self) -> RankLayout:
+        """Return this worker's layout, recorded from vLLM's loaders at `configure`."""
+        if self._layout is None:
+            raise RuntimeError(f"{self.label}: configure() first (the layout is recorded when the worker joins)")
+        return self._layout
 
     def snapshot(self) -> Mapping:
-        """Return the live version's full tensors (no copy: they are kept between syncs), for a rollback."""
+        """Return the live version's params (no copy: the receiver keeps them), or version 0's checkpoint."""
         return self._live
 
     def load_shards(self, shards: Mapping, version: int) -> None:
-        """Make `shards` (name -> full tensor, every expected tensor) the live weights, as `version`.
+        """Make `shards` the live weights, as `version`: this worker's params (by the layout's param names),
+        or the served checkpoint (`CheckpointWeights`, version 0).
 
-        On failure the previous version is reloaded before the error is
-        raised; if even that fails, the error says the worker is unusable.
+        On failure the previous version is restored before the error is raised (see the module doc); the
+        error says what state the worker is in.
         """
         try:
-            self._load(shards.items())
+            self._load(shards)
         except Exception as error:
             self._restore_after(error, version)
-            raise
-        self._live = shards if isinstance(shards, CheckpointWeights) else dict(shards)
+            raise RuntimeError(f"{self.label}: loading version {version} failed ({_cause(error)}); "
+                               f"{self._restored}") from error
+        self._live = shards
         self._version = version
 
+    def _load(self, shards: Mapping) -> None:
+        if isinstance(shards, CheckpointWeights):
+            self._load_checkpoint(shards.items())
+        else:
+            load_params(self.model, self.vllm_config.model_config, shards)
+        _prepack_cpu_moe_experts(self.model)
+
     def _restore_after(self, error: Exception, version: int) -> None:
-        log.error("%s: loading version %d failed (%s); reloading version %d", self.label, version, error,
+        """Bring the worker back to the live version after a failed load; set `_restored` to what happened."""
+        if isinstance(error, PartialLoad) and not error.changed:
+            self._restored = f"no layer had changed: this worker still serves version {self._version}"
+            return
+        log.error("%s: loading version %d failed (%s); reloading version %d", self.label, version, _cause(error),
                   self._version)
         try:
-            self._load(self._live.items())
+            self._load(self._live)
         except Exception as restore_error:
             raise RuntimeError(
-                f"{self.label}: loading version {version} failed ({error}) and reloading version "
-                f"{self._version} failed too ({restore_error}); this worker's weights are unusable, "
+                f"{self.label}: loading version {version} failed ({_cause(error)}) and reloading version "
+                f"{self._version} failed too ({_cause(restore_error)}); this worker's weights are unusable, "
                 "restart the vLLM server"
             ) from restore_error
+        self._restored = f"reloaded version {self._version}, which this worker serves again"
 
-    def _load(self, items: WeightItems) -> None:
-        """Run one complete layerwise reload of `items`; never finalize a partially received layer."""
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload, initialize_layerwise_reload,
-        )
+    def _load_checkpoint(self, items: WeightItems) -> None:
+        """Run one complete layerwise reload of full checkpoint tensors through `load_weights`; never
+        finalize a partially received layer."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+        aliases = alias_names(self.model)  # of the live model: the reload gives each layer its own tensors
         initialize_layerwise_reload(self.model)
         try:
             loaded = self.model.load_weights(items)
-            problems = _incomplete_layers(self.model)
+            problems = _incomplete_layers(self.model, aliases)
             if problems:
                 raise RuntimeError(
                     f"vLLM's load_weights left {len(problems)} layer(s) incomplete: "
-                    f"{problems[:8]} (the trainer's HF names or shapes do not match what this vLLM "
+                    f"{problems[:8]} (the checkpoint's HF names or shapes do not match what this vLLM "
                     "model loads)"
                 )
             finalize_layerwise_reload(self.model, self.vllm_config.model_config)
-            _prepack_cpu_moe_experts(self.model)
+            refresh_alias_layers(self.model)
         except BaseException:
-            _abandon_layerwise_reload(self.model)  # no-op for layers finalize already processed
+            abandon_layerwise_reload(self.model)  # no-op for layers finalize already processed
             raise
         log.debug("%s: load_weights consumed %d parameters", self.label, len(loaded or ()))
 
 
-def _incomplete_layers(model: torch.nn.Module) -> list[str]:
+def _cause(error: BaseException) -> str:
+    """Return the message of the error behind a `PartialLoad` (or of `error` itself)."""
+    inner = error.__cause__ if isinstance(error, PartialLoad) and error.__cause__ is not None else error
+    return f"{type(inner).__name__}: {inner}"
+
+
+def _incomplete_layers(model: torch.nn.Module, aliases: set[str]) -> list[str]:
     """Return "layer: parameters never loaded" for every layer still waiting for weights after a load.
 
     A layer that is still waiting although each of its parameters received
     data is short only of padding (vocabulary rows past the real vocabulary);
     `finalize_layerwise_reload` processes it as vLLM intends. Layers without
-    parameters (rotary caches) and attention layers (processed at finalize by
-    design) are not listed.
+    parameters (rotary caches), attention layers (processed at finalize by
+    design) and layers whose parameters are another layer's (a tied lm_head:
+    vLLM loads the embedding once) are not listed.
     """
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
@@ -181,39 +230,13 @@ def _incomplete_layers(model: torch.nn.Module) -> list[str]:
         info = get_layerwise_info(layer)
         if not info.can_load() or is_deferred_attention_layer(layer):
             continue
-        params = {p for p, t in layer._parameters.items() if t is not None and p not in SKIP_LOAD_TENSORS}
+        params = {p for p, t in layer._parameters.items() if t is not None and p not in SKIP_LOAD_TENSORS
+                  and f"{name}.{p}".lstrip(".") not in aliases}
         missing = sorted(params - {p for p, _ in info.loaded_weights})
         if missing:
             problems.append(f"{name or '<model>'}: {missing} not loaded "
                             f"({info.load_numel}/{info.load_numel_total} elements)")
     return problems
-
-
-def _abandon_layerwise_reload(model: torch.nn.Module) -> None:
-    """Give every layer still in the reload state its live tensors back, unprocessed.
-
-    Layers already processed hold the new weights; the caller reloads a
-    complete version over them. Uses vLLM 0.32's `_place_kernel_tensors` (the
-    step `finalize_layerwise_reload` takes for a layer that received nothing).
-    """
-    from vllm.model_executor.model_loader.reload import layerwise
-
-    place = getattr(layerwise, "_place_kernel_tensors", None)
-    if place is None:
-        raise RuntimeError(
-            "this vLLM has no layerwise._place_kernel_tensors (megatron_sync's vLLM backend is "
-            "written against vLLM 0.32); a failed load cannot be undone safely with it"
-        )
-    for layer in model.modules():
-        info = layerwise.get_layerwise_info(layer)
-        if info.can_load():
-            if info.kernel_tensors is not None:
-                place(layer, info)
-            info.reset()
-    if hasattr(model, "_original_do_torchao_reload"):
-        model._do_torchao_reload = model._original_do_torchao_reload
-    layerwise.LOADING_LAYERS.clear()
-
 
 
 def _prepack_cpu_moe_experts(model: torch.nn.Module) -> None:

@@ -74,7 +74,7 @@ class MegatronSyncTransferEngine(WeightTransferEngine[JoinInfo, UpdateInfo]):
             self.shutdown()  # a new trainer: leave the old group first
         try:
             config = init_info.config()
-            self.adapter.configure(config.family, dtype_from_name(config.dtype))
+            self.adapter.configure(config.family, dtype_from_name(config.dtype), draft=config.draft == "sync")
             self._sync = InferenceWeightSync(config, self.adapter, num_trainer_stages=init_info.num_trainer_stages,
                                              inference_rank=init_info.first_inference_rank + self.worker_rank,
                                              hf_config=self.vllm_config.model_config.hf_config)

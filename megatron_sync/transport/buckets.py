@@ -1,0 +1,37 @@
+"""The halves of a sync for transports that move the plan's buckets: the generic sender and receiver.
+
+A bucket transport (broadcast, a test's toy) subclasses `PlanBucketTransport`
+and implements only the byte-moving methods of `BucketTransport`; the
+`WeightSender` / `WeightReceiver` pair does the rest.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from megatron_sync.receiver import WeightReceiver
+from megatron_sync.sender import WeightSender
+from megatron_sync.transport.base import BucketTransport, Commit, Receiver, Sender, Transport
+
+if TYPE_CHECKING:
+    from megatron_sync.config import WeightSyncConfig
+    from megatron_sync.engines.base import EngineAdapter
+    from megatron_sync.plan import KeepTogether
+    from megatron_sync.stream import HFWeightStream
+
+
+class PlanBucketTransport(BucketTransport):
+    """A bucket transport whose sender and receiver are the generic `WeightSender` / `WeightReceiver`."""
+
+    @classmethod
+    def make_sender(cls, transport: Optional[Transport], stream: "HFWeightStream",
+                    config: "WeightSyncConfig", keep_together: "KeepTogether") -> Sender:
+        return WeightSender.connect(stream, transport, bucket_size_bytes=config.bucket_size_bytes,
+                                    keep_together=keep_together, metrics_path=config.metrics_path,
+                                    checksum=config.checksum)
+
+    def make_receiver(self, engine: "EngineAdapter", config: "WeightSyncConfig", keep_together: "KeepTogether",
+                      commit: Optional[Commit] = None) -> Receiver:
+        return WeightReceiver(engine, self, bucket_size_bytes=config.bucket_size_bytes,
+                              keep_together=keep_together, metrics_path=config.metrics_path, commit=commit,
+                              checksum=config.checksum)
