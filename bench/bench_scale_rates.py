@@ -95,7 +95,7 @@ def fit(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
 
 
 def primitive_rates() -> dict[str, float]:
-    from megatron_sync.bucket import checksum
+    from megatron_sync.checksum import checksum
 
     src32 = torch.randn(BIG // 2)  # casting it to bf16 writes BIG bytes
     src = torch.randn(BIG // 2).to(torch.bfloat16)
