@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 CONFIG ?= configs/demo_qwen3_moe_ep2.yaml
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test bench serve-vllm clean
+.PHONY: setup demo test bench scale serve-vllm clean
 
 $(BIN)/.installed: requirements-cpu.txt pyproject.toml
 	@# Mooncake's TCP build links libibverbs.so.1 (not vendored in its wheel). Without the
@@ -31,6 +31,14 @@ test: setup
 
 bench: setup
 	PYTHONPATH=. $(BIN)/python bench/bench_sync.py
+
+# The scale model (issue 16): Kimi-K2 from 32 trainer nodes into 32 inference nodes of H100s per transport,
+# predicted sync time against model size and node count (bench/scale.png), published syncs of other systems.
+scale: setup
+	$(BIN)/python -m megatron_sync.scale predict --model kimi-k2 --profile h100 --trainer tp=8,pp=8,cp=4,ep=32 \
+	    --fleet engines=8,tp=32,ep --fp8-block 64 --phases
+	$(BIN)/python -m megatron_sync.scale sweep --profile h100 --plot bench/scale.png
+	$(BIN)/python -m megatron_sync.scale published
 
 # A vLLM server whose workers receive megatron-sync's updates (the plugin comes with `pip install -e .`):
 #   make serve-vllm MODEL=/path/to/hf_model_dir VLLM_ARGS="--port 8000 --dtype float32"

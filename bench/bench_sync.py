@@ -103,7 +103,9 @@ def summarize(name: str, mb: float, trainers: list[dict], engines: list[dict]) -
     engine = {p: statistics.fmean(_phases(e["rows"]["sync"])[p] for e in recv) for p in send}
     engine_work = max(_median([r["phases"]["checksum"] + r["phases"]["apply"] for r in e["rows"]["sync"]])
                       for e in recv)
-    out = {"model": name, "bucket_mb": mb, "buckets": source["rows"]["sync"][0]["num_buckets"],
+    rounds = [max([source["rows"]["sync"][i]["wall_s"]] + [e["rows"]["sync"][i]["wall_s"] for e in recv])
+              for i in range(reps)]
+    out = {"model": name, "bucket_mb": mb, "buckets": source["rows"]["sync"][0]["num_buckets"], "sync_rounds": rounds,
            "nbytes": source["rows"]["sync"][0]["bytes"], "send": send, "engine": engine,
            "other_gather": _median([r["phases"]["gather"] for r in other["rows"]["sync"]]),
            "overlap": _median([r["overlap_s"] for r in source["rows"]["sync"]]),
@@ -242,6 +244,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--timeline", default="moe-large", help="model whose fastest bucket size is drawn")
     parser.add_argument("--timeline-png", default=os.path.join(os.path.dirname(__file__), "timeline.png"))
     parser.add_argument("--timeout", type=float, default=1500.0, help="seconds one model may take")
+    parser.add_argument("--json", default=None, help="also write the result rows here (bench_scale_check.py reads them)")
     args = parser.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in args.models if m not in MODELS]
@@ -299,6 +302,12 @@ def main(argv=None) -> None:
         draw_timeline(args.timeline_png, ranks, title)
         print(f"\ntimeline of one {best['model']} sync at {best['bucket_mb']:g} MiB: {args.timeline_png}")
     print(f"load average at end: {load_average()}")
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine_description(), "command": " ".join(sys.argv),
+                       "rows": [{k: v for k, v in r.items() if k not in ("info", "memory")} for r in rows]}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,15 @@ class WeightSyncConfig:
     transport: str = "broadcast"
     """How bytes move: a name registered in `megatron_sync.transport` ("broadcast"; "p2p": every trainer
     rank sends its own share, with the p2p_* settings below; "disk_delta": through shared storage,
-    with the delta_* settings below; or "ipc": trainer and engines on one host, through shared memory)."""
+    with the delta_* settings below; "ipc": trainer and engines on one host, through shared memory), or
+    "auto": the trainer picks the transport and bucket size the
+    scale model predicts fastest for its layouts on `hardware_profile` (megatron_sync.scale.auto), logs
+    the choice and the prediction, and an inference job with "auto" adopts the trainer's choice."""
+
+    hardware_profile: Optional[str] = None
+    """The node type the jobs run on, for transport "auto": a profile of megatron_sync.scale.hardware
+    ("h100", "h200", "gb200", ...; "local": this machine's measured rates). Required by a trainer with
+    transport "auto"; an unknown name is refused with the list."""
 
     backend: str = "auto"
     """Collective backend of the transport group: "gloo", "nccl", or "auto"
@@ -219,7 +227,11 @@ class WeightSyncConfig:
     def __post_init__(self) -> None:
         _check_bool("enabled", self.enabled)
         _check_int("every_n_steps", self.every_n_steps, minimum=1)
-        _check_choice("transport", self.transport, tuple(transport_names()))
+        _check_choice("transport", self.transport, (*transport_names(), "auto"))
+        if self.hardware_profile is not None:
+            from megatron_sync.scale.hardware import profile_names  # a table; imported when a profile is named
+
+            _check_choice("hardware_profile", self.hardware_profile, tuple(profile_names()))
         _check_choice("backend", self.backend, BACKENDS)
         if not isinstance(self.master_address, str) or not self.master_address:
             raise ValueError("master_address must be a non-empty host name or IP, e.g. '10.0.0.1'")

@@ -114,9 +114,10 @@ def build_plan(
     if bucket_size_bytes <= 0:
         raise ValueError(f"bucket_size_bytes must be > 0, got {bucket_size_bytes}")
     _check_unique_names(stage_metas)
+    index = _KeepTogetherIndex(keep_together)  # once per plan, not per stage
     buckets: list[BucketPlan] = []
     for stage, metas in enumerate(stage_metas):
-        for members in _cut_buckets(_units(metas, keep_together), bucket_size_bytes):
+        for members in _cut_buckets(_units(metas, index), bucket_size_bytes):
             buckets.append(_layout(len(buckets), stage, members))
     return SyncPlan(tuple(buckets), bucket_size_bytes, len(stage_metas))
 
@@ -133,10 +134,9 @@ def _check_unique_names(stage_metas: Sequence[Sequence[TensorMeta]]) -> None:
             seen[m.name] = stage
 
 
-def _units(metas: Iterable[TensorMeta], keep_together: KeepTogether) -> list[list[TensorMeta]]:
+def _units(metas: Iterable[TensorMeta], index: "_KeepTogetherIndex") -> list[list[TensorMeta]]:
     """Return stream-ordered units: single tensors, or keep-together components collected at their
     first member. Groups that share a member merge (keeping together is transitive)."""
-    index = _KeepTogetherIndex(keep_together)
     metas = list(metas)
     parent: dict[tuple, tuple] = {}
 
@@ -171,8 +171,10 @@ class _KeepTogetherIndex:
         self._wildcard: list[tuple[int, Pattern]] = []
         for gi, group in enumerate(keep_together):
             for template in group:
-                pattern = compile_pattern(template)
-                if pattern.fields:
+                # A literal name (each quantized weight's values and scales: ~140k for Kimi-K2 in FP8) is a
+                # dict key; compiling a regex per name made building the plan take a minute at that size.
+                pattern = compile_pattern(template) if "{" in template else None
+                if pattern is not None and pattern.fields:
                     self._wildcard.append((gi, pattern))
                 else:
                     self._literal.setdefault(template, []).append(gi)

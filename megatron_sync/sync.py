@@ -10,8 +10,10 @@ by `weight_sync.transport` from the registry and use only the declared
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import time
 import uuid
 from concurrent.futures import Future
 from typing import Any, Callable, Optional, Sequence
@@ -37,7 +39,7 @@ from megatron_sync.parallel import ParallelLayout
 from megatron_sync.stream import MegatronWeightStream, all_stage_metadata, check_model_complete
 from megatron_sync.transport import get_transport
 from megatron_sync.transport.control import ControlMessage, ControlOp, Report
-from megatron_sync.transport.rendezvous import Identity, expectations
+from megatron_sync.transport.rendezvous import Identity, disagreements, expectations
 from megatron_sync.transport.session import DIAGNOSE_S, SyncSession, new_session_id
 
 log = logging.getLogger("megatron_sync")
@@ -118,9 +120,12 @@ class TrainerWeightSync:
         self.engines = EngineFleet([], driven=False)
         self.fleet: Optional[FleetDriver] = None  # weight_sync.fleet: engines come and go (megatron_sync.fleet)
         self._gather = torch_gather(trainer_group)
-        transport_cls = get_transport(config.transport)
         if converter is None or hf_config is not None:
             hf_config = load_hf_config(config, hf_config)
+        self.auto_choice = None  # transport auto: what the scale model chose, and its prediction
+        if config.transport == "auto":
+            config = self.config = self._resolve_auto(config, hf_config if hf_config is not None else converter.config)
+        transport_cls = get_transport(config.transport)
         try:
             if transport_cls.meets_at_store:
                 self._open_session(transport_cls, hf_config)
@@ -191,6 +196,20 @@ class TrainerWeightSync:
                 self.fleet.start()
                 self.sender = self.fleet.sender
 
+    def _resolve_auto(self, config: WeightSyncConfig, hf_config: Any) -> WeightSyncConfig:
+        """Return `config` with transport auto resolved by the scale model (every rank computes the same
+        choice from the same inputs; the ranks check that they agree), and log the choice."""
+        from megatron_sync.scale.auto import resolve
+
+        with failing_together("choosing the transport (transport: auto)", self._gather):
+            choice = resolve(config, self.layout, config.require_family(), hf_config)
+            chosen = self._gather(choice.to_wire())
+            if any(c != chosen[0] for c in chosen):
+                raise RuntimeError(f"trainer ranks resolved transport auto differently: {chosen}")
+        self.auto_choice = choice
+        log.info("%s", choice.describe())
+        return config.replace(transport=choice.transport, bucket_size_mb=choice.bucket_size_mb)
+
     def _engine_fleet(self, config: WeightSyncConfig, clients: Optional[Sequence[EngineClient]],
                       joins: bool) -> EngineFleet:
         """Return the driven engines: their clients on the leader (stage 0's source), none elsewhere."""
@@ -244,6 +263,7 @@ class TrainerWeightSync:
         trainer rank if any rank failed (the engines then keep the previous version).
         """
         version = self.version + 1
+        started = time.perf_counter()
         if self.fleet is not None:  # per-engine outcomes; raises only when the trainer failed or too few remain
             self._syncing = True
             try:
@@ -282,6 +302,11 @@ class TrainerWeightSync:
             with failing_together(f"committing version {version} on the engines", self._gather):
                 self.engines.after_sync(version, ok=True)
         self.version = version
+        if self.auto_choice is not None and self.is_leader:
+            log.info("version %d: synced in %.3f s measured; the scale model predicted %.3f s (transport auto: "
+                     "%s, %g MiB buckets, profile %s)", version, time.perf_counter() - started,
+                     self.auto_choice.predicted_s, self.auto_choice.transport, self.auto_choice.bucket_size_mb,
+                     self.auto_choice.profile)
         return metrics
 
     def release_engines(self) -> list[SyncMetrics]:
@@ -427,20 +452,35 @@ class InferenceWeightSync:
         # the same groups as the trainer's converter: the family's, plus each quantized weight with its scales
         keep_together = keep_together_of(get_family(config.require_family()),
                                          [m.name for m in engine.expected_tensors()])
-        transport_cls = get_transport(config.transport)
+        auto = config.transport == "auto"  # adopt the trainer's choice once admitted to its session
+        transport_cls = None if auto else get_transport(config.transport)
         self.transport = None
         backend = config.resolved_backend(torch.cuda.is_available())
         identity = Identity(job=job_id or "", role="inference", member=inference_rank,
                             expects=expectations(config, trainer_stages=num_trainer_stages, backend=backend,
-                                                 shares=transport_cls.shares),
+                                                 shares=transport_cls.shares if transport_cls is not None else ()),
                             model=model_fields(hf_config) if hf_config is not None else None, session=config.run_id,
                             engine=config.engine_id if config.fleet else None)
-        if hf_config is None and transport_cls.meets_at_store:
+        meets_at_store = auto or transport_cls.meets_at_store  # auto chooses among transports that do
+        if hf_config is None and meets_at_store:
             log.warning("[inference rank %d] no HF config given: the trainer cannot check that this engine's "
                         "model-defining config fields equal its own", inference_rank)
         self.session = (SyncSession.join(config.master_address, config.master_port, identity,
-                                         timeout_s=config.timeout_s) if transport_cls.meets_at_store else None)
+                                         timeout_s=config.timeout_s) if meets_at_store else None)
         try:
+            if auto:
+                from megatron_sync.scale.auto import adopt_host_choice
+
+                config = self.config = adopt_host_choice(config, dict(self.session.host_identity.expects))
+                transport_cls = get_transport(config.transport)
+                adopted = expectations(config, trainer_stages=num_trainer_stages, backend=backend,
+                                       shares=transport_cls.shares)
+                differ = disagreements(self.session.host_identity, dataclasses.replace(identity, expects=adopted))
+                if differ:
+                    raise ValueError(f"transport auto: the trainer chose {config.transport}, and this job's "
+                                     "settings of it differ: " + "; ".join(differ))
+                log.info("transport auto: the trainer chose %s with %g MiB buckets", config.transport,
+                         config.bucket_size_mb)
             if self.session is not None:
                 self.session.wait_ready()
             session, settings = self.session, config

@@ -38,6 +38,7 @@ class Expectation:
     says: str  # "{host} ... {h} ..., this {joiner} job ... {j}"
     fix: str  # where an operator sets it
     value: Optional[Callable[["WeightSyncConfig", int, str], Any]] = None
+    adoptable: bool = False  # a joiner that says "auto" takes the host's value (transport: auto)
 
 
 def _checksum(config: "WeightSyncConfig", trainer_stages: int, backend: str) -> str:
@@ -52,7 +53,7 @@ EXPECTATIONS: tuple[Expectation, ...] = (
     Expectation("world_size", "{host} expects a transport group of {h} ranks, this {joiner} job has {j}",
                 "the world size both sides pass"),
     Expectation("transport", "{host} uses transport {h}, this {joiner} job uses {j}", "weight_sync.transport",
-                lambda config, stages, backend: config.transport),
+                lambda config, stages, backend: config.transport, adoptable=True),
     Expectation("backend", "{host} uses backend {h}, this {joiner} job uses {j}", "weight_sync.backend",
                 lambda config, stages, backend: backend),
     Expectation("num_inference_ranks", "{host} expects {h} inference ranks, this {joiner} job has {j}",
@@ -68,7 +69,9 @@ EXPECTATIONS: tuple[Expectation, ...] = (
     Expectation("dtype", "{host} sends dtype {h}, this {joiner} job computes in {j}", "weight_sync.dtype",
                 lambda config, stages, backend: config.dtype),
     Expectation("bucket_size_mb", "{host} cuts buckets of {h} MiB, this {joiner} job expects {j}",
-                "weight_sync.bucket_size_mb", lambda config, stages, backend: config.bucket_size_mb),
+                "weight_sync.bucket_size_mb",
+                lambda config, stages, backend: "auto" if config.transport == "auto" else config.bucket_size_mb,
+                adoptable=True),
     Expectation("draft", "{host} handles the draft (MTP) layers with draft={h}, this {joiner} job with {j}",
                 "weight_sync.draft", lambda config, stages, backend: config.draft),
     Expectation("fleet", "{host} runs {h_fleet}, this {joiner} job {j_fleet}", "weight_sync.fleet",
@@ -90,7 +93,12 @@ COMMON = ("transport", "backend", "num_inference_ranks", "engine_tp_size", "trai
 def expectations(config: "WeightSyncConfig", *, trainer_stages: int, backend: str,
                  shares: Iterable[str] = ()) -> dict[str, Any]:
     """Return what a rank of either job assumes, from its settings (`backend`: resolved, gloo or nccl):
-    the `COMMON` rows and the transport's own `shares` (the settings its two halves must agree on)."""
+    the `COMMON` rows and the transport's own `shares` (the settings its two halves must agree on).
+
+    A job with transport "auto" that has not resolved it (an inference job) presents "auto" for the
+    transport and bucket size and no transport's own rows: it adopts the host's values once admitted,
+    then checks its own settings of the chosen transport's rows (`transport_rows_differ`).
+    """
     keys = {*COMMON, *shares}
     values = {row.key: row.value(config, trainer_stages, backend) for row in EXPECTATIONS
               if row.key in keys and row.value is not None}
@@ -146,6 +154,8 @@ def disagreements(host: Identity, joiner: Identity) -> list[str]:
     out = []
     for row in EXPECTATIONS:
         h, j = host.expects.get(row.key), joiner.expects.get(row.key)
+        if j == "auto" and row.adoptable or joiner.expects.get("transport") == "auto" and row.key not in COMMON:
+            continue  # adopted from the host; the chosen transport's own rows are checked once adopted
         if (row.key in host.expects or row.key in joiner.expects) and h != j:
             words = row.says.format(host=host.role, joiner=joiner.role, h=_show(h), j=_show(j),
                                     h_fleet=_fleet_words(h), j_fleet=_fleet_words(j))

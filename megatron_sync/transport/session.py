@@ -58,9 +58,10 @@ class SyncSession:
     """
 
     def __init__(self, store: Any, *, session_id: str, identity: Identity, address: str, port: int,
-                 timeout_s: float, admission: Optional[Admission] = None) -> None:
+                 timeout_s: float, admission: Optional[Admission] = None, host: Optional[Identity] = None) -> None:
         self.store: Optional[BoundedStore] = bounded(store, where=f"{address}:{port}", timeout_s=timeout_s)
         self.id, self.identity = session_id, identity
+        self.host_identity = host if host is not None else identity  # what the host presented (its settings)
         self.address, self.port, self.timeout_s = address, port, timeout_s
         self._admission = admission  # the host's record (None on joiners)
         self._lock = threading.Lock()
@@ -149,7 +150,7 @@ class SyncSession:
         host = Identity.from_json(_read(store, "rdzv/session", f"{address}:{port}"))
         log.info("%s joined session %s", identity.describe(), host.session)
         session = cls(store, session_id=host.session, identity=identity, address=address, port=port,
-                      timeout_s=timeout_s)
+                      timeout_s=timeout_s, host=host)
         session.generation = decision.generation
         return session
 

@@ -138,7 +138,8 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
             callback.after_optimizer_step(False)
             handoffs[-1]["to_generation"] = [r.to_json() for r in callback.handoff_rows]
     out = {"sent": sent, "logits": logits, "unquantized": unquantized, "metrics": metrics, "received": received,
-           "failures": failures, "draft_logits": draft_logits, "handoffs": handoffs}
+           "failures": failures, "draft_logits": draft_logits, "handoffs": handoffs,
+           "transport": syncer.config.transport, "bucket_size_mb": syncer.config.bucket_size_mb}
     if isinstance(replica, DistributedReplica):  # P2P: this rank's share of the replica
         out["replica"] = {"held": replica.held_bytes, "assigned": replica.assignment.bytes_per_rank()[replica.me.rank]}
     return out
@@ -210,7 +211,8 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
                    "version": me.engine.version, "shards": me.engine.snapshot()}
     finally:
         isync.close()
-    return {"held": held, "failure": failure, "handoffs": handoffs}
+    return {"held": held, "failure": failure, "handoffs": handoffs, "transport": isync.config.transport,
+            "bucket_size_mb": isync.config.bucket_size_mb}
 
 
 def _computes(me) -> bool:
@@ -219,6 +221,23 @@ def _computes(me) -> bool:
         return bool(torch.isfinite(me.engine.logits(EVAL_TOKENS)).all())
     except RuntimeError:
         return False
+
+
+def shards_not_sent(engines: list, sent: list[dict[str, torch.Tensor]], spec: dict) -> list[tuple[int, int, str]]:
+    """Return (version index, TP rank, name) of every engine shard that is not exactly the reference engine's
+    slice of the tensor the trainer sent (`engine_job` / `trainer_job` results of one engine of `spec`)."""
+    from megatron_sync.engines.reference import ReferenceEngine
+    from tests.support.fakes import shard_of
+    from tests.support.models import ModelSpec, hf_config
+
+    config = hf_config(ModelSpec(**spec))
+    wrong = []
+    for tp_rank, engine in enumerate(engines):
+        slicer = ReferenceEngine(config, tp_rank=tp_rank, tp_size=len(engines))
+        for version, held in enumerate(engine["held"]):
+            wrong += [(version, tp_rank, name) for name, shard in held["shards"].items()
+                      if not torch.equal(shard, shard_of(slicer, name, sent[version][name]))]
+    return wrong
 
 
 def run_pair(case: dict, timeout: float = 240.0, *, trainer: Callable = trainer_job,

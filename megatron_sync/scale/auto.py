@@ -1,0 +1,137 @@
+"""`transport: auto`: the transport and bucket size the scale model predicts fastest for a job's layouts.
+
+The trainer decides, once, at start-up (`TrainerWeightSync`): from its parallel layout, the engines'
+size (`num_inference_ranks`, `engine_tp_size`), the model's HF config and the declared hardware
+profile (`weight_sync.hardware_profile`), it plans every candidate on metadata, predicts each, and
+takes the fastest (ties: the smaller bucket). It hosts the sync session with the resolved transport
+and bucket size; an inference job whose `transport` is `auto` adopts them from the session's host
+(`adopt_host_choice`), so both jobs always agree.
+
+Candidates are the transports that meet at the sync session and can run this job: broadcast, and p2p
+unless the engines are SGLang servers (SGLang's update API does not expose its ranks' memory; p2p is
+refused for them). disk_delta meets through files, so the session cannot tell its engines; it is
+predicted by the report but not chosen here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from megatron_sync.config import parse_engine
+from megatron_sync.scale.hardware import HardwareProfile, profile_named, profile_names
+from megatron_sync.scale.layouts import FleetLayout, TrainerLayout
+from megatron_sync.scale.plans import ScalePlanner
+from megatron_sync.scale.timing import SyncOptions, models, predict
+
+log = logging.getLogger("megatron_sync")
+BUCKET_CHOICES_MB = (256.0, 512.0, 1024.0)
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (transport, bucket size) the model predicted, or why it was left out."""
+
+    transport: str
+    bucket_size_mb: float
+    seconds: Optional[float]
+    bound: str  # the phase that sets its time, or why it cannot run this job
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The resolved transport and bucket size, the prediction behind them, and every candidate."""
+
+    transport: str
+    bucket_size_mb: float
+    predicted_s: float
+    bound: str
+    profile: str
+    candidates: tuple[Candidate, ...]
+
+    def describe(self) -> str:
+        rows = "; ".join(f"{c.transport}@{c.bucket_size_mb:g}MiB " + (f"{c.seconds:.3f}s ({c.bound})" if c.seconds
+                         is not None else f"not a candidate: {c.bound}") for c in self.candidates)
+        return (f"transport auto -> {self.transport}, bucket {self.bucket_size_mb:g} MiB: predicted "
+                f"{self.predicted_s:.3f} s on profile {self.profile!r}, bound by {self.bound} [{rows}]")
+
+    def to_wire(self) -> dict:
+        return {"transport": self.transport, "bucket_size_mb": self.bucket_size_mb, "predicted_s": self.predicted_s,
+                "bound": self.bound, "profile": self.profile,
+                "candidates": [[c.transport, c.bucket_size_mb, c.seconds, c.bound] for c in self.candidates]}
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> "Choice":
+        return cls(wire["transport"], wire["bucket_size_mb"], wire["predicted_s"], wire["bound"], wire["profile"],
+                   tuple(Candidate(*c) for c in wire["candidates"]))
+
+
+def exclusions(*, sglang_engines: bool) -> dict[str, str]:
+    """Return transport -> why it cannot run a job with these properties."""
+    out = {"disk_delta": "its engines meet through files, so the sync session cannot announce the choice"}
+    if sglang_engines:
+        out["p2p"] = "the engines are SGLang servers, whose update API does not expose their ranks' memory"
+    return out
+
+
+def choose(planner: ScalePlanner, profile: HardwareProfile, *, excluded: dict[str, str],
+           bucket_choices_mb: Sequence[float] = BUCKET_CHOICES_MB, options: SyncOptions = SyncOptions()) -> Choice:
+    """Return the fastest predicted (transport, bucket size) among the candidates (ties: the smaller bucket,
+    then broadcast before p2p), with every candidate's prediction."""
+    candidates = []
+    for transport in ("broadcast", "p2p", "disk_delta"):
+        if transport in excluded:
+            candidates.append(Candidate(transport, 0.0, None, excluded[transport]))
+            continue
+        if not models(transport, profile):  # this machine's profile models what `make bench` runs
+            candidates.append(Candidate(transport, 0.0, None, f"profile {profile.name!r} has no model of it"))
+            continue
+        for mb in bucket_choices_mb:
+            prediction = predict(planner.plan(transport, bucket_bytes=int(mb * 2**20)), profile, options)
+            candidates.append(Candidate(transport, mb, prediction.seconds, prediction.bound))
+    ranked = [c for c in candidates if c.seconds is not None]
+    if not ranked:
+        raise ValueError(f"transport auto: no transport can run this job on profile {profile.name!r}: "
+                         + "; ".join(f"{c.transport}: {c.bound}" for c in candidates))
+    best = min(ranked, key=lambda c: (round(c.seconds, 9), c.bucket_size_mb, c.transport != "broadcast"))
+    return Choice(best.transport, best.bucket_size_mb, best.seconds, best.bound, profile.name, tuple(candidates))
+
+
+def trainer_layout_of(layout: Any, gpus_per_node: int) -> TrainerLayout:
+    """Return the scale model's trainer layout of a `ParallelLayout` on nodes of `gpus_per_node` GPUs."""
+    return TrainerLayout(tp=layout.tp, cp=layout.cp, dp=layout.dp, pp=layout.pp, vpp=layout.vpp, ep=layout.ep,
+                         etp=layout.etp, gpus_per_node=gpus_per_node)
+
+
+def fleet_layout_of(config: Any, gpus_per_node: int) -> FleetLayout:
+    """Return the engines' layout from the weight_sync settings (driven engines split the vocabulary)."""
+    return FleetLayout(engines=config.num_engines, tp=config.engine_tp_size, vocab_parallel=bool(config.engines),
+                       gpus_per_node=gpus_per_node)
+
+
+def resolve(config: Any, layout: Any, family: str, hf_config: Any) -> Choice:
+    """Return the choice for a trainer with `layout` (a ParallelLayout) and `config` (WeightSyncConfig with
+    transport auto); ValueError names a missing or unknown hardware profile and the fix."""
+    if not config.hardware_profile:
+        raise ValueError("transport 'auto' needs weight_sync.hardware_profile (the node type the jobs run on), "
+                         f"e.g. hardware_profile: h100; known: {profile_names()}")
+    profile = profile_named(config.hardware_profile)
+    gpus = int(profile.gpus_per_node.value)
+    planner = ScalePlanner(family, hf_config, trainer_layout_of(layout, gpus), fleet_layout_of(config, gpus),
+                           dtype=config.dtype, draft=config.draft == "sync")
+    sglang = any(parse_engine(entry)[0] == "sglang" for entry in config.engines)
+    return choose(planner, profile, excluded=exclusions(sglang_engines=sglang),
+                  options=SyncOptions(checksum=config.checksum != "none", pause_resume=bool(config.engines)))
+
+
+def adopt_host_choice(config: Any, host_expects: dict) -> Any:
+    """Return `config` (an inference job's, transport auto) with the transport and bucket size the trainer
+    hosting the session resolved; ValueError if the host did not say."""
+    transport, bucket = host_expects.get("transport"), host_expects.get("bucket_size_mb")
+    if transport in (None, AUTO) or not isinstance(bucket, (int, float)):
+        raise ValueError(f"transport auto: the trainer's session did not announce a resolved transport and bucket "
+                         f"size (it presented transport={transport!r}, bucket_size_mb={bucket!r}); run both jobs "
+                         "with this version of megatron-sync")
+    return config.replace(transport=transport, bucket_size_mb=float(bucket))
