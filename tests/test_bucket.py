@@ -120,9 +120,9 @@ def test_none_checks_nothing():
 
 @pytest.mark.parametrize("nbytes", [1, 7, 65536, 65537, 3 * 2**20 + 5])
 def test_fletcher_matches_its_definition(nbytes, monkeypatch):
-    import megatron_sync.bucket as bucket_module
+    import megatron_sync.checksum as checksum_module
 
-    monkeypatch.setattr(bucket_module, "_FLETCHER_CHUNK", 1 << 20)  # several chunks, a partial last block
+    monkeypatch.setattr(checksum_module, "_FLETCHER_CHUNK", 1 << 20)  # several chunks, a partial last block
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
     x = data.to(torch.int64)
     p = 2**31 - 1

@@ -11,7 +11,6 @@ import torch
 from converters import Family, HFTensor, Rule, Shard, get_converter
 from converters.base import Converter
 from megatron_sync.metrics import PhaseTimer, SyncMetrics, Timeline
-from megatron_sync.receiver import StagingSets
 from tests.support.models import ModelSpec, hf_config
 
 
@@ -52,29 +51,6 @@ def test_a_computing_transform_is_gathered_as_it_is():
                     hf_tensors=(HFTensor("model.norm.weight", ("hidden_size",), Shard.REPLICATED),))
     converter = Converter(family, hf_config(ModelSpec("qwen3")), dtype=torch.bfloat16)
     assert converter.gather_dtype("decoder.final_layernorm.weight", torch.float32) == torch.float32
-
-
-def test_staging_sets_alternate_and_keep_the_live_set_for_rollback():
-    sets = StagingSets()
-    first = sets.begin()
-    sets.stage("w", torch.full((2, 3), 1.0))
-    assert sets.live_shards(0) is None  # nothing committed yet: the receiver asks the engine for a snapshot
-    sets.committed(1)
-    second = sets.begin()
-    assert second is not first  # version 2 is staged beside the live version 1
-    sets.stage("w", torch.full((2, 3), 2.0))
-    live = sets.live_shards(1)
-    assert live is first and torch.equal(live["w"], torch.full((2, 3), 1.0))
-    assert sets.live_shards(7) is None  # the engine holds something else: no free rollback source
-    sets.committed(2)
-    third = sets.begin()
-    assert third is first  # reused, no allocation
-    ptr = third["w"].data_ptr()
-    sets.stage("w", torch.full((2, 3), 3.0))
-    assert third["w"].data_ptr() == ptr
-    assert sets.live_shards(2) is second and sets.nbytes == 2 * 6 * 4
-    # A failed sync leaves the target set without a version; the live one still serves rollbacks.
-    assert sets.live_shards(2) is second
 
 
 def test_timeline_records_phase_events_from_several_threads():
