@@ -426,7 +426,7 @@ def add_weight_sync_args(parser: argparse.ArgumentParser, *, defaults: bool = Tr
         kwargs: dict[str, Any] = {"dest": f"weight_sync_{field.name}", "default": default}
         if field.type in ("bool", bool):
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif field.type in ("int", int):
+        elif field.type in ("int", int, "Optional[int]"):
             kwargs["type"] = int
         elif field.type in ("float", float):
             kwargs["type"] = float

@@ -122,15 +122,24 @@ def join(config: WeightSyncConfig, hf_config: Any, *, engine: str = "reference",
     rank, world = dist.get_rank(), dist.get_world_size()
     job_id = shared_job_id()
     try:
-        if world != config.num_inference_ranks:
+        if config.fleet and world != config.engine_tp_size:  # a fleet: one engine per job
+            raise ValueError(
+                f"the inference job has {world} ranks but a fleet's engine job holds one engine of "
+                f"weight_sync.engine_tp_size={config.engine_tp_size} ranks; launch that many processes per engine")
+        if not config.fleet and world != config.num_inference_ranks:
             raise ValueError(
                 f"the inference job has {world} ranks but weight_sync.num_inference_ranks="
                 f"{config.num_inference_ranks}; launch as many inference processes as the config says")
+        if config.fleet and config.engine_id is None:
+            raise ValueError("a fleet's engine job needs its engine id: set weight_sync.engine_id "
+                             "(--weight-sync-engine-id N), the same N again when it restarts")
         if engine not in ENGINES:
             raise ValueError(f"--engine {engine!r} is not hosted by this job; use one of {sorted(ENGINES)}")
         tp = config.engine_tp_size
         group = engine_groups(world, tp)
         engine_index, tp_rank = divmod(rank, tp)
+        if config.fleet:
+            engine_index = config.engine_id
         built = ENGINES[engine](hf_config, config, tp_rank=tp_rank, group=group)
         if model_dir is not None:
             load_initial_weights(built, model_dir)
