@@ -419,7 +419,9 @@ class InferenceWeightSync:
     Commits go through a `GenerationServer` with the config's `inflight_policy`:
     a version arriving while the engine generates goes live at a step boundary
     all of the engine's ranks (`engine_group`) agree on, and requests in flight
-    are aborted, recomputed or kept as the policy says.
+    are aborted, recomputed or kept as the policy says. `driven`: the rank is a
+    worker of an engine the trainer drives over its own API (vLLM), which calls
+    `apply` itself and never reads the control channel (so it cannot relay).
     """
 
     def __init__(
@@ -432,6 +434,7 @@ class InferenceWeightSync:
         engine_group: Any = None,
         hf_config: Any = None,
         job_id: Optional[str] = None,
+        driven: bool = False,
     ):
         if config.fleet and config.engine_id is None:
             raise ValueError("weight_sync.fleet is on: say which engine this job is with weight_sync.engine_id "
@@ -491,8 +494,8 @@ class InferenceWeightSync:
                 settings, num_trainer_stages=num_trainer_stages, inference_rank=inference_rank, session=session)
             self.receiver = self.transport.make_receiver(engine, settings, keep_together, commit=self.server.commit)
             if config.fleet:
-                hello(self.transport, self.receiver)
-                self.relays = Relays(self.session, self.receiver, self.transport, config, rank=inference_rank,
+                hello(self.transport, self.receiver, relays=not driven)
+                self.relays = None if driven else Relays(self.session, self.receiver, self.transport, config, rank=inference_rank,
                                      ranks=config.engine_tp_size)
             self.handoff = EngineHandoff(engine, self.transport.rank, self.receiver.live_shards, config.metrics_path)
         except BaseException as e:

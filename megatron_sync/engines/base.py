@@ -20,6 +20,7 @@ session and resume).
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
@@ -69,6 +70,9 @@ class Rendezvous:
     num_workers: int
     """How many workers (vLLM: TP*PP*DP ranks) this engine contributes; worker w is inference rank
     first_inference_rank + w."""
+    job_id: str = ""
+    """The job the engine's workers present at the rendezvous. A fleet's engine gets a new one at every join,
+    so a restarted engine is admitted as its engine's next generation."""
 
     def worker_of(self, inference_rank: int) -> Optional[int]:
         """Return the worker index of `inference_rank` in this engine, or None when it is another's."""
@@ -90,9 +94,25 @@ def plan_rendezvous(config: "WeightSyncConfig", num_trainer_stages: int, worker_
             f"weight_sync.num_inference_ranks={config.num_inference_ranks}; set it to {total}"
         )
     resolved = dataclasses.replace(config, backend=backend)
+    if config.fleet:  # each engine its own link: engine id = its index, its workers inference ranks 0..tp-1
+        return [fleet_rendezvous(resolved, num_trainer_stages, engine, count)
+                for engine, count in enumerate(worker_counts)]
     firsts = [sum(worker_counts[:i]) for i in range(len(worker_counts))]
     return [Rendezvous(config=resolved, num_trainer_stages=num_trainer_stages, first_inference_rank=first,
                        num_workers=count) for first, count in zip(firsts, worker_counts)]
+
+
+def fleet_rendezvous(config: "WeightSyncConfig", num_trainer_stages: int, engine: int,
+                     num_workers: int) -> Rendezvous:
+    """Return the Rendezvous of driven engine `engine` of a fleet (`config.backend` resolved), with a new job id.
+
+    Raises ValueError when the engine's workers are not one engine of `engine_tp_size` ranks.
+    """
+    if num_workers != config.engine_tp_size:
+        raise ValueError(f"fleet engine {engine} has {num_workers} workers but weight_sync.engine_tp_size="
+                         f"{config.engine_tp_size}: every engine of a fleet is one engine of engine_tp_size ranks")
+    return Rendezvous(config=dataclasses.replace(config, engine_id=engine), num_trainer_stages=num_trainer_stages,
+                      first_inference_rank=0, num_workers=num_workers, job_id=f"engine{engine}-{uuid.uuid4().hex[:8]}")
 
 
 class Joining(Protocol):

@@ -38,9 +38,11 @@ def await_link(session: Any, engine: int, idle_timeout_s: float) -> str:
     return link_name(engine, session.generation)
 
 
-def hello(transport: Any, receiver: Any) -> None:
-    """Tell the trainer's stage sources this rank's layout digest and whether it can relay (link handshake)."""
-    transport.all_gather_json({"layout": receiver.layout.digest(), "relays": hasattr(receiver, "live_set")})
+def hello(transport: Any, receiver: Any, *, relays: bool = True) -> None:
+    """Tell the trainer's stage sources this rank's layout digest and whether it can relay (link handshake):
+    `relays` False for an engine driven over its own API, whose workers do not read the link's control."""
+    transport.all_gather_json({"layout": receiver.layout.digest(),
+                               "relays": relays and hasattr(receiver, "live_set")})
 
 
 class Relays:

@@ -39,7 +39,9 @@ from megatron_sync.config import WeightSyncConfig
 from megatron_sync.errors import AgreedFailure, PeerFailureError, PlanMismatchError, SyncAbortedError, SyncError
 from megatron_sync.fleet.links import Deliveries, FanOut, Link, link_name
 from megatron_sync.fleet.relay import relay_part
-from megatron_sync.fleet.roster import FleetTooSmall, Roster
+from megatron_sync.engines.base import fleet_rendezvous
+from megatron_sync.engines.fleet import JOIN_GRACE_S
+from megatron_sync.fleet.roster import EngineState, FleetTooSmall, Roster
 from megatron_sync.fleet.waves import TRAINER, Delivery, plan_waves
 from megatron_sync.metrics import SyncMetrics
 from megatron_sync.parallel import ParallelLayout
@@ -98,6 +100,7 @@ class FleetDriver:
         self._late: list[dict] = []  # rows of waves that finished in the background
         self._late_outcomes: dict[int, tuple[str, str, int]] = {}  # engine -> (state, reason, version)
         self._known: set[tuple[int, int]] = set()  # (engine, generation) linked or refused once: never again
+        self._rejoining: dict[int, Any] = {}  # driven engine -> its join call under way (leader)
         self._board = StoreBoard(session.store, prefix="", rank=0, timeout_s=config.timeout_s) \
             if self.is_leader else None
 
@@ -106,14 +109,20 @@ class FleetDriver:
     def start(self) -> None:
         """Wait (leader, up to timeout_s) for the initial fleet, then link it; collective on the trainer ranks."""
         if self.is_leader:
-            wanted = self.config.num_engines if not self.clients else len(self.clients)
+            # driven engines: exactly those (their joins return only once linked); else num_engines of any ids
+            driven, wanted = set(self.clients), self.config.num_engines
+
+            def ready() -> bool:
+                admitted = self.session.admitted_engines()
+                return driven <= set(admitted) if driven else len(admitted) >= wanted
+
             deadline = time.monotonic() + self.config.timeout_s
-            while len(self.session.admitted_engines()) < wanted and time.monotonic() < deadline:
+            while not ready() and time.monotonic() < deadline:
                 time.sleep(POLL_S)
             have = sorted(self.session.admitted_engines())
-            if len(have) < wanted:
-                log.warning("fleet: %d of %d engine(s) joined within %gs (engines %s); going on with them",
-                            len(have), wanted, self.config.timeout_s, have)
+            if not ready():
+                log.warning("fleet: engines %s joined within %gs, not the %s expected; going on with them", have,
+                            self.config.timeout_s, sorted(driven) if driven else f"{wanted}")
         self._boundary()
 
     def _from_leader(self, value: Any) -> Any:
@@ -124,6 +133,8 @@ class FleetDriver:
     def _boundary(self) -> None:
         """Between syncs: finish background waves, drop superseded links, open new ones, check the minimum."""
         self._join_background()
+        if self.is_leader:
+            self._rejoin_driven()
         changes = self._membership() if self.is_leader else None
         changes = self._from_leader(changes)
         for engine, reason in changes["drop"]:
@@ -152,7 +163,51 @@ class FleetDriver:
                 self.roster.admit(engine, generation, layouts)
                 log.info("fleet: engine %d (generation %d) joined; %d engine(s) in the fleet", engine, generation,
                          len(self.links))
+        if self.is_leader:
+            self._finish_rejoins()
         self._check_minimum()
+
+    def _rejoin_driven(self) -> None:
+        """Leader: ask every driven engine that left the fleet to join again (its server may have been restarted:
+        a new job, so its engine's next generation), and wait up to timeout_s for those that answer to be
+        admitted, so they are linked at this boundary. One not back yet is asked again at the next boundary."""
+        asked = {}
+        for engine, client in sorted(self.clients.items()):
+            record = self.roster.engines.get(engine)
+            if engine in self.links or engine in self._rejoining or record is None:
+                continue  # serving, already rejoining, or its first join is the start-up's
+            backend = self.config.resolved_backend(torch.cuda.is_available())
+            config = self.config.replace(run_id=self.session.id, backend=backend, engines=())
+            try:
+                self._rejoining[engine] = client.join(fleet_rendezvous(config, self.layout.pp, engine,
+                                                                       self.config.engine_tp_size))
+            except Exception as e:  # noqa: BLE001 — not back (yet): asked again at the next boundary
+                log.info("fleet: engine %d (%s) did not take a new join: %s", engine, client.url,
+                         describe(e, limit=1))
+                continue
+            asked[engine] = record.generation
+            log.info("fleet: engine %d (%s) answers again; it joins as generation > %d", engine, client.url,
+                     record.generation)
+        deadline = time.monotonic() + self.config.timeout_s
+        while asked and time.monotonic() < deadline:
+            admitted = self.session.admitted_engines()
+            if all(admitted.get(e, (-1, ""))[0] > g for e, g in asked.items()):
+                return
+            if any(self._rejoining[e].done() for e in asked):  # a join that ended before its admission failed
+                return
+            time.sleep(POLL_S)
+
+    def _finish_rejoins(self) -> None:
+        """Leader: collect the driven engines' join calls that ended (linked, or failed: asked again later)."""
+        for engine, call in list(self._rejoining.items()):
+            linked = engine in self.links and self.roster.engines[engine].state is EngineState.SERVING
+            if not (linked or call.done()):
+                continue
+            del self._rejoining[engine]
+            try:
+                call.wait(self.config.timeout_s + JOIN_GRACE_S)
+            except Exception as e:  # noqa: BLE001 — its link (if any) fails at its next transfer and is dropped
+                log.warning("fleet: engine %d's new join failed: %s", engine, describe(e, limit=1))
 
     def _membership(self) -> dict:
         """Leader: the links to drop (superseded generations) and to open (engines admitted since)."""

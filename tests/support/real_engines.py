@@ -135,8 +135,8 @@ class VLLMServer:
     """A vLLM server subprocess started by launch/serve_vllm.sh; `stop()` kills its whole process group."""
 
     def __init__(self, model_dir: str, *args: str, log_path: str, env: Optional[dict[str, str]] = None,
-                 dtype: str = "float32") -> None:
-        self.port = free_port()
+                 dtype: str = "float32", port: Optional[int] = None) -> None:
+        self.port = free_port() if port is None else port  # a restarted server comes back on its port
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         shim = plugin_path(os.path.join(os.path.dirname(log_path), "plugin_path"))
@@ -145,7 +145,7 @@ class VLLMServer:
         command = [os.path.join(ROOT, "launch", "serve_vllm.sh"), model_dir, "--port", str(self.port),
                    "--host", "127.0.0.1", "--dtype", dtype, "--enforce-eager", "--max-model-len", "1024",
                    "--max-num-seqs", "8", *args]
-        self._log = open(log_path, "w")
+        self._log = open(log_path, "a")
         self.proc = subprocess.Popen(command, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True, cwd=ROOT)
 
@@ -463,6 +463,16 @@ def _trainer_main(conn, spec: ModelSpec, port: int) -> None:
                 result = sync.sync().version
             elif command == "sent":
                 result = {name: t.clone() for name, t in sync.sender.sent_tensors().items()}
+            elif command == "await_engines":  # a fleet: {engine: generation} admitted, within timeout_s
+                deadline = time.monotonic() + sync.config.timeout_s
+                while any(sync.session.admitted_engines().get(e, (-1, ""))[0] < g for e, g in args[0].items()):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"engines {args[0]} not admitted: {sync.session.admitted_engines()}")
+                    time.sleep(0.05)
+                result = None
+            elif command == "sync_rows":  # a fleet: the version and its rows (engines, outcomes, events)
+                metrics = sync.sync()
+                result = {"version": metrics.version, "fleet": metrics.fleet}
             elif command == "disconnect":
                 sync, closing = None, sync
                 if closing is not None:

@@ -29,6 +29,8 @@ class JoinInfo:
     """How many trainer stage sources the transport group holds."""
     first_inference_rank: int
     """Inference rank of the engine's worker 0; worker w joins as inference rank first_inference_rank + w."""
+    job_id: str = ""
+    """The job the workers present at the rendezvous (a fleet's engine: new at every join)."""
 
     def __post_init__(self) -> None:
         for name in ("num_trainer_stages", "first_inference_rank"):
@@ -44,7 +46,7 @@ class JoinInfo:
         settings["metrics_path"] = None  # a trainer-side path; workers report metrics over the control channel
         settings["engines"] = []  # the trainer drives the engines; workers drive nothing
         return cls(weight_sync=settings, num_trainer_stages=rendezvous.num_trainer_stages,
-                   first_inference_rank=rendezvous.first_inference_rank)
+                   first_inference_rank=rendezvous.first_inference_rank, job_id=rendezvous.job_id)
 
     def config(self) -> WeightSyncConfig:
         """Return the settings as a validated WeightSyncConfig."""

@@ -77,6 +77,7 @@ class MegatronSyncTransferEngine(WeightTransferEngine[JoinInfo, UpdateInfo]):
             self.adapter.configure(config.family, dtype_from_name(config.dtype), draft=config.draft == "sync")
             self._sync = InferenceWeightSync(config, self.adapter, num_trainer_stages=init_info.num_trainer_stages,
                                              inference_rank=init_info.first_inference_rank + self.worker_rank,
+                                             job_id=init_info.job_id or None, driven=True,
                                              hf_config=self.vllm_config.model_config.hf_config)
         except Exception as e:  # noqa: BLE001 — see the module doc
             self._leave_group()
