@@ -164,3 +164,31 @@ def test_relay_sends_one_copy_from_the_trainer_and_a_dying_relay_falls_back_to_i
         assert v2[4] == [1, 2] and ("left", 0, 0) in _events(v2)
     finally:
         fleet.close()
+
+
+def test_bounded_staleness_lets_later_waves_update_while_the_trainer_goes_on():
+    """max_staleness 1 with waves of one: sync(v) returns after the first wave; engines 1 and 2 take v in the
+    background, and the next sync first waits for them, so its report carries their rows of v (committed)
+    and no engine serving is ever more than one version behind; every commit exact."""
+    fleet = Fleet([1, 2, 3], wave_size=1, max_staleness=1)
+    try:
+        fleet.trainer.start()
+        for engine in range(3):
+            fleet.start_engine(engine)
+        fleet.wait_for(lambda r: r[0] == "started")
+        for version in (1, 2, 3):
+            report = fleet.sync(version)
+            now = [row for row in report[2] if "outcome" in row and row["version"] == version]
+            assert [(row["engine"], row["wave"]) for row in now] == [(0, 1)], report[2]  # only the first wave
+            assert report[3] in (0, 1)  # the staleness stated when sync() returned
+            if version > 1:  # the later waves of the previous version, finished before this sync began
+                late = [row for row in report[2] if "outcome" in row and row["version"] == version - 1]
+                assert sorted((row["engine"], row["wave"], row["outcome"]) for row in late) == \
+                    [(1, 2, "committed"), (2, 3, "committed")], report[2]
+        fleet.wait_for(lambda r: r[0] == "trainer-exit")
+        for engine in range(3):
+            fleet.wait_for(lambda r, engine=engine: r[0] == "engine-exit" and r[1] == engine)
+    finally:
+        fleet.close()
+    for version in (1, 2, 3):
+        assert fleet.commits(version) == {0: True, 1: True, 2: True}

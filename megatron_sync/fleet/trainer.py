@@ -286,13 +286,15 @@ class FleetDriver:
         if later and self.config.max_staleness == 0:
             self._later_waves(version, later, rows, started, agreed=True)
         elif later and self.joins:
-            self._background = threading.Thread(target=self._later_waves, args=(version, later, rows, started),
+            # rows of their own: the first wave's are this sync's, and theirs go into the next sync's metrics
+            self._background = threading.Thread(target=self._later_waves,
+                                                args=(version, later, Deliveries(version), started),
                                                 kwargs={"agreed": False, "late": True},
                                                 name="megatron-sync-fleet-waves", daemon=True)
             self._background.start()
         self._check_minimum()
         self.version = version
-        behind = [version - held for held in self.held.values()]
+        behind = [version - held for held in list(self.held.values())]  # the background waves update `held`
         metrics.staleness = max(behind, default=0) if later and self.config.max_staleness else 0
         late, self._late = self._late, []
         metrics.fleet = late + rows.rows + (self.roster.take_events() if self.is_leader else [])
