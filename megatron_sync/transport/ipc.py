@@ -80,6 +80,7 @@ class CountingBoard:
 
     def __init__(self, board: StoreBoard, media: dict[str, int]) -> None:
         self._board, self._media = board, media
+        self.timeout_s = board.timeout_s
 
     def post(self, key: str, value: bytes) -> None:
         self._media["socket"] += len(key) + len(value)
@@ -180,7 +181,7 @@ class IpcTransport(PlanBucketTransport):
         # path and the agreement rounds wait on connections of their own (`WaitingBoard`).
         self.control = StoreControlChannel(CountingBoard(StoreBoard(
             session.store, prefix=prefix, rank=rank, timeout_s=config.timeout_s, failure=self._fail), self.media))
-        self._store = session.store
+        self._store = session.store.raw  # each thread's board waits on a connection of its own (`clone`)
         self.board = self._board_for_this_thread()
         self._gather = FileGather(self.board, name="all", index=rank, size=self.world_size)
         self.segments: dict[int, Segment] = {}  # stage -> its segment (a source: its own)
