@@ -19,27 +19,18 @@ from typing import Any
 
 import torch
 
-from tests.support.jobs import EVAL_TOKENS, _sent_here, _setup, case_hf_config, sync_config
+from tests.support.jobs import EVAL_TOKENS, _sent_here, _setup, case_hf_config, megatron_trainer, sync_config
 
 KILLED = 17  # the exit code of a rank killed on purpose
 
 
 def fleet_trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     """Train and sync; return per version what the leader sent, the trainer's logits and the fleet's rows."""
-    _setup(case)
     from megatron_sync.callback import WeightSyncCallback
-    from megatron_sync.parallel import ParallelLayout
     from tests.support import models
-    from tests.support.dist import init_megatron
-    from tests.support.train import make_optimizer, train_step, wrap_in_ddp
+    from tests.support.train import train_step
 
-    init_megatron(**case["layout"], seed=3)
-    spec = models.ModelSpec(**case["spec"])
-    chunks = models.build_model_chunks(spec)
-    models.load_reference_weights(chunks, models.reference_weights(spec, seed=3), spec)
-    layout = ParallelLayout.from_megatron()
-    ddp = wrap_in_ddp(chunks)
-    optimizer = make_optimizer(ddp, lr=1e-3)
+    spec, chunks, layout, ddp, optimizer = megatron_trainer(case)
     sent, logits, rows = [], [], []
     with WeightSyncCallback.from_config(sync_config(case), ddp, hf_config=case_hf_config(case),
                                         layout=layout) as callback:

@@ -78,16 +78,14 @@ def _unquantized_hf_tensors(chunks: list, layout, case: dict) -> dict[str, torch
     return {name: t.clone() for name, t in MegatronWeightStream(chunks, layout, converter)}
 
 
-def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
-    """Train and sync; return {"sent": [{name: tensor} per version] (leader), "logits": [...]}."""
+def megatron_trainer(case: dict) -> tuple:
+    """Build the trainer of `case` on this rank: (spec, chunks, layout, ddp, optimizer), the tiny Megatron
+    model of `case["spec"]` under `case["layout"]` with the reference weights of seed 3."""
     _setup(case)
-    from megatron_sync.callback import WeightSyncCallback
-    from megatron_sync.handoff import TrainerMemory
-    from megatron_sync.p2p.replica import DistributedReplica
     from megatron_sync.parallel import ParallelLayout
     from tests.support import models
     from tests.support.dist import init_megatron
-    from tests.support.train import make_optimizer, train_step, wrap_in_ddp
+    from tests.support.train import make_optimizer, wrap_in_ddp
 
     init_megatron(**case["layout"], seed=3)
     spec = models.ModelSpec(**case["spec"])
@@ -95,7 +93,18 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     models.load_reference_weights(chunks, models.reference_weights(spec, seed=3), spec)
     layout = ParallelLayout.from_megatron()
     ddp = wrap_in_ddp(chunks)
-    optimizer = make_optimizer(ddp, lr=1e-3)
+    return spec, chunks, layout, ddp, make_optimizer(ddp, lr=1e-3)
+
+
+def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
+    """Train and sync; return {"sent": [{name: tensor} per version] (leader), "logits": [...]}."""
+    from megatron_sync.callback import WeightSyncCallback
+    from megatron_sync.handoff import TrainerMemory
+    from megatron_sync.p2p.replica import DistributedReplica
+    from tests.support import models
+    from tests.support.train import train_step
+
+    spec, chunks, layout, ddp, optimizer = megatron_trainer(case)
     sent, logits, unquantized, metrics, received, failures, draft_logits, handoffs = [], [], [], [], [], [], [], []
     memory = TrainerMemory(ddp, optimizer, rank=rank) if case.get("handoff") else None
     with WeightSyncCallback.from_config(sync_config(case), ddp, hf_config=case_hf_config(case),
