@@ -78,7 +78,7 @@ def cmd_predict(args) -> None:
         send = max(summary.senders, key=lambda e: e.bytes)
         recv = max(summary.receivers, key=lambda e: e.bytes)
         memory = f"{summary.peak_bytes / 2**20:,.0f}" if summary.peak_bytes is not None else "-"
-        rows.append([transport + (" (not built)" if transport == "ipc" else ""), f"{p.seconds:.2f}",
+        rows.append([transport + (" (design)" if transport == "ipc" else ""), f"{p.seconds:.2f}",
                      f"{p.physical_bound:.2f}", p.bound, f"{len(summary.senders)}", f"{send.bytes / GB:.1f}",
                      f"{send.messages:,}", f"{recv.bytes / GB:.1f}", f"{recv.tensors:,}", f"{recv.messages:,}",
                      f"{max(s.largest for s in summary.senders) / 2**20:,.0f}", f"{summary.seconds:.1f}", memory])

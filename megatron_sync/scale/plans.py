@@ -10,7 +10,9 @@ receiver moves (`scale.summary`):
 - P2P: `p2p.replica.replica_units` + `p2p.assign.assign_replica` (the distributed replica) and
   `p2p.plan.build_transfer_plan` over the engines' role-based layouts (`layout.roles.RoleLayout`);
 - disk-delta: `delta.chain.plan_chain` (what a reader applies per sync) and the writer's chunking;
-- colocated IPC (not built): the P2P plan with each inference rank on the trainer GPU of its number.
+- colocated IPC at scale (a design, not the built transport): the P2P plan with each inference rank on the
+  trainer GPU of its number. The built `transport: ipc` hands each stage source's buckets to the engine
+  ranks of its own host through one shared segment; it is not modelled across hosts.
 
 Full-scale fast paths (each proven equal to the full planner on mid-size cases by tests/test_scale_plans.py):
 the fleet's engines are identical and tensors of one kind are cut alike, so the transfer plan's totals

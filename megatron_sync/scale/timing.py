@@ -14,7 +14,7 @@ Each transport is modelled with the pipelining its code really does (the module 
 - disk_delta: stage sources hand the stage to the writer, which encodes and writes the delta; one
   applier per inference host reads, decodes into its local copy and verifies; every rank loads; three
   rounds through files (one poll interval each).
-- ipc (colocated, not built): the P2P assignment, kept in device memory; slices move device to device
+- ipc (colocated at scale, a design the built single-host `transport: ipc` does not implement): the P2P assignment, kept in device memory; slices move device to device
   (NVLink on a node, the NIC across nodes); no host copy, no checksum.
 
 On a `cpu_bound` profile (this machine) every phase is CPU work with measured seconds per byte and per
@@ -87,7 +87,8 @@ def predict(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions
     """Return the predicted time of the sync `summary` plans on `profile`."""
     model = _MODELS[(summary.transport, profile.cpu_bound)]
     phases, total, bound, cpu = model(summary, profile, options)
-    notes = ("colocated ipc is not built; this is what its plan would take",) if summary.transport == "ipc" else ()
+    notes = (("colocated ipc at scale is a design (per-rank slices in device memory), not the built single-host "
+              "transport: ipc; this is what its plan would take",) if summary.transport == "ipc" else ())
     return Prediction(summary.transport, profile.name, total, bound, tuple(phases), physical_bound(summary, profile),
                       cpu, notes)
 
