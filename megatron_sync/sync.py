@@ -139,10 +139,12 @@ class TrainerWeightSync:
         rendezvous open (up to `timeout_s`) until every inference rank, including those still starting,
         was told, and the other trainer ranks wait for it (so their launcher does not end the host first)."""
         agreed = isinstance(error, AgreedFailure)
+        # driven engines are every inference rank: if none was asked to join (refused up front), none is coming
+        nobody_coming = self.engines.driven and self.engines.clients and not self.engines.joins_started
         if self.session is not None:
             self.session.fail(f"the trainer failed while starting: {error}")
             if agreed:
-                self.session.close(linger_s=self.config.timeout_s)
+                self.session.close(linger_s=0.0 if nobody_coming else self.config.timeout_s)
         self.close()
         if agreed:
             try:

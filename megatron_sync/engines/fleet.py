@@ -50,6 +50,7 @@ class EngineFleet:
         self.clients, self.driven = list(clients), driven
         self._joins: list[Joining] = []
         self._join_timeout_s = 0.0
+        self.joins_started = False  # some engine's workers were asked to join (they may be on their way)
 
     def start_joins(self, config: "WeightSyncConfig", num_trainer_stages: int) -> list[Rendezvous]:
         """Start every engine joining the transport group (each checks first that it can); return their
@@ -62,6 +63,7 @@ class EngineFleet:
         self._join_timeout_s = config.timeout_s + JOIN_GRACE_S
         for client, r in zip(self.clients, rendezvous):
             self._joins.append(client.join(r))
+            self.joins_started = True
         return rendezvous
 
     @contextmanager
