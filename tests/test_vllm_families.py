@@ -114,9 +114,9 @@ def test_a_server_running_an_mtp_draft_is_refused_by_name(tmp_path):
         with TrainerProcess(spec) as trainer:
             trainer.load(0)
             for draft in ("sync", "skip"):
-                # The worker refuses at /init_weight_transfer_engine; the trainer's connect then fails (the
-                # engine fleet raises the rendezvous' missing-rank error and logs the engine's answer).
-                with pytest.raises(TrainerError, match="missing inference ranks"):
+                # The worker refuses at /init_weight_transfer_engine and tells the trainer's rendezvous, so the
+                # trainer's connect fails at once quoting it (not after timeout_s waiting for the rank).
+                with pytest.raises(TrainerError, match="runs a speculative draft model"):
                     _connect(trainer, spec, server.url, draft=draft, timeout_s=20)
         log = server.log_tail(400_000)
         assert log.count("runs a speculative draft model (mtp), which megatron_sync's vLLM backend does not update") >= 2

@@ -45,7 +45,10 @@ from megatron_sync.engines.vllm.wire import JoinInfo, UpdateInfo
 from megatron_sync.errors import PeerFailureError, SyncError
 from megatron_sync.meta import dtype_from_name
 from megatron_sync.sync import InferenceWeightSync
+from megatron_sync.transport import get_transport
 from megatron_sync.transport.control import Report
+from megatron_sync.transport.rendezvous import Identity
+from megatron_sync.transport.session import report_failure
 
 log = logging.getLogger("megatron_sync")
 
@@ -74,7 +77,11 @@ class MegatronSyncTransferEngine(WeightTransferEngine[JoinInfo, UpdateInfo]):
             self.shutdown()  # a new trainer: leave the old group first
         try:
             config = init_info.config()
-            self.adapter.configure(config.family, dtype_from_name(config.dtype), draft=config.draft == "sync")
+            try:
+                self.adapter.configure(config.family, dtype_from_name(config.dtype), draft=config.draft == "sync")
+            except Exception as e:  # noqa: BLE001 — told to the trainer's rendezvous, which waits for this rank
+                self._report_start_failure(init_info, config, e)
+                raise
             self._sync = InferenceWeightSync(config, self.adapter, num_trainer_stages=init_info.num_trainer_stages,
                                              inference_rank=init_info.first_inference_rank + self.worker_rank,
                                              job_id=init_info.job_id or None, driven=True,
@@ -144,6 +151,16 @@ class MegatronSyncTransferEngine(WeightTransferEngine[JoinInfo, UpdateInfo]):
             self._refuse(route, RuntimeError("this worker has not joined a transport group "
                                              "(/init_weight_transfer_engine first, or it failed)"))
         return self._sync
+
+    def _report_start_failure(self, init_info: JoinInfo, config: Any, error: Exception) -> None:
+        """Post that this worker cannot join to the trainer's rendezvous, so the trainer fails at once naming
+        it rather than after timeout_s waiting for the rank (transports that meet at the store)."""
+        if not get_transport(config.transport).meets_at_store:
+            return
+        me = Identity(job=init_info.job_id, role="inference", member=init_info.first_inference_rank + self.worker_rank,
+                      session=config.run_id)
+        report_failure(config.master_address, config.master_port, me,
+                       f"{self.adapter.label}: {type(error).__name__}: {error}", timeout_s=config.timeout_s)
 
     def _refuse(self, route: str, error: Exception) -> None:
         """Log `error` of `route`; raise it only when this engine has one worker (module doc)."""
