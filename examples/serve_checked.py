@@ -13,11 +13,13 @@ makes it hang there (fault injection for tests).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
 import signal
 import sys
+import threading
 import time
 from concurrent.futures import Future
 
@@ -103,11 +105,34 @@ class DemoChecks:
         self._dump("", f"survivor_engine{self.me.engine_index}_rank{self.me.tp_rank}.pt")
 
     def _dump(self, folder: str, name: str) -> None:
+        """Write what the rank holds, whole or not at all: a SIGTERM arriving meanwhile (the demo stops a
+        surviving job a few seconds after the other failed) waits until the file is in place."""
         if self.job.verify.dump_dir:
             path = os.path.join(self.job.verify.dump_dir, folder)
             os.makedirs(path, exist_ok=True)
-            torch.save({"version": self.me.engine.version, "shards": self.me.engine.snapshot()},
-                       os.path.join(path, name))
+            with _signals_deferred():
+                torch.save({"version": self.me.engine.version, "shards": self.me.engine.snapshot()},
+                           os.path.join(path, name + ".partial"))
+                os.replace(os.path.join(path, name + ".partial"), os.path.join(path, name))
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Hold SIGTERM / SIGINT that arrive in the block and raise them after it (main thread; elsewhere Python
+    runs no signal handler anyway)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: pending.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in pending:
+            signal.raise_signal(sig)  # handled now, by the job's own handler
 
 
 def run(job: JobConfig, args: argparse.Namespace) -> int:
