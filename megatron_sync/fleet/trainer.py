@@ -41,7 +41,7 @@ from megatron_sync.fleet.links import Deliveries, FanOut, Link, link_name
 from megatron_sync.fleet.relay import relay_part
 from megatron_sync.engines.base import fleet_rendezvous
 from megatron_sync.engines.fleet import JOIN_GRACE_S
-from megatron_sync.fleet.roster import EngineState, FleetTooSmall, Roster
+from megatron_sync.fleet.roster import FleetTooSmall, Roster
 from megatron_sync.fleet.waves import TRAINER, Delivery, plan_waves
 from megatron_sync.metrics import SyncMetrics
 from megatron_sync.parallel import ParallelLayout
@@ -172,12 +172,12 @@ class FleetDriver:
         a new job, so its engine's next generation), and wait up to timeout_s for those that answer to be
         admitted, so they are linked at this boundary. One not back yet is asked again at the next boundary."""
         asked = {}
+        backend = self.config.resolved_backend(torch.cuda.is_available())
+        config = self.config.replace(run_id=self.session.id, backend=backend, engines=())
         for engine, client in sorted(self.clients.items()):
             record = self.roster.engines.get(engine)
             if engine in self.links or engine in self._rejoining or record is None:
                 continue  # serving, already rejoining, or its first join is the start-up's
-            backend = self.config.resolved_backend(torch.cuda.is_available())
-            config = self.config.replace(run_id=self.session.id, backend=backend, engines=())
             try:
                 self._rejoining[engine] = client.join(fleet_rendezvous(config, self.layout.pp, engine,
                                                                        self.config.engine_tp_size))
@@ -200,8 +200,7 @@ class FleetDriver:
     def _finish_rejoins(self) -> None:
         """Leader: collect the driven engines' join calls that ended (linked, or failed: asked again later)."""
         for engine, call in list(self._rejoining.items()):
-            linked = engine in self.links and self.roster.engines[engine].state is EngineState.SERVING
-            if not (linked or call.done()):
+            if not (engine in self.links or call.done()):
                 continue
             del self._rejoining[engine]
             try:
