@@ -174,6 +174,13 @@ def _sigterm_while_deaf() -> None:
     time.sleep(PAUSE_S)
 
 
+def _sigterm_mid_sync() -> None:
+    """SIGTERM to the trainer job, then this rank stays inside the sync until torchrun's forwarded signal
+    unwinds it (`lifecycle.Terminated`): the version being sent cannot commit before the signal lands."""
+    os.kill(os.getppid(), signal.SIGTERM)
+    time.sleep(PAUSE_S)
+
+
 def _disk_full() -> None:
     """Files this process writes can grow no further (the kernel refuses as it does on a full disk)."""
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
@@ -181,7 +188,7 @@ def _disk_full() -> None:
 
 FAULTS = {  # name: (what it does, in words; how; at the first transfer (else before the sync starts))
     "stop": ("stopping (SIGSTOP)", lambda: os.kill(os.getpid(), signal.SIGSTOP), True),
-    "sigterm": ("SIGTERM to the trainer job", lambda: os.kill(os.getppid(), signal.SIGTERM), True),
+    "sigterm": ("SIGTERM to the trainer job", _sigterm_mid_sync, True),
     "sigterm-deaf": ("SIGTERM to the trainer job, deaf to it", _sigterm_while_deaf, True),
     "disk-full": ("the disk is full (RLIMIT_FSIZE)", _disk_full, False),
 }

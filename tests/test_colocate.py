@@ -47,7 +47,7 @@ def test_a_host_without_inference_ranks_and_missing_serve_arguments_are_refused(
                                                                                    ["--engine", "reference"])
 
 
-@pytest.mark.multiproc
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_one_torchrun_job_trains_and_serves_taking_turns_over_ipc(tmp_path):
     from tests.support.dist import free_port

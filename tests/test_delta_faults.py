@@ -212,6 +212,7 @@ def _writer_killed_before_rename(rank, root):
     writer.flush(timeout=30)
 
 
+@pytest.mark.multiproc
 def test_writer_killed_between_write_and_rename_publishes_nothing(tmp_path):
     root = str(tmp_path / "store")
     outcome = run_ranks(_writer_killed_before_rename, 1, root, init_group=False, timeout=CHILD_TIMEOUT)
@@ -250,6 +251,7 @@ def _applier(rank, world_size, root, local):
     return "applied", staged.version
 
 
+@pytest.mark.multiproc
 def test_two_appliers_racing_on_one_host_one_applies_the_other_is_refused(tmp_path):
     writer, first, versions = _chain(tmp_path, 3)
     first.close()
@@ -285,6 +287,7 @@ def _writer_with_file_size_limit(rank, root):
     return failure, after, published_versions(root)
 
 
+@pytest.mark.multiproc
 def test_disk_full_mid_write_publishes_nothing_and_the_next_version_recovers(tmp_path):
     root = str(tmp_path / "store")
     (status, result), = run_ranks(_writer_with_file_size_limit, 1, root, init_group=False,

@@ -235,7 +235,7 @@ def test_a_damaged_file_is_refused_by_every_engine_rank_and_the_next_version_hea
     assert [s[0] for s in trainer[0]["stats"] if s[3]] == [1, 4]  # the reader's request made 4 a snapshot
 
 
-@pytest.mark.multiproc
+@pytest.mark.e2e
 @pytest.mark.timeout(420)
 def test_the_demo_jobs_sync_over_shared_storage_while_the_engine_generates(tmp_path):
     """The demo's two torchrun jobs (Qwen3-MoE, trainer EP=2, engine TP=2), unchanged, on transport disk_delta:

@@ -168,6 +168,7 @@ def test_sglang_client_refuses_settings_sglang_cannot_honour():
         client.join(rendezvous(transport="sglang", inflight_policy="keep"))
 
 
+@pytest.mark.multiproc
 def test_trainer_side_modules_import_without_vllm_or_sglang():
     code = ("import sys; sys.modules['vllm'] = None; sys.modules['sglang'] = None\n"
             "import megatron_sync.sync, megatron_sync.engines.vllm.client, megatron_sync.engines.vllm.plugin\n"

@@ -19,7 +19,7 @@ from tests.support.fakes import shard_of
 from tests.support.fleet_jobs import KILLED, fleet_engine_job, fleet_trainer_job
 from tests.support.models import ModelSpec, hf_config
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 TIMEOUT = 400.0
 

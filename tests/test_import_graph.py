@@ -113,6 +113,7 @@ print(json.dumps(failed))
 """
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_every_shipped_module_imports_alone():
     modules = sorted(shipped_modules())

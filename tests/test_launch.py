@@ -44,7 +44,7 @@ def _model_dir(path, family: str) -> str:
     return str(path)
 
 
-@pytest.mark.multiproc
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_train_sh_runs_a_users_own_entry_point_against_serve_sh(tmp_path):
     from tests.support.dist import free_port

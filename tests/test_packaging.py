@@ -58,6 +58,7 @@ def _probe(apply_shim: bool) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_shipped_packages_load_no_harness_and_patch_nothing():
     result = _probe(apply_shim=False)
@@ -67,6 +68,7 @@ def test_shipped_packages_load_no_harness_and_patch_nothing():
     assert result["foreign"] == []
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_the_probe_sees_a_patch_when_there_is_one():
     result = _probe(apply_shim=True)

@@ -133,6 +133,7 @@ def _sglang_receiver(port: int, group_name: str, bodies: list[dict], out) -> Non
 
 
 @needs_sglang
+@pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_update_group_and_buckets_interoperate_with_sglang_receiving_code():
     """The trainer's group (init_update_group) and bucket bytes, received by SGLang's own functions."""
@@ -222,6 +223,7 @@ class _FakeSGLang:
         self.server.server_close()
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_transport_sglang_sends_plan_buckets_and_fails_the_sync_when_an_engine_refuses_one():
     """Transport "sglang" through the unchanged bucket sender: SGLang's update group receives exactly the

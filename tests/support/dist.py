@@ -8,7 +8,6 @@ timeout is killed and reported as ``TimeoutError``.
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
 import io
 import queue
@@ -16,6 +15,8 @@ import socket
 import time
 import traceback
 from typing import Any, Callable
+
+from tests.support.procs import adopt_environ, context as procs_context, environ
 
 __all__ = [
     "RemoteProcessError",
@@ -47,7 +48,7 @@ def _worker(fn, rank, world_size, port, args, env, timeout, init_group, results)
     import torch
     import torch.distributed as dist
 
-    os.environ.update(env or {})
+    adopt_environ(env)  # the caller's environment with the run's own variables (not the fork server's)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -110,9 +111,10 @@ def run_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = procs_context()
     results = ctx.Queue()
     port = free_port()
+    env = {**environ(), **(env or {})}
     procs = [
         ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, env, timeout, init_group, results),
                     daemon=True)

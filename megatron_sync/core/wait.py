@@ -1,0 +1,157 @@
+"""One way to wait: a deadline on a clock that tests can replace, and a poll that backs off.
+
+Every wait of the library that is not a blocking call with its own timeout goes
+through `poll` (or `Deadline` where a caller splits one bound over several
+blocking calls), so a test that swaps the clock (`using_clock`) controls every
+wait at once: a `ManualClock` makes a poll that would take minutes end at
+once, without sleeping, and shows exactly when it gave up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Protocol, TypeVar, Union
+
+T = TypeVar("T")
+
+FIRST_PAUSE_S = 0.005
+"""The first pause of a poll; it doubles up to the poll's `max_pause_s`."""
+MAX_PAUSE_S = 0.05
+"""The longest pause of a poll by default: the latency a poll adds to whatever it waits for, at most."""
+
+
+class Clock(Protocol):
+    """Where waits read the time and pause."""
+
+    def now(self) -> float:
+        """Return seconds on a monotonic scale."""
+
+    def sleep(self, seconds: float) -> None:
+        """Pause for `seconds`."""
+
+    def wait_event(self, event: threading.Event, seconds: float) -> bool:
+        """Wait up to `seconds` for `event`; return whether it is set."""
+
+
+class SystemClock:
+    """The real clock: `time.monotonic` and real sleeps."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(max(seconds, 0.0))
+
+    def wait_event(self, event: threading.Event, seconds: float) -> bool:
+        return event.wait(max(seconds, 0.0))
+
+
+class ManualClock:
+    """A clock for tests: time moves only when something sleeps on it (or `advance` is called)."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._now = start
+        self._lock = threading.Lock()
+        self.sleeps: list[float] = []
+
+    def now(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> None:
+        """Move the time forward by `seconds`."""
+        with self._lock:
+            self._now += seconds
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.advance(max(seconds, 0.0))
+
+    def wait_event(self, event: threading.Event, seconds: float) -> bool:
+        if not event.is_set():
+            self.sleep(seconds)
+        return event.is_set()
+
+
+_clock: Clock = SystemClock()
+
+
+def clock() -> Clock:
+    """Return the clock every wait of this process uses."""
+    return _clock
+
+
+@contextlib.contextmanager
+def using_clock(replacement: Clock) -> Iterator[Clock]:
+    """Make every wait of this process use `replacement` inside the block (tests)."""
+    global _clock
+    previous, _clock = _clock, replacement
+    try:
+        yield replacement
+    finally:
+        _clock = previous
+
+
+class WaitTimeout(TimeoutError):
+    """A poll gave up: what it waited for did not happen within its bound."""
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """A moment on the clock; `remaining()` splits one bound over several blocking calls."""
+
+    at: float
+
+    @classmethod
+    def after(cls, seconds: float) -> "Deadline":
+        """Return the deadline `seconds` from now."""
+        return cls(clock().now() + seconds)
+
+    def remaining(self, floor: float = 0.0) -> float:
+        """Return the seconds left (never below `floor`: a blocking call given 0 may wait forever)."""
+        return max(self.at - clock().now(), floor)
+
+    def expired(self) -> bool:
+        """Return True once the deadline has passed."""
+        return clock().now() >= self.at
+
+
+Bound = Union[float, Deadline]
+
+
+def deadline_of(bound: Bound) -> Deadline:
+    """Return `bound` as a Deadline (seconds from now, or itself)."""
+    return bound if isinstance(bound, Deadline) else Deadline.after(bound)
+
+
+def poll(ready: Callable[[], Optional[T]], *, within: Bound, what: str,
+         max_pause_s: float = MAX_PAUSE_S,
+         timeout: Optional[Callable[[float], BaseException]] = None) -> T:
+    """Call `ready()` until it returns something other than None or False; return that.
+
+    Pauses start at `FIRST_PAUSE_S` and double up to `max_pause_s`. After
+    `within` (seconds, or a Deadline) `ready` is called one last time, then the
+    poll raises `timeout(seconds waited)` when given, else `WaitTimeout`
+    naming `what` ("the trainer's report of version 3").
+    """
+    limit, started = deadline_of(within), clock().now()
+    pause = FIRST_PAUSE_S
+    while True:
+        value = ready()
+        if value is not None and value is not False:
+            return value
+        if limit.expired():
+            waited = clock().now() - started
+            raise timeout(waited) if timeout is not None else WaitTimeout(
+                f"{what} did not happen within {waited:.3g}s")
+        clock().sleep(min(pause, limit.remaining()))
+        pause = min(pause * 2, max_pause_s)
+
+
+def every(seconds: float, stop: threading.Event) -> Iterator[None]:
+    """Yield every `seconds` until `stop` is set (a watcher thread's loop)."""
+    while not clock().wait_event(stop, seconds):
+        yield
