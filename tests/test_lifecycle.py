@@ -262,7 +262,7 @@ def test_a_second_inference_job_is_refused_by_session_name_and_the_first_keeps_s
         store = connect("127.0.0.1", case["port"], timeout_s=120)
         # the first job was admitted and the session formed
         poll(lambda: store.check(["rdzv/ready"]), within=scaled(120), what="the first engine job's admission")
-        del store
+        store.close()
         # a second engine job on the same address: refused at once (spawn + imports), not after timeout_s
         second = run_ranks(engine_job, 1, case, timeout=scaled(case["timeout_s"]))
         release.touch()

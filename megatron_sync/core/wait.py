@@ -128,17 +128,18 @@ def deadline_of(bound: Bound) -> Deadline:
 
 
 def poll(ready: Callable[[], Optional[T]], *, within: Bound, what: str,
-         max_pause_s: float = MAX_PAUSE_S,
+         max_pause_s: float = MAX_PAUSE_S, wake: Optional[threading.Event] = None,
          timeout: Optional[Callable[[float], BaseException]] = None) -> T:
     """Call `ready()` until it returns something other than None or False; return that.
 
-    Pauses start at `FIRST_PAUSE_S` and double up to `max_pause_s`. After
-    `within` (seconds, or a Deadline) `ready` is called one last time, then the
-    poll raises `timeout(seconds waited)` when given, else `WaitTimeout`
-    naming `what` ("the trainer's report of version 3").
+    Pauses start at `FIRST_PAUSE_S` and double up to `max_pause_s`; with `wake`
+    (an event whoever makes `ready` true sets) a pause ends as soon as it is
+    set. After `within` (seconds, or a Deadline) `ready` is called one last
+    time, then the poll raises `timeout(seconds waited)` when given, else
+    `WaitTimeout` naming `what` ("the trainer's report of version 3").
     """
     limit, started = deadline_of(within), clock().now()
-    pause = FIRST_PAUSE_S
+    pause = FIRST_PAUSE_S if wake is None else max_pause_s
     while True:
         value = ready()
         if value is not None and value is not False:
@@ -147,7 +148,10 @@ def poll(ready: Callable[[], Optional[T]], *, within: Bound, what: str,
             waited = clock().now() - started
             raise timeout(waited) if timeout is not None else WaitTimeout(
                 f"{what} did not happen within {waited:.3g}s")
-        clock().sleep(min(pause, limit.remaining()))
+        if wake is None:
+            clock().sleep(min(pause, limit.remaining()))
+        else:
+            clock().wait_event(wake, min(pause, limit.remaining()))
         pause = min(pause * 2, max_pause_s)
 
 

@@ -15,10 +15,10 @@ import json
 import os
 import shutil
 import socket
-import time
 import uuid
 from typing import Any, Optional
 
+from megatron_sync.core.wait import WaitTimeout, poll
 from megatron_sync.delta.errors import LockHeldError, StoreWriteError
 
 _SPACE_ERRORS = {
@@ -137,12 +137,13 @@ class FileLock:
 
 def _read_holder(fd: int, wait_s: float = 1.0) -> str:
     """Return the holder's record; a holder that has just taken the lock gets `wait_s` to write it."""
-    deadline = time.monotonic() + wait_s
-    while True:
+    def record() -> str:
         try:
-            text = os.pread(fd, 256, 0).decode(errors="replace").strip()
+            return os.pread(fd, 256, 0).decode(errors="replace").strip()
         except OSError:
-            text = ""
-        if text or time.monotonic() >= deadline:
-            return text or "another process"
-        time.sleep(0.01)
+            return ""
+
+    try:
+        return poll(record, within=wait_s, what="the lock holder's record")
+    except WaitTimeout:
+        return "another process"

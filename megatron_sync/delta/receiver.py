@@ -43,7 +43,7 @@ import torch
 from megatron_sync.agreement import agree, describe, failures_of
 from megatron_sync.delta.localcopy import read_slot
 from megatron_sync.delta.reader import DeltaReader, StagedVersion
-from megatron_sync.delta.session import Poller
+from megatron_sync.core.wait import poll
 from megatron_sync.delta.storedir import failed_versions, published_versions
 from megatron_sync.engines.base import EngineAdapter
 from megatron_sync.errors import SyncAbortedError
@@ -139,8 +139,7 @@ class DeltaReceiver(Receiver):
     def _wait_published(self, wanted: int) -> int:
         """Return the newest version >= `wanted` that every stage's store holds, waiting up to `timeout_s`;
         raise at once when a stage's writer recorded that it could not publish it (a full disk, ...)."""
-        poller = Poller(self.timeout_s)
-        while True:
+        def newest_published() -> Optional[int]:
             common = set.intersection(*(set(published_versions(store)) for store in self.stores))
             ready = [v for v in common if v >= wanted]
             if ready:
@@ -150,12 +149,16 @@ class DeltaReceiver(Receiver):
             if failed:
                 raise RuntimeError(f"version {wanted} will not be published: the trainer's writer failed ("
                                    + "; ".join(failed) + ")")
-            if poller.expired():
-                raise TimeoutError(
-                    f"version {wanted} was not published in {self.stores} within timeout_s={self.timeout_s:g}s "
-                    f"(published there: {sorted(common)[-3:] or 'none'}): the trainer's writer is behind (raise "
-                    "timeout_s or delta_encode_threads) or failed (see the trainer's log)")
-            poller.sleep()
+            return None
+
+        def behind(_: float) -> TimeoutError:
+            common = set.intersection(*(set(published_versions(store)) for store in self.stores))
+            return TimeoutError(
+                f"version {wanted} was not published in {self.stores} within timeout_s={self.timeout_s:g}s "
+                f"(published there: {sorted(common)[-3:] or 'none'}): the trainer's writer is behind (raise "
+                "timeout_s or delta_encode_threads) or failed (see the trainer's log)")
+
+        return poll(newest_published, within=self.timeout_s, what=f"version {wanted} being published", timeout=behind)
 
     # -- rounds 2 and 3: stage, load, commit
 

@@ -37,27 +37,12 @@ import uuid
 from typing import Any, Callable, Optional
 
 import megatron_sync.delta.fsio as fsio
+from megatron_sync.core.wait import clock, poll
 from megatron_sync.errors import PeerFailureError
 
 SESSION = "session.json"
 _KEY_PART = re.compile(r"[A-Za-z0-9._-]+")
-MAX_PAUSE_S = 0.05  # polling interval cap: the latency a control message or gather round adds at most
 LIVENESS_EVERY_S = 1.0  # how often a waiting rank re-reads session.json
-
-
-class Poller:
-    """Sleep between polls, from 5 ms doubling up to `MAX_PAUSE_S`; `expired()` after `timeout_s`."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.deadline = time.monotonic() + timeout_s
-        self._pause = 0.005
-
-    def expired(self) -> bool:
-        return time.monotonic() > self.deadline
-
-    def sleep(self) -> None:
-        time.sleep(self._pause)
-        self._pause = min(self._pause * 2, MAX_PAUSE_S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,20 +106,18 @@ def open_session(control_dir: str, *, version_offset: int, num_stages: int, num_
         if name != session.id and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)  # earlier runs' sessions; their ranks see session.json change
     tokens: dict[int, str] = {}
-    poller = Poller(timeout_s)
-    while len(tokens) < num_inference_ranks:
+
+    def everyone_joined() -> bool:
         for rank in set(range(num_inference_ranks)) - set(tokens):
             raw = _read(os.path.join(session.folder, "joined", str(rank)))
             if raw is not None:
                 tokens[rank] = raw.decode()
-        if len(tokens) < num_inference_ranks:
-            if poller.expired():
-                missing = sorted(set(range(num_inference_ranks)) - set(tokens))
-                raise PeerFailureError(
-                    f"[trainer leader] inference ranks {missing} did not join the disk-delta session in "
-                    f"{control_dir} within {timeout_s:g}s; start the inference job with the same delta_dir and "
-                    f"num_inference_ranks={num_inference_ranks}")
-            poller.sleep()
+        return len(tokens) == num_inference_ranks
+
+    poll(everyone_joined, within=timeout_s, what="the inference ranks joining", timeout=lambda _: PeerFailureError(
+        f"[trainer leader] inference ranks {sorted(set(range(num_inference_ranks)) - set(tokens))} did not join the "
+        f"disk-delta session in {control_dir} within {timeout_s:g}s; start the inference job with the same "
+        f"delta_dir and num_inference_ranks={num_inference_ranks}"))
     _post(os.path.join(session.folder, "started"), json.dumps(tokens).encode())
     return session
 
@@ -148,8 +131,9 @@ def join_session(control_dir: str, *, inference_rank: int, num_stages: int, num_
     """
     token = uuid.uuid4().hex
     joined: Optional[Session] = None
-    poller = Poller(timeout_s)
-    while True:
+
+    def admitted() -> Optional[Session]:
+        nonlocal joined
         session = read_session(control_dir)
         if session is not None and (joined is None or session.id != joined.id):
             try:
@@ -162,11 +146,11 @@ def join_session(control_dir: str, *, inference_rank: int, num_stages: int, num_
             if started is not None and json.loads(started).get(str(inference_rank)) == token:
                 _check_shape(joined, num_stages, num_inference_ranks)
                 return joined
-        if poller.expired():
-            raise PeerFailureError(
-                f"[inference rank {inference_rank}] no trainer opened a disk-delta session in {control_dir} within "
-                f"{timeout_s:g}s; start the training job with the same delta_dir (its stage 0 source opens it)")
-        poller.sleep()
+        return None
+
+    return poll(admitted, within=timeout_s, what="a trainer opening the session", timeout=lambda _: PeerFailureError(
+        f"[inference rank {inference_rank}] no trainer opened a disk-delta session in {control_dir} within "
+        f"{timeout_s:g}s; start the training job with the same delta_dir (its stage 0 source opens it)"))
 
 
 def _check_shape(session: Session, num_stages: int, num_inference_ranks: int) -> None:
@@ -212,15 +196,17 @@ class DirectoryBoard:
     def fetch(self, key: str, timeout_s: Optional[float] = None) -> bytes:
         """Return the value posted under `key`, waiting up to `timeout_s` (None: the board's timeout)."""
         limit = self.timeout_s if timeout_s is None else timeout_s
-        path, poller, checked = self._path(key), Poller(limit), time.monotonic()
-        while (value := _read(path)) is None:
-            if poller.expired():
-                raise PeerFailureError(f"[rank {self.rank}] nothing was posted under {path} within {limit:g}s")
-            if self._alive is not None and time.monotonic() - checked > LIVENESS_EVERY_S:
+        path, checked = self._path(key), [clock().now()]
+
+        def posted() -> Optional[bytes]:
+            value = _read(path)
+            if value is None and self._alive is not None and clock().now() - checked[0] > LIVENESS_EVERY_S:
                 self._alive()
-                checked = time.monotonic()
-            poller.sleep()
-        return value
+                checked[0] = clock().now()
+            return value
+
+        return poll(posted, within=limit, what=f"a value under {path}", timeout=lambda _: PeerFailureError(
+            f"[rank {self.rank}] nothing was posted under {path} within {limit:g}s"))
 
     def remove(self, key: str) -> None:
         """Delete what was posted under `key` (once every reader has read it), and its folder once empty."""

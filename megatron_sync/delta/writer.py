@@ -35,7 +35,6 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 from typing import Callable, Mapping, Optional
 
 import numpy as np
@@ -198,10 +197,9 @@ class DeltaWriter:
             self.skipped.append(job.version)
             self._free.append(job.buffer)
             return
-        start = time.monotonic()
         if not self._cond.wait_for(lambda: len(self._queue) < self.options.queue_depth,
                                    self.options.block_timeout_s):
-            raise TimeoutError(f"submit waited {time.monotonic() - start:.0f}s for the delta writer "
+            raise TimeoutError(f"submit waited {self.options.block_timeout_s:g}s for the delta writer "
                                "(when_behind='block'); raise block_timeout_s or use when_behind='coalesce'")
 
     def _take_buffer_locked(self, nbytes: int) -> np.ndarray:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import enum
 import json
 import threading
-import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ import torch.distributed as dist
 
 from megatron_sync.agreement import Gather, describe, failures_of, torch_gather
 from megatron_sync.config import INFLIGHT_POLICIES
+from megatron_sync.core.wait import Deadline, clock
 from megatron_sync.errors import AgreedFailure
 
 Span = tuple[int, int, int]  # (version, start, end), end exclusive
@@ -169,9 +169,9 @@ class GenerationServer:
             raise pending.error
 
     def _await_boundary(self, pending: _Commit) -> None:
-        deadline = time.monotonic() + self.commit_timeout_s
+        deadline = Deadline.after(self.commit_timeout_s)
         while pending.state in (_State.STAGED, _State.OFFERED):
-            remaining = deadline - time.monotonic()
+            remaining = deadline.at - clock().now()
             if remaining <= 0 and pending.state is _State.STAGED:
                 pending.state, self._pending = _State.WITHDRAWN, None
                 pending.error = TimeoutError(
@@ -294,7 +294,7 @@ class GenerationServer:
             offer = None if holding else self._offer()
             live = self.engine.version
             target = offer.version if offer is not None else live
-            late = waiting_since is not None and time.monotonic() - waiting_since > self.commit_timeout_s
+            late = waiting_since is not None and clock().now() - waiting_since > self.commit_timeout_s
             agreed = self._max([live, -live, target, -target, int(offer is not None), int(late),
                                 fingerprint, -fingerprint])
             live_max, live_min, target_max, target_min = agreed[0], -agreed[1], agreed[2], -agreed[3]
@@ -318,8 +318,8 @@ class GenerationServer:
             if any_late:
                 raise TimeoutError(f"[engine rank {self._rank}] engine ranks hold versions {live_min}..{live_max} "
                                    f"and the lagging commit did not arrive within {self.commit_timeout_s:g}s")
-            waiting_since = waiting_since or time.monotonic()
-            time.sleep(0.001)
+            waiting_since = waiting_since or clock().now()
+            clock().sleep(0.001)  # one agreement round per millisecond at most while a peer's commit is on its way
 
     def _offer(self) -> Optional[_Commit]:
         """Return the staged commit, now locked into this boundary's agreement (None if none)."""

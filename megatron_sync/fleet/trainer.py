@@ -36,6 +36,7 @@ import torch
 from megatron_sync.agreement import Gather, describe
 from megatron_sync.checksum import resolve_checksum
 from megatron_sync.config import WeightSyncConfig
+from megatron_sync.core.wait import WaitTimeout, poll
 from megatron_sync.errors import AgreedFailure, PeerFailureError, PlanMismatchError, SyncAbortedError, SyncError
 from megatron_sync.fleet.links import Deliveries, FanOut, Link, link_name
 from megatron_sync.fleet.relay import relay_part
@@ -58,7 +59,6 @@ log = logging.getLogger("megatron_sync")
 OPEN_KEY = "fleet/open/{engine}/{generation}"
 """Posted by the leader (under the session store's root) when an engine's link is being built: b"open", or
 b"refused: <why>" for a job that will not get one (superseded before its link was built)."""
-POLL_S = 0.05
 ACK_S = 15.0  # how long the leader waits for an engine's stop acknowledgement when closing
 
 
@@ -116,9 +116,10 @@ class FleetDriver:
                 admitted = self.session.admitted_engines()
                 return driven <= set(admitted) if driven else len(admitted) >= wanted
 
-            deadline = time.monotonic() + self.config.timeout_s
-            while not ready() and time.monotonic() < deadline:
-                time.sleep(POLL_S)
+            try:
+                poll(ready, within=self.config.timeout_s, what="the initial fleet joining")
+            except WaitTimeout:
+                pass  # going on with the engines that came (said below)
             have = sorted(self.session.admitted_engines())
             if not ready():
                 log.warning("fleet: engines %s joined within %gs, not the %s expected; going on with them", have,
@@ -188,14 +189,17 @@ class FleetDriver:
             asked[engine] = record.generation
             log.info("fleet: engine %d (%s) answers again; it joins as generation > %d", engine, client.url,
                      record.generation)
-        deadline = time.monotonic() + self.config.timeout_s
-        while asked and time.monotonic() < deadline:
+        def admitted_or_ended() -> bool:
             admitted = self.session.admitted_engines()
             if all(admitted.get(e, (-1, ""))[0] > g for e, g in asked.items()):
-                return
-            if any(self._rejoining[e].done() for e in asked):  # a join that ended before its admission failed
-                return
-            time.sleep(POLL_S)
+                return True
+            return any(self._rejoining[e].done() for e in asked)  # a join that ended before its admission failed
+
+        if asked:
+            try:
+                poll(admitted_or_ended, within=self.config.timeout_s, what="the rejoining engines' admission")
+            except WaitTimeout:
+                pass  # not admitted in time: asked again at the next boundary
 
     def _finish_rejoins(self) -> None:
         """Leader: collect the driven engines' join calls that ended (linked, or failed: asked again later)."""

@@ -16,9 +16,10 @@ import abc
 import enum
 import json
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Protocol
+
+from megatron_sync.core.wait import Deadline
 
 
 class ControlOp(str, enum.Enum):
@@ -117,6 +118,6 @@ class StoreControlChannel(ControlChannel):
 
     def collect(self, kind: Report, version: int, ranks: Iterable[int],
                 timeout_s: Optional[float] = None) -> dict[int, bytes]:
-        deadline = time.monotonic() + (self._group.timeout_s if timeout_s is None else timeout_s)
-        return {r: self._group.fetch(f"report/{kind.value}/{version}/{r}", timeout_s=max(deadline - time.monotonic(), 0))
+        deadline = Deadline.after(self._group.timeout_s if timeout_s is None else timeout_s)
+        return {r: self._group.fetch(f"report/{kind.value}/{version}/{r}", timeout_s=deadline.remaining())
                 for r in ranks}

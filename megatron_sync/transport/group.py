@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_sync.core.wait import Deadline, poll
 from megatron_sync.errors import PeerFailureError, SyncError
 from megatron_sync.transport.rendezvous import Identity
 from megatron_sync.transport.session import SyncSession
@@ -54,15 +55,12 @@ class StoreBoard:
         """Return the value posted under `key`, waiting up to `timeout_s` (None: the board's timeout)."""
         full_key = self._prefix + key
         limit = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit
-        pause = 0.005
+        deadline = Deadline.after(limit)
         try:
-            while not self._store.check([full_key], bound=deadline - time.monotonic()):
-                if time.monotonic() > deadline:
-                    raise PeerFailureError(f"[rank {self.rank}] nothing was posted under {key!r} within {limit:g}s")
-                time.sleep(pause)
-                pause = min(pause * 2, 0.1)
-            return self._store.get(full_key, bound=deadline - time.monotonic())
+            poll(lambda: self._store.check([full_key], bound=deadline.remaining()), within=deadline,
+                 what=f"a value under {key!r}", max_pause_s=0.1, timeout=lambda _: PeerFailureError(
+                     f"[rank {self.rank}] nothing was posted under {key!r} within {limit:g}s"))
+            return self._store.get(full_key, bound=deadline.remaining())
         except SyncError:
             raise
         except (RuntimeError, dist.DistStoreError) as e:

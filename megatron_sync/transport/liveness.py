@@ -3,7 +3,7 @@
 The `ipc` transport's ranks share one host, so while a rank waits for a peer's
 control message it can look at the peers' processes themselves. Each rank
 posts its `ProcessId` (host, pid namespace, pid, start time); a `PeerWatch`
-thread checks, every `POLL_S` while this process waits for a key, that every
+thread checks, every `CHECK_EVERY_S` while this process waits for a key, that every
 peer it can see (same host, same pid namespace) still runs, and when one does
 not, it posts a death notice under the awaited key itself (`compare_set`: only
 if nothing was posted there), which wakes the waiter with the peer's name.
@@ -20,8 +20,10 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator, Mapping, Optional
 
+from megatron_sync.core.wait import every
+
 DEATH_NOTICE = b"megatron-sync: peer died: "
-POLL_S = 0.5
+CHECK_EVERY_S = 0.5
 
 
 def _start_time(pid: int) -> Optional[int]:
@@ -93,7 +95,7 @@ class PeerWatch:
                 self._waiting.pop(me, None)
 
     def _run(self) -> None:
-        while not self._stop.wait(POLL_S):
+        for _ in every(CHECK_EVERY_S, self._stop):
             with self._lock:
                 keys = list(self._waiting.values())
             if not keys:
@@ -110,7 +112,7 @@ class PeerWatch:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2 * POLL_S)
+        self._thread.join(timeout=2 * CHECK_EVERY_S)
         self._store = None
 
 

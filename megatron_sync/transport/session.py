@@ -32,6 +32,7 @@ from typing import Any, Mapping, Optional
 
 import torch.distributed as dist
 
+from megatron_sync.core.wait import Deadline, WaitTimeout, clock, every, poll
 from megatron_sync.errors import RendezvousError, StoreSilentError
 from megatron_sync.transport.rendezvous import Admission, Decision, Identity
 from megatron_sync.transport.store import BoundedStore, bounded
@@ -41,7 +42,7 @@ log = logging.getLogger("megatron_sync")
 PROBE_S = 10.0  # how long a connected port may stay silent before it counts as "held by something else"
 DIAGNOSE_S = 2.0  # how long `host_state` waits for the host to answer (a live store answers in milliseconds)
 REPORT_WAIT_S = 30.0  # how long a rank that failed while starting waits for the host to listen, to tell it
-POLL_S = 0.05
+ANSWER_EVERY_S = 0.05  # how often the host looks for new join tickets
 _STORE_ERRORS = (RuntimeError, dist.DistStoreError, dist.DistNetworkError)
 
 
@@ -112,7 +113,7 @@ class SyncSession:
         except _STORE_ERRORS:
             log.exception("the rendezvous at %s cannot answer joiners", self.where)
             return
-        while not self._stop.is_set():
+        for _ in every(ANSWER_EVERY_S, self._stop):
             try:
                 count = store.add("rdzv/tickets", 0)
                 while self._answered < count:
@@ -122,7 +123,6 @@ class SyncSession:
                 if not self._stop.is_set():
                     log.exception("the rendezvous at %s stopped answering joiners", self.where)
                 return
-            self._stop.wait(POLL_S)
 
     def _answer(self, store: Any, ticket: int) -> None:
         identity = Identity.from_json(store.get(f"rdzv/ticket/{ticket}"))
@@ -176,46 +176,47 @@ class SyncSession:
         """
         if self._ready:
             return
-        deadline = time.monotonic() + self.timeout_s
+        deadline = Deadline.after(self.timeout_s)
         if self.is_host:
             self._host_waits(deadline)
         else:
             self._joiner_waits(deadline)
         self._ready = True
 
-    def _host_waits(self, deadline: float) -> None:
-        while True:
+    def _host_waits(self, deadline: Deadline) -> None:
+        def complete() -> bool:
             with self._lock:
-                failure, complete = self._admission.failure, self._admission.complete
-                missing = {role: sorted(set(range(count)) - set(self._admission.admitted.get(role, {})))
-                           for role, count in self._admission.members.items()}
+                failure, done = self._admission.failure, self._admission.complete
             if failure is not None:
                 raise RendezvousError(f"[session {self.id}] {failure}")
-            if complete:
-                self.store.set("rdzv/ready", b"1")
-                return
-            if time.monotonic() > deadline:
-                waiting = "; ".join(f"{role} ranks {m}" for role, m in missing.items() if m)
-                problem = (f"not every rank joined the rendezvous at {self.where} within {self.timeout_s:g}s: "
-                           f"still missing {waiting}. Start the other job against this address (or check its "
-                           "weight_sync.master_address / master_port)")
-                self.fail(problem)
-                raise RendezvousError(f"[session {self.id}] {problem}")
-            time.sleep(POLL_S)
+            return done
 
-    def _joiner_waits(self, deadline: float) -> None:
-        while True:
+        poll(complete, within=deadline, what="every rank joining", timeout=lambda _: self._nobody_came())
+        self.store.set("rdzv/ready", b"1")
+
+    def _nobody_came(self) -> RendezvousError:
+        """Fail the session for the ranks that never joined (the host's wait ran out); return the error."""
+        with self._lock:
+            missing = {role: sorted(set(range(count)) - set(self._admission.admitted.get(role, {})))
+                       for role, count in self._admission.members.items()}
+        waiting = "; ".join(f"{role} ranks {m}" for role, m in missing.items() if m)
+        problem = (f"not every rank joined the rendezvous at {self.where} within {self.timeout_s:g}s: "
+                   f"still missing {waiting}. Start the other job against this address (or check its "
+                   "weight_sync.master_address / master_port)")
+        self.fail(problem)
+        return RendezvousError(f"[session {self.id}] {problem}")
+
+    def _joiner_waits(self, deadline: Deadline) -> None:
+        def ready() -> bool:
             failure = _read(self.store, "rdzv/failed", self.where)
             if failure is not None:
                 _add(self.store, "rdzv/acks", 1)
                 raise RendezvousError(f"[{self.identity.describe()}] session {self.id} failed: {failure.decode()}")
-            if _read(self.store, "rdzv/ready", self.where) is not None:
-                return
-            if time.monotonic() > deadline:
-                raise RendezvousError(
-                    f"[{self.identity.describe()}] session {self.id} at {self.where} was not ready within "
-                    f"{self.timeout_s:g}s: the trainer is still starting, or some rank never joined")
-            time.sleep(POLL_S)
+            return _read(self.store, "rdzv/ready", self.where) is not None
+
+        poll(ready, within=deadline, what="the session becoming ready", timeout=lambda _: RendezvousError(
+            f"[{self.identity.describe()}] session {self.id} at {self.where} was not ready within "
+            f"{self.timeout_s:g}s: the trainer is still starting, or some rank never joined"))
 
     def fail(self, reason: str) -> None:
         """Tell the session this rank failed (`reason`); whoever waits on it raises, quoting it."""
@@ -239,7 +240,7 @@ class SyncSession:
         where = f"its rendezvous at {self.where}"
         if self.store is not None and self.store.silent:
             return False, f"{where} accepts connections but does not answer: the trainer is stopped (e.g. SIGSTOP) or hung"
-        probed, probe_s = time.monotonic(), min(probe_s, self.timeout_s)
+        probed, probe_s = clock().now(), min(probe_s, self.timeout_s)
         problem = _probe(self.address, self.port, probe_s)
         if problem == "silent" and self.store is not None:
             self.store.found_silent(probed)  # later calls (a rank saying it leaves) fail at once
@@ -267,16 +268,19 @@ class SyncSession:
     def _linger_if_failed(self, linger_s: float) -> None:
         # Every answer and every admitted rank's sight of the failure is acknowledged ("acks"): wait for them,
         # and for the ranks that have not presented themselves yet (they are answered with the failure).
-        deadline = time.monotonic() + linger_s
-        while True:
+        def told_everyone() -> bool:
             with self._lock:
                 if self._admission.failure is None or self._ready:
-                    return
+                    return True
                 expected = self._answered + sum(len(m) for m in self._admission.admitted.values()) - 1
                 everyone = self._admission.all_presented
-            if (everyone and _add(self.store, "rdzv/acks", 0) >= expected) or time.monotonic() > deadline:
-                return
-            time.sleep(POLL_S)
+            return everyone and _add(self.store, "rdzv/acks", 0) >= expected
+
+        try:
+            poll(told_everyone, within=linger_s, what="every rank reading the failure")
+        except WaitTimeout:
+            log.info("the rendezvous at %s leaves after lingering %gs for ranks to read its failure", self.where,
+                     linger_s)
 
 
 class SessionPart:
@@ -328,29 +332,29 @@ def connect(address: str, port: int, *, timeout_s: float, probe_s: float = PROBE
     """
     where = f"{address}:{port}"
     wait_s = timeout_s if wait_s is None else wait_s
-    deadline = time.monotonic() + wait_s
-    while True:
+    def listening() -> bool:
         problem = _probe(address, port, min(probe_s, timeout_s))
-        if problem is None:
-            break
-        if problem != "refused" or time.monotonic() >= deadline:
-            words = _PROBLEMS.get(problem, "{problem}").format(problem=problem, probe=min(probe_s, timeout_s),
-                                                                timeout=wait_s)
-            raise RendezvousError(f"the rendezvous at {where}: {words}")
-        time.sleep(0.2)
+        if problem not in (None, "refused"):
+            raise _unreachable(where, problem, min(probe_s, timeout_s), wait_s)
+        return problem is None
+
+    poll(listening, within=wait_s, what=f"a rendezvous listening at {where}", max_pause_s=0.2,
+         timeout=lambda _: _unreachable(where, "refused", min(probe_s, timeout_s), wait_s))
     try:
         store = BoundedStore(dist.TCPStore(address, port, None, False, timeout=datetime.timedelta(seconds=timeout_s),
                                            wait_for_workers=False), where=where, timeout_s=timeout_s)
     except _STORE_ERRORS as e:
         raise RendezvousError(f"the rendezvous at {where}: connecting failed: {e}") from e
-    marker_deadline = time.monotonic() + min(probe_s, timeout_s)
-    while _read(store, "rdzv/session", where) is None:
-        if time.monotonic() > marker_deadline:
-            raise RendezvousError(
-                f"the store at {where} is not a megatron-sync rendezvous (no session was posted there): is "
-                "weight_sync.master_port also some job's MASTER_PORT or another store's port? Choose a free one")
-        time.sleep(POLL_S)
+    poll(lambda: _read(store, "rdzv/session", where) is not None, within=min(probe_s, timeout_s),
+         what="the rendezvous's session marker", timeout=lambda _: RendezvousError(
+             f"the store at {where} is not a megatron-sync rendezvous (no session was posted there): is "
+             "weight_sync.master_port also some job's MASTER_PORT or another store's port? Choose a free one"))
     return store
+
+
+def _unreachable(where: str, problem: str, probe_s: float, wait_s: float) -> RendezvousError:
+    words = _PROBLEMS.get(problem, "{problem}").format(problem=problem, probe=probe_s, timeout=wait_s)
+    return RendezvousError(f"the rendezvous at {where}: {words}")
 
 
 _PROBLEMS = {
@@ -396,16 +400,12 @@ def _present(store: Any, identity: Identity, where: str, timeout_s: float) -> De
         store.set(f"rdzv/ticket/{ticket}", identity.to_json())
     except _STORE_ERRORS as e:
         raise RendezvousError(f"the rendezvous at {where} went away while {identity.describe()} joined: {e}") from e
-    deadline = time.monotonic() + timeout_s
-    while True:
-        raw = _read(store, f"rdzv/answer/{ticket}", where)
-        if raw is not None:
-            _add(store, "rdzv/acks", 1)  # the host may leave once every answer was read
-            return Decision.from_json(raw)
-        if time.monotonic() > deadline:
-            raise RendezvousError(f"the rendezvous at {where} did not answer {identity.describe()} within "
-                                  f"{timeout_s:g}s (its host is alive but busy or stuck)")
-        time.sleep(POLL_S)
+    raw = poll(lambda: _read(store, f"rdzv/answer/{ticket}", where), within=timeout_s,
+               what=f"the answer to {identity.describe()}", timeout=lambda _: RendezvousError(
+                   f"the rendezvous at {where} did not answer {identity.describe()} within {timeout_s:g}s (its "
+                   "host is alive but busy or stuck)"))
+    _add(store, "rdzv/acks", 1)  # the host may leave once every answer was read
+    return Decision.from_json(raw)
 
 
 def _read(store: Any, key: str, where: str) -> Optional[bytes]:

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from typing import Any, Callable, Optional
 
+from megatron_sync.core.wait import clock, poll
 from megatron_sync.errors import StoreSilentError
 
 MIN_BOUND_S = 2.0
 """The least time a call is given, whatever the caller's remaining time (within `timeout_s`)."""
-POLL_S = 0.05  # how often a waiting caller looks at how long the helper has been in its call
+CHECK_EVERY_S = 0.05  # how often a waiting caller looks at how long the helper has been in its call
 
 
 class BoundedStore:
@@ -38,7 +38,7 @@ class BoundedStore:
         self._requests: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
-        self.silent_since: Optional[float] = None  # time.monotonic() when the call that outlived timeout_s began
+        self.silent_since: Optional[float] = None  # clock time when the call that outlived timeout_s began
         self._busy_since: Optional[float] = None  # when the helper began the call it runs now (None: idle)
 
     def set(self, key: str, value: bytes, *, bound: Optional[float] = None) -> None:
@@ -68,23 +68,26 @@ class BoundedStore:
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, bound: Optional[float]) -> Any:
         if self.silent_since is not None:
-            raise self._silent_error(what, time.monotonic() - self.silent_since)
+            raise self._silent_error(what, clock().now() - self.silent_since)
         limit = self.timeout_s if bound is None else min(max(bound, MIN_BOUND_S), self.timeout_s)
         box: dict[str, Any] = {}
         done = threading.Event()
         self._start()
-        start = time.monotonic()
         self._requests.put((fn, args, box, done))
-        # The host is silent once one call has gone unanswered for timeout_s (counted from when the helper
-        # started it, so a call queued behind one already stuck does not wait a second timeout_s).
-        while not done.wait(POLL_S):
-            now, busy_since = time.monotonic(), self._busy_since
-            if busy_since is not None and now - busy_since >= self.timeout_s:
+
+        def answered() -> bool:
+            # The host is silent once one call has gone unanswered for timeout_s (counted from when the helper
+            # started it, so a call queued behind one already stuck does not wait a second timeout_s).
+            busy_since = self._busy_since
+            if not done.is_set() and busy_since is not None and clock().now() - busy_since >= self.timeout_s:
                 with self._lock:
                     self.silent_since = self.silent_since or busy_since
-                raise self._silent_error(what, now - busy_since)
-            if now - start >= limit:
-                raise StoreSilentError(f"the store at {self.where} did not answer ({what}) within {limit:.3g}s")
+                raise self._silent_error(what, clock().now() - busy_since)
+            return done.is_set()
+
+        poll(answered, within=limit, what=f"the store's answer ({what})", max_pause_s=CHECK_EVERY_S, wake=done,
+             timeout=lambda _: StoreSilentError(
+                 f"the store at {self.where} did not answer ({what}) within {limit:.3g}s"))
         if "error" in box:
             raise box["error"]
         return box.get("value")
@@ -107,7 +110,7 @@ class BoundedStore:
             if request is None:
                 return
             fn, args, box, done = request
-            self._busy_since = time.monotonic()
+            self._busy_since = clock().now()
             try:
                 box["value"] = fn(*args)
             except BaseException as e:  # noqa: BLE001 — handed to the caller

@@ -81,7 +81,7 @@ def tables(record: dict[str, Any], previous: Optional[dict[str, Any]] = None, ma
     before = (previous or {}).get("tests", {})
     tests = record["tests"]
     slow = sorted(tests.items(), key=lambda kv: -kv[1]["seconds"])[:SLOWEST]
-    lines = [f"| seconds | before | tier | test |", "|---:|---:|---|---|"] if markdown else [
+    lines = ["| seconds | before | tier | test |", "|---:|---:|---|---|"] if markdown else [
         f"slowest {SLOWEST} tests (seconds, previous run):"]
     for nodeid, entry in slow:
         was = before.get(nodeid, {}).get("seconds")
