@@ -12,27 +12,27 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
+from megatron_sync.core.wait import ManualClock, using_clock
 from megatron_sync.errors import StoreSilentError
 from megatron_sync.transport.session import connect
+from megatron_sync.transport.store import CHECK_EVERY_S, MIN_BOUND_S
 from tests.support.dist import free_port
 
 TIMEOUT_S = 3.0
-MARGIN_S = 5.0  # a loaded machine; what a bound adds to TIMEOUT_S
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
 HOST = """
-import sys, time
+import sys, threading
 from megatron_sync.transport.rendezvous import Identity
 from megatron_sync.transport.session import SyncSession
 SyncSession.host("127.0.0.1", {port}, Identity(job="T", role="trainer", member=0), members={{"trainer": 1}},
                  timeout_s={timeout})
 print("hosting", flush=True)
-time.sleep(600)
+threading.Event().wait(600)  # host until the test stops it, then kills it
 """
 
 
@@ -54,32 +54,33 @@ def stopped_host():
 
 
 def test_every_call_ends_within_timeout_s_and_later_calls_fail_at_once(stopped_host):
+    """On the wait helper's clock (a manual one: exact, and quick): the first call gives up when its host has
+    been silent for exactly timeout_s; every later call fails without waiting."""
     _, client = stopped_host
-    start = time.monotonic()
-    with pytest.raises(StoreSilentError, match=r"accepts connections but has not answered for 3[.0-9]*s \(check "
-                                               r"\['rdzv/ready'\]\): its host is stopped \(e\.g\. SIGSTOP\) or hung"):
-        client.check(["rdzv/ready"])
-    first = time.monotonic() - start
-    assert TIMEOUT_S <= first < TIMEOUT_S + MARGIN_S, first
-    for call in (lambda: client.get("rdzv/session"), lambda: client.add("rdzv/acks", 1),
-                 lambda: client.set("x", b"1")):
-        start = time.monotonic()
-        with pytest.raises(StoreSilentError):
-            call()
-        assert time.monotonic() - start < 1.0  # known silent: nobody waits for it a second time
+    with using_clock(ManualClock()) as clock:
+        with pytest.raises(StoreSilentError, match=r"accepts connections but has not answered for 3[.0-9]*s \(check "
+                                                   r"\['rdzv/ready'\]\): its host is stopped \(e\.g\. SIGSTOP\) or hung"):
+            client.check(["rdzv/ready"])
+        assert clock.now() == pytest.approx(TIMEOUT_S, abs=CHECK_EVERY_S)
+        for call in (lambda: client.get("rdzv/session"), lambda: client.add("rdzv/acks", 1),
+                     lambda: client.set("x", b"1")):
+            before = clock.now()
+            with pytest.raises(StoreSilentError):
+                call()
+            assert clock.now() == before  # known silent: nobody waits for it a second time
     assert client.silent
 
 
 def test_a_shorter_bound_raises_without_declaring_the_host_silent(stopped_host):
     _, client = stopped_host
-    start = time.monotonic()
-    with pytest.raises(StoreSilentError, match=r"did not answer \(check \['rdzv/ready'\]\) within 2s"):
-        client.check(["rdzv/ready"], bound=0.1)  # MIN_BOUND_S: never less than 2 s
-    assert 2.0 <= time.monotonic() - start < 2.0 + MARGIN_S
-    assert not client.silent
-    with pytest.raises(StoreSilentError, match="has not answered for"):  # queued behind the stuck call:
-        client.get("rdzv/session")  # silent once that call is timeout_s old, not timeout_s after this one
-    assert time.monotonic() - start < TIMEOUT_S + MARGIN_S
+    with using_clock(ManualClock()) as clock:
+        with pytest.raises(StoreSilentError, match=r"did not answer \(check \['rdzv/ready'\]\) within 2s"):
+            client.check(["rdzv/ready"], bound=0.1)  # MIN_BOUND_S: never less than 2 s
+        assert clock.now() == pytest.approx(MIN_BOUND_S, abs=CHECK_EVERY_S)
+        assert not client.silent
+        with pytest.raises(StoreSilentError, match="has not answered for"):  # queued behind the stuck call:
+            client.get("rdzv/session")  # silent once that call is timeout_s old, not timeout_s after this one
+        assert clock.now() == pytest.approx(TIMEOUT_S, abs=CHECK_EVERY_S)
 
 
 def test_negative_control_the_plain_client_is_still_blocked_long_after_its_timeout(stopped_host):

@@ -49,8 +49,15 @@ class SystemClock:
         return event.wait(max(seconds, 0.0))
 
 
+REAL_MOMENT_S = 0.001
+"""The real time a `ManualClock` pause takes, whatever it stands for."""
+
+
 class ManualClock:
-    """A clock for tests: time moves only when something sleeps on it (or `advance` is called)."""
+    """A clock for tests: time moves only when something sleeps on it (or `advance` is called).
+
+    A pause of any length takes `REAL_MOMENT_S` of real time, so a poll that would wait minutes ends in
+    milliseconds, and what it measured is exact (the pauses it made), not the machine's speed."""
 
     def __init__(self, start: float = 0.0) -> None:
         self._now = start
@@ -68,10 +75,12 @@ class ManualClock:
 
     def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
+        time.sleep(REAL_MOMENT_S)  # other threads run between two looks of a poll, as they would in real time
         self.advance(max(seconds, 0.0))
 
     def wait_event(self, event: threading.Event, seconds: float) -> bool:
-        if not event.is_set():
+        # a moment of real time, so that the thread that sets `event` (or does what a poll waits for) runs
+        if not event.wait(REAL_MOMENT_S):
             self.sleep(seconds)
         return event.is_set()
 
