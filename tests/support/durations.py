@@ -1,7 +1,9 @@
 """Every run records each test's duration and tier; the summary compares them with the previous run's.
 
 Written to `runs/test-durations/` (ignored by git): `latest.json` for this
-run, the one before it kept as `previous.json`, and a dated copy. The
+run, the one before it kept as `previous.json`, and a dated copy; while a run
+goes on, each finished test is appended to `partial.jsonl` (a run that is
+killed still leaves what it measured). The
 terminal summary lists the slowest twenty tests and the wall seconds per tier,
 each beside the previous run's figure. `python -m tests.support.durations
 [FILE]` prints the same tables as markdown (what the README's tests section
@@ -34,6 +36,18 @@ def pytest_runtest_logreport(report) -> None:
         entry["outcome"] = "failed"
     elif report.skipped and entry["outcome"] == "passed":
         entry["outcome"] = "skipped"
+    if report.when == "teardown":  # a run that is killed still leaves what it measured
+        os.makedirs(FOLDER, exist_ok=True)
+        with open(os.path.join(FOLDER, "partial.jsonl"), "a") as f:
+            f.write(json.dumps({"test": report.nodeid, **entry}) + "\n")
+
+
+def pytest_sessionstart(session) -> None:
+    if getattr(session.config, "workerinput", None) is None:
+        try:
+            os.remove(os.path.join(FOLDER, "partial.jsonl"))
+        except OSError:
+            pass
 
 
 def pytest_collection_modifyitems(items) -> None:
