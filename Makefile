@@ -1,12 +1,14 @@
-# make demo  — set up .venv if needed and run the main job (CPU, no external services)
-# make test  — set up .venv if needed and run the test suite
+# make demo       — set up .venv if needed and run the main job (CPU, no external services)
+# make test       — set up .venv if needed and run the whole test suite (every tier this machine can run)
+# make test-fast  — the pure tier only, for the edit loop (tests/support/tiers.py)
+# make gpu-check  — on a CUDA machine: every gpu-marked test and a short device benchmark, one table
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 CONFIG ?= configs/demo_qwen3_moe_ep2.yaml
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test bench scale serve-vllm clean
+.PHONY: setup demo test test-fast gpu-check bench scale serve-vllm clean
 
 $(BIN)/.installed: requirements-cpu.txt pyproject.toml
 	@# Mooncake's TCP build links libibverbs.so.1 (not vendored in its wheel). Without the
@@ -28,6 +30,13 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not gpu and not vllm and not sglang and not e2e and not multiproc" $(PYTEST_ARGS)
+
+# No setup: a GPU machine brings its own CUDA torch (README: "The GPU check" lists the wheels to carry).
+gpu-check:
+	PYTHONPATH=. $(PY) bench/gpu_check.py
 
 bench: setup
 	PYTHONPATH=. $(BIN)/python bench/bench_sync.py
