@@ -189,8 +189,11 @@ def test_a_failed_sender_aborts_everywhere_then_a_killed_one_leaves_engines_on_t
     from tests.support.jobs import run_pair
 
     timeout_s = 10.0
+    # every failure is named in time: the survivor within timeout_s + 10 s of its sync's start, each engine
+    # rank within timeout_s + 5 s of the sync message (scaled for load; a later one fails the rank)
     case = _case("torch", spec={"family": "qwen3_moe", "num_kv_heads": 1}, layout={"ep": 2}, engine_tp=2,
                  versions=4, imports=[__name__], record_failures=True, timeout_s=timeout_s,
+                 fails_within_s={"trainer": timeout_s + 10, "engine": timeout_s + 5},
                  weight_sync={"transport": "p2p_faulty"})
     trainers, engines = run_pair(case, timeout=360, outcomes=True)
 
@@ -202,15 +205,13 @@ def test_a_failed_sender_aborts_everywhere_then_a_killed_one_leaves_engines_on_t
     assert aborted["step"] == 2 and aborted["aborted"], aborted
     assert "injected conversion failure on trainer rank 1" in aborted["text"]
     assert len(survivor["metrics"]) == 2  # versions 1 and 2 (at step 3) went through
-    # Step 4 (version 3): rank 1 died mid-transfer; the survivor names the dead peer in time.
+    # Step 4 (version 3): rank 1 died mid-transfer; the survivor names the dead peer (in time: fails_within_s).
     assert dead["step"] == 4 and not dead["aborted"] and "PeerFailureError" in dead["text"], dead["text"][-3000:]
-    assert dead["seconds"] < timeout_s + 10, dead["seconds"]
     for rank, (status, engine) in engines.items():
         assert status == "ok", engine
         assert [h["version"] for h in engine["held"]] == [1, 1, 2]  # the aborted sync left version 1 live
         failure = engine["failure"]
         assert failure is not None and "PeerFailureError" in failure["text"], (rank, failure)
-        assert failure["seconds"] < timeout_s + 5, (rank, failure["seconds"])
         assert failure["version"] == 2
         before = engine["held"][-1]["shards"]
         assert set(failure["shards"]) == set(before)
@@ -218,9 +219,8 @@ def test_a_failed_sender_aborts_everywhere_then_a_killed_one_leaves_engines_on_t
         assert not changed, f"inference rank {rank} changed {changed[:5]} in a failed sync"
     last = [dead["text"].strip().splitlines()[-1]] + [e["failure"]["text"].strip().splitlines()[-1]
                                                      for _, e in engines.values()]
-    print(f"\nsurvivor trainer rank 0 failed after {dead['seconds']:.1f}s; engines after "
-          f"{[round(e['failure']['seconds'], 1) for _, e in engines.values()]}s (timeout_s={timeout_s:g}):\n  "
-          + "\n  ".join(line[:300] for line in last))
+    print(f"\nsurvivor trainer rank 0, then the engine ranks, failed within their bounds (timeout_s={timeout_s:g}):"
+          "\n  " + "\n  ".join(line[:300] for line in last))
 
 
 def test_p2p_settings_are_validated_and_named():

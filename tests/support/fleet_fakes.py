@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import queue
-import time
 import uuid
 from typing import Any, Optional
 
@@ -18,13 +17,16 @@ import torch
 
 from converters import get_family, keep_together_of
 from megatron_sync.config import WeightSyncConfig
+from megatron_sync.core.wait import Deadline
 from megatron_sync.layout.rank import RankLayout
 from megatron_sync.meta import TensorMeta
 from tests.support.fakes import STAGES, FakeEngine, FakeStream, FaultyLayout, make_tensor, shard_rule
+from tests.support.fleet_jobs import await_admitted
+from tests.support.timing import scaled
 
 METAS: list[TensorMeta] = [m for stage in STAGES for m in stage]
 FAMILY = "deepseek_v3"
-STEP_TIMEOUT_S = 120.0  # how long a process waits for the test's next step (the test itself is bounded)
+STEP_TIMEOUT_S = 120.0  # how long a process waits for the test's next step, scaled (the test itself is bounded)
 
 
 def fleet_config(port: int, **changes: Any) -> WeightSyncConfig:
@@ -63,7 +65,7 @@ class CheckedEngine(FakeEngine):
         exact = all(torch.equal(shards[m.name].contiguous().view(-1).view(torch.uint8),
                                 shard_rule(m, make_tensor(m, version), 0, 1).contiguous().view(-1).view(torch.uint8))
                     for m in METAS)
-        self.reports.put(("commit", self.engine_id, version, exact, time.time()))
+        self.reports.put(("commit", self.engine_id, version, exact))
 
 
 def trainer_main(port: int, changes: dict, versions: list[int], go: Any, reports: Any) -> None:
@@ -89,12 +91,9 @@ def trainer_main(port: int, changes: dict, versions: list[int], go: Any, reports
         driver.start()
         reports.put(("started", sorted(driver.links)))
         for version in versions:
-            step, admitted = go.get(timeout=STEP_TIMEOUT_S)
+            step, admitted = go.get(timeout=scaled(STEP_TIMEOUT_S))
             assert step == version, (step, version)
-            deadline = time.monotonic() + STEP_TIMEOUT_S  # engines the test started are admitted before the sync
-            while any(session.admitted_engines().get(e, (-1,))[0] < g for e, g in admitted.items()):
-                assert time.monotonic() < deadline, f"engines {admitted} were not admitted"
-                time.sleep(0.05)
+            await_admitted(session, admitted, STEP_TIMEOUT_S)  # engines the test started join before the sync
             stream.version = version
             metrics = driver.sync(version)
             reports.put(("synced", version, metrics.fleet, metrics.staleness, sorted(driver.links)))
@@ -152,16 +151,17 @@ def _die_when_relaying(version: int) -> None:
 
 
 def drain(reports: Any, until: Any, timeout: float = STEP_TIMEOUT_S) -> list[tuple]:
-    """Read reports until one satisfies `until(report)` (returned last); AssertionError after `timeout`."""
-    seen, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Read reports until one satisfies `until(report)` (returned last); AssertionError after `timeout`
+    (scaled for load)."""
+    seen, limit = [], Deadline.after(scaled(timeout))
+    while not limit.expired():
         try:
-            report = reports.get(timeout=0.5)
+            report = reports.get(timeout=limit.remaining(floor=0.01))
         except queue.Empty:
-            continue
+            break
         seen.append(report)
         if report[0] == "trainer-error":
             raise AssertionError(f"the trainer failed: {report[1]}; reports so far: {seen}")
         if until(report):
             return seen
-    raise AssertionError(f"no matching report within {timeout}s; reports so far: {seen}")
+    raise AssertionError(f"no matching report within {scaled(timeout):g}s; reports so far: {seen}")

@@ -13,13 +13,14 @@ and returns, per version it committed, its shards and logits. Faults, per engine
 from __future__ import annotations
 
 import os
-import time
 import traceback
 from typing import Any
 
 import torch
 
+from megatron_sync.core.wait import poll
 from tests.support.jobs import EVAL_TOKENS, _sent_here, _setup, case_hf_config, megatron_trainer, sync_config
+from tests.support.timing import scaled
 
 KILLED = 17  # the exit code of a rank killed on purpose
 
@@ -40,7 +41,8 @@ def fleet_trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
                 tokens = torch.randint(0, spec.vocab_size, (2, 12), generator=torch.Generator().manual_seed(version))
                 train_step(ddp, optimizer, tokens, layout)
             if syncer.is_leader:
-                _await_admitted(syncer, case.get("await", {}).get(version, {}), case.get("timeout_s", 60.0) * 3)
+                await_admitted(syncer.session, case.get("await", {}).get(version, {}),
+                               case.get("timeout_s", 60.0) * 3)
             metrics = syncer.sync()
             rows.append(metrics.fleet)
             logits.append(models.megatron_logits(chunks, EVAL_TOKENS))
@@ -48,14 +50,16 @@ def fleet_trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     return {"sent": sent, "logits": logits, "fleet": rows}
 
 
-def _await_admitted(syncer: Any, engines: dict[int, int], timeout_s: float) -> None:
-    """Wait until every engine in `engines` was admitted at (at least) its generation."""
-    deadline = time.monotonic() + timeout_s
-    while any(syncer.session.admitted_engines().get(e, (-1, ""))[0] < g for e, g in engines.items()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"engines {engines} were not admitted within {timeout_s:g}s: "
-                               f"{syncer.session.admitted_engines()}")
-        time.sleep(0.05)
+def await_admitted(session: Any, engines: dict[int, int], timeout_s: float) -> None:
+    """Wait until the trainer's sync `session` admitted every engine of `engines` (engine -> generation) at
+    that generation or later; TimeoutError naming who was admitted after `timeout_s` (scaled for load)."""
+    limit = scaled(timeout_s)
+
+    def admitted() -> bool:
+        return all(session.admitted_engines().get(e, (-1, ""))[0] >= g for e, g in engines.items())
+
+    poll(admitted, within=limit, what=f"engines {engines} being admitted", timeout=lambda _: TimeoutError(
+        f"engines {engines} were not admitted within {limit:g}s: {session.admitted_engines()}"))
 
 
 def fleet_engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:

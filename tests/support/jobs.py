@@ -14,7 +14,10 @@ same gather and conversion without quantization (the reference quantizers' input
 With `case["record_failures"]` a job returns what failed instead of raising: the
 trainer goes on after a sync every rank agreed to abort (the next step syncs
 the same version number again) and stops at any other error; an engine rank
-stops at its first error and returns the shards it holds then.
+stops at its first error and returns the shards it holds then. With
+`case["fails_within_s"] = {"trainer": s, "engine": s}` every sync of that job
+that fails must fail within s (scaled for load) of its start, else the rank
+raises `BoundExceeded` (a failure that waited out a longer timeout).
 `run_pair(..., outcomes=True)` returns every rank's outcome, so a test can kill
 ranks on purpose. With `case["draft_logits"]` both jobs also return, per version, the
 draft (multi-token-prediction) layers' logits: the trainer Megatron's MTP head, the
@@ -26,14 +29,15 @@ from __future__ import annotations
 
 import importlib
 import os
-import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
+from megatron_sync.core.wait import Deadline, poll
 from tests.support.dist import free_port, run_distributed, run_ranks
+from tests.support.timing import BoundExceeded, scaled
 
 EVAL_TOKENS = torch.randint(0, 200, (2, 10), generator=torch.Generator().manual_seed(7))
 
@@ -116,7 +120,7 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
                 if memory is not None:  # colocated: the engines release, the trainer takes its memory back
                     handoffs.append({"to_training": [r.to_json() for r in callback.to_training()]})
                 train_step(ddp, optimizer, tokens, layout)
-            started = time.monotonic()
+            limit = _failure_deadline(case, "trainer")
             try:
                 if memory is not None and version > 1:  # hands the memory back to the engines, then syncs
                     metrics.append(callback.after_optimizer_step(True).to_json())
@@ -126,8 +130,8 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
             except Exception as e:  # noqa: BLE001 — recorded for the test, or raised
                 if not case.get("record_failures"):
                     raise
-                failures.append({"step": version, "aborted": _aborted(e), "text": traceback.format_exc(),
-                                 "seconds": time.monotonic() - started})
+                _failed_in_time(case, limit, "trainer", e)
+                failures.append({"step": version, "aborted": _aborted(e), "text": traceback.format_exc()})
                 if _aborted(e):
                     continue
                 break
@@ -179,11 +183,23 @@ def _hold_after(case: dict, version: int) -> None:
     hold = case.get("hold")
     if not hold or version != hold["after_version"]:
         return
-    deadline = time.monotonic() + case.get("timeout_s", 60.0) * 2
-    while not os.path.exists(hold["until_file"]):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{hold['until_file']} did not appear")
-        time.sleep(0.1)
+    poll(lambda: os.path.exists(hold["until_file"]), within=scaled(case.get("timeout_s", 60.0) * 2),
+         what=f"the test creating {hold['until_file']}", max_pause_s=0.1)
+
+
+def _failure_deadline(case: dict, job: str) -> Optional[Deadline]:
+    """Return when a sync of `job` ("trainer" / "engine") starting now must have failed by, if it fails
+    (`case["fails_within_s"][job]`, scaled for load); None when the case bounds no failure of that job."""
+    seconds = case.get("fails_within_s", {}).get(job)
+    return None if seconds is None else Deadline.after(scaled(seconds))
+
+
+def _failed_in_time(case: dict, limit: Optional[Deadline], job: str, error: BaseException) -> None:
+    """Raise BoundExceeded when the sync of `job` that raised `error` failed after its deadline `limit`."""
+    if limit is not None and limit.expired():
+        bound = scaled(case["fails_within_s"][job])
+        raise BoundExceeded(f"the {job}'s failed sync took longer than its bound of {bound:.3g}s (it waited out a "
+                            f"longer timeout): {type(error).__name__}: {error}") from error
 
 
 def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
@@ -198,11 +214,11 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     isync = InferenceWeightSync(config, me.engine, num_trainer_stages=case["layout"].get("pp", 1),
                                 inference_rank=me.rank, engine_group=me.group, hf_config=me.hf_config,
                                 job_id=me.job_id)
-    held, handoffs, failure, started = [], [], None, time.monotonic()
+    held, handoffs, failure, limit = [], [], None, _failure_deadline(case, "engine")
     try:
         while True:
             message = isync.next_control(timeout_s=case.get("timeout_s", 60.0) * 2)
-            started = time.monotonic()
+            limit = _failure_deadline(case, "engine")
             if not isync.handle(message, {}):
                 break
             if message.op is not ControlOp.SYNC:  # a memory handoff: can the engine compute now?
@@ -216,8 +232,9 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 — recorded for the test, or raised
         if not case.get("record_failures"):
             raise
-        failure = {"type": type(e).__name__, "text": traceback.format_exc(), "seconds": time.monotonic() - started,
-                   "version": me.engine.version, "shards": me.engine.snapshot()}
+        _failed_in_time(case, limit, "engine", e)
+        failure = {"type": type(e).__name__, "text": traceback.format_exc(), "version": me.engine.version,
+                   "shards": me.engine.snapshot()}
     finally:
         isync.close()
     return {"held": held, "failure": failure, "handoffs": handoffs, "transport": isync.config.transport,

@@ -24,8 +24,10 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from megatron_sync.core.wait import poll
 from tests.support.dist import free_port
 from tests.support.models import ModelSpec, hf_config, reference_weights
+from tests.support.timing import scaled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVER_START_S = 300  # a vLLM server on an idle 2-core machine is ready in ~30 s; TP=2 in ~40 s
@@ -150,18 +152,22 @@ class VLLMServer:
                                      start_new_session=True, cwd=ROOT)
 
     def wait_ready(self, timeout_s: float = SERVER_START_S) -> "VLLMServer":
-        """Return once /health answers; raise with the server log's tail if it died or took too long."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.5)
-        raise TimeoutError(f"vLLM server not ready within {timeout_s}s:\n{self.log_tail()}")
+        """Return once /health answers; raise with the server log's tail if it died or took longer than
+        `timeout_s` (scaled for load)."""
+        limit = scaled(timeout_s)
+        poll(self._healthy, within=limit, what="the vLLM server answering /health", max_pause_s=0.5,
+             timeout=lambda _: TimeoutError(f"vLLM server not ready within {limit:g}s:\n{self.log_tail()}"))
+        return self
+
+    def _healthy(self) -> bool:
+        """True once /health answers 200; raises when the server exited."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as answer:
+                return answer.status == 200
+        except OSError:
+            return False
 
     def log_tail(self, chars: int = 6000) -> str:
         """Return the end of the server's combined stdout/stderr."""
@@ -265,7 +271,7 @@ class StreamingGeneration:
         except BaseException as e:  # noqa: BLE001 — surfaced by result()
             self._error = e
         finally:
-            self.finished_at = time.monotonic()
+            self.finished_at = time.monotonic()  # when, for ordering against the sync's return (not a bound)
             self.first_tokens.set()
 
     def _chunk(self, line: str) -> None:
@@ -282,8 +288,8 @@ class StreamingGeneration:
 
     def result(self, timeout_s: float = 300) -> tuple[list[int], Optional[str], list[tuple[str, int, int]]]:
         """Wait for the stream to end; return (tokens, finish_reason, weight_versions spans)."""
-        self._thread.join(timeout_s)
-        assert not self._thread.is_alive(), "the streamed generation did not end"
+        self._thread.join(scaled(timeout_s))
+        assert not self._thread.is_alive(), f"the streamed generation did not end within {scaled(timeout_s):g}s"
         if self._error is not None:
             raise self._error
         return self.tokens, self.finish_reason, self.spans
@@ -463,12 +469,10 @@ def _trainer_main(conn, spec: ModelSpec, port: int) -> None:
                 result = sync.sync().version
             elif command == "sent":
                 result = {name: t.clone() for name, t in sync.sender.sent_tensors().items()}
-            elif command == "await_engines":  # a fleet: {engine: generation} admitted, within timeout_s
-                deadline = time.monotonic() + sync.config.timeout_s
-                while any(sync.session.admitted_engines().get(e, (-1, ""))[0] < g for e, g in args[0].items()):
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"engines {args[0]} not admitted: {sync.session.admitted_engines()}")
-                    time.sleep(0.05)
+            elif command == "await_engines":  # a fleet: {engine: generation} admitted, within timeout_s (scaled)
+                from tests.support.fleet_jobs import await_admitted
+
+                await_admitted(sync.session, args[0], sync.config.timeout_s)
                 result = None
             elif command == "sync_rows":  # a fleet: the version and its rows (engines, outcomes, events)
                 metrics = sync.sync()
@@ -542,7 +546,7 @@ def megatron_job_syncs(rank: int, world: int, spec: ModelSpec, parallel: dict, u
             if step:
                 tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
                 train_step(model, optimizer, tokens, layout)
-            started = time.perf_counter()
+            started = time.perf_counter()  # sync_s: a figure the tests print, never assert on
             sync.sync()
             seconds = time.perf_counter() - started
             everyone: list = [None] * world
