@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_sync.core.wait import poll
 from megatron_sync.delta import DeltaReader, DeltaWriter, StoreWriteError, WriterOptions
 from megatron_sync.delta.chain import Step
 from megatron_sync.delta.localcopy import open_committed, read_slot, slot_path
 from megatron_sync.delta.manifest import read_manifest
 from megatron_sync.delta.storedir import gc_lock, published_versions, version_path
 from tests.delta_support import assert_same_bytes, make_pair, publish, small_model, sparse_update
+from tests.support.timing import scaled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -158,10 +159,9 @@ def test_versions_only_increase(tmp_path):
 
 
 def _wait_until_published(root: str, versions: list[int], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while published_versions(root) != versions:
-        assert time.monotonic() < deadline, f"{versions} not published within {timeout}s"
-        time.sleep(0.01)
+    """Wait until exactly `versions` are published in `root`, up to `timeout` (scaled for load)."""
+    poll(lambda: published_versions(root) == versions, within=scaled(timeout),
+         what=f"publication of exactly versions {versions} in {root}")
 
 
 def test_when_behind_coalesce_publishes_the_newest_version_against_the_last_published(tmp_path):

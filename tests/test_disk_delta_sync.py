@@ -30,13 +30,14 @@ import logging
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
+from megatron_sync.core.wait import poll
 from tests.support.jobs import EVAL_TOKENS, run_pair, sync_config
 from tests.support.fakes import shard_of
+from tests.support.timing import scaled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATOL = 5e-5
@@ -52,11 +53,8 @@ def _case(tmp_path, versions: int, **extra) -> dict:
 
 
 def _wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not happen within {timeout_s}s")
-        time.sleep(0.02)
+    """Wait until `predicate()` is true; WaitTimeout (a TimeoutError) naming `what` after `timeout_s`, scaled."""
+    poll(lambda: bool(predicate()), within=scaled(timeout_s), what=what)  # bool: poll takes [] as a result
 
 
 def delta_trainer_job(rank: int, world_size: int, case: dict) -> dict:
@@ -245,7 +243,7 @@ def test_the_demo_jobs_sync_over_shared_storage_while_the_engine_generates(tmp_p
         [sys.executable, "-m", "examples.demo", "--config", "configs/demo_qwen3_moe_ep2.yaml", "--time-limit", "300",
          "--weight-sync-transport", "disk_delta", "--weight-sync-delta-dir", str(tmp_path / "shared"),
          "--weight-sync-delta-local-dir", str(tmp_path / "host0")],
-        cwd=ROOT, capture_output=True, text=True, timeout=360)
+        cwd=ROOT, capture_output=True, text=True, timeout=scaled(360))
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     assert "4 versions synced; all checks passed" in done.stdout

@@ -8,9 +8,10 @@ engines, and every check compares bytes with what the stream produced.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -18,6 +19,8 @@ import pytest
 import torch
 
 from megatron_sync.config import WeightSyncConfig
+from megatron_sync.core.wait import poll
+from megatron_sync.delta import receiver as delta_receiver
 from megatron_sync.delta import session as sessions
 from megatron_sync.delta.localcopy import open_committed
 from megatron_sync.errors import PeerFailureError
@@ -25,6 +28,7 @@ from megatron_sync.transport import get_transport
 from megatron_sync.transport.control import ControlMessage, ControlOp, Report
 from megatron_sync.transport.disk_delta import DiskDeltaTransport, control_dir, latest_version
 from tests.support.fakes import STAGES, FakeEngine, FakeStream, make_tensor, shard_rule
+from tests.support.timing import bounded, scaled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -146,7 +150,7 @@ def test_sync_means_the_newest_published_version_and_a_held_one_is_a_no_op(tmp_p
     run.close()
 
 
-def test_a_session_left_by_an_earlier_run_is_never_joined(tmp_path):
+def test_a_session_left_by_an_earlier_run_is_never_joined(tmp_path, monkeypatch):
     folder = str(tmp_path / "control")
     stale = sessions.Session("old", folder, 7, 1, 1)
     os.makedirs(os.path.join(stale.folder, "board"))
@@ -154,15 +158,31 @@ def test_a_session_left_by_an_earlier_run_is_never_joined(tmp_path):
         json.dump(stale.to_json(), f)
     with open(os.path.join(stale.folder, "started"), "w") as f:
         json.dump({"0": "a token of the earlier run"}, f)
+    looked_again = _read_again_after_joining(monkeypatch, os.path.join(stale.folder, "joined", "0"))
     with ThreadPoolExecutor(1) as pool:
         joining = pool.submit(sessions.join_session, folder, inference_rank=0, num_stages=1, num_inference_ranks=1,
                               timeout_s=20)
-        time.sleep(0.3)
-        assert not joining.done()  # the stale session's "started" does not carry this rank's token
+        poll(lambda: looked_again.is_set() or joining.done(), within=scaled(20),
+             what="the joiner reading session.json again after joining the stale session")
+        assert looked_again.is_set() and not joining.done()  # the stale "started" lacks this rank's token
         live = sessions.open_session(folder, version_offset=9, num_stages=1, num_inference_ranks=1, timeout_s=20)
         joined = joining.result(timeout=20)
     assert joined.id == live.id != "old" and joined.version_offset == 9
     assert not os.path.exists(stale.folder)
+
+
+def _read_again_after_joining(monkeypatch, joined: str) -> threading.Event:
+    """Return an event set when a joiner reads session.json while its ticket `joined` exists: it posted the
+    ticket, checked that session's "started" and went round its wait again (the real read runs)."""
+    real, looked_again = sessions.read_session, threading.Event()
+
+    def read_session(control_dir: str):
+        if os.path.exists(joined):
+            looked_again.set()
+        return real(control_dir)
+
+    monkeypatch.setattr(sessions, "read_session", read_session)
+    return looked_again
 
 
 def test_ranks_of_an_old_session_fail_when_a_new_trainer_opens_one(tmp_path):
@@ -174,12 +194,27 @@ def test_ranks_of_an_old_session_fail_when_a_new_trainer_opens_one(tmp_path):
         joining.result(timeout=20)
         board = sessions.DirectoryBoard(old.folder, rank=1, timeout_s=30, alive=sessions.liveness_check(old))
         waiting = pool.submit(board.fetch, "control/1")
-        start = time.monotonic()
-        with pytest.raises(PeerFailureError, match="did not join"):  # nobody joins the new run here
-            sessions.open_session(folder, version_offset=0, num_stages=1, num_inference_ranks=1, timeout_s=0.2)
-        with pytest.raises(PeerFailureError, match=f"session {old.id} in .* is over: a new trainer run opened"):
-            waiting.result(timeout=20)
-        assert time.monotonic() - start < 5  # noticed within about a second, not at the 30 s timeout
+        # noticed within about a second (the liveness check), not at the board's 30 s timeout
+        with bounded(5, "the old session's waiting rank noticing the new run") as bound:
+            with pytest.raises(PeerFailureError, match="did not join"):  # nobody joins the new run here
+                sessions.open_session(folder, version_offset=0, num_stages=1, num_inference_ranks=1, timeout_s=0.2)
+            with pytest.raises(PeerFailureError, match=f"session {old.id} in .* is over: a new trainer run opened"):
+                waiting.result(timeout=bound.deadline.remaining(floor=0.01))
+
+
+def _looks_finding(version: int, monkeypatch) -> collections.Counter:
+    """Return a counter, per thread, of the receivers' looks at a stage's store that found `version` published
+    there (the real look runs; a receiver looks at every stage's store once per round of its wait)."""
+    real, looks = delta_receiver.published_versions, collections.Counter()
+
+    def published_versions(store: str) -> list[int]:
+        versions = real(store)
+        if version in versions:
+            looks[threading.get_ident()] += 1
+        return versions
+
+    monkeypatch.setattr(delta_receiver, "published_versions", published_versions)
+    return looks
 
 
 def test_the_leader_names_the_ranks_that_never_joined(tmp_path):
@@ -210,7 +245,7 @@ def test_the_file_gather_returns_every_rank_in_order_and_cleans_up(tmp_path):
     assert sorted(os.listdir(os.path.join(board_dir, "board", "gather", "g", "4"))) == ["0", "1", "2"]
 
 
-def test_two_pipeline_stages_publish_apart_and_engines_apply_only_versions_both_hold(tmp_path):
+def test_two_pipeline_stages_publish_apart_and_engines_apply_only_versions_both_hold(tmp_path, monkeypatch):
     run = _Run(_config(tmp_path), stages=2)
     run.make_receivers()
     for version in (1, 2):
@@ -223,9 +258,12 @@ def test_two_pipeline_stages_publish_apart_and_engines_apply_only_versions_both_
     run.trainer.control.send(ControlMessage(ControlOp.SYNC, 3))
     run.streams[0].version = 3
     run.senders[0].sync(3)
+    looks = _looks_finding(3, monkeypatch)
     serving = run.pool.submit(run.serve_one)
-    time.sleep(0.5)
-    assert not serving.done() and run.ranks[0][1].version == 2
+    # the applier found 3 in stage 0's store (only there) in two rounds: after the first it chose to wait
+    poll(lambda: max(looks.values(), default=0) >= 2 or serving.done(), within=scaled(30),
+         what="the applier finding version 3 in stage 0's store twice")
+    assert max(looks.values()) >= 2 and not serving.done() and run.ranks[0][1].version == 2
     run.streams[1].version = 3
     run.senders[1].sync(3)
     serving.result(timeout=60)
