@@ -2,7 +2,7 @@
 
 Written to `runs/test-durations/` (ignored by git): `latest.json` for this
 run, the one before it kept as `previous.json`, and a dated copy; while a run
-goes on, each finished test is appended to `partial.jsonl` (a run that is
+goes on, each finished test is appended to `partial-<pid>.jsonl` (a run that is
 killed still leaves what it measured). The
 terminal summary lists the slowest twenty tests and the wall seconds per tier,
 each beside the previous run's figure. `python -m tests.support.durations
@@ -38,16 +38,13 @@ def pytest_runtest_logreport(report) -> None:
         entry["outcome"] = "skipped"
     if report.when == "teardown":  # a run that is killed still leaves what it measured
         os.makedirs(FOLDER, exist_ok=True)
-        with open(os.path.join(FOLDER, "partial.jsonl"), "a") as f:
+        with open(_partial_path(), "a") as f:
             f.write(json.dumps({"test": report.nodeid, **entry}) + "\n")
 
 
-def pytest_sessionstart(session) -> None:
-    if getattr(session.config, "workerinput", None) is None:
-        try:
-            os.remove(os.path.join(FOLDER, "partial.jsonl"))
-        except OSError:
-            pass
+def _partial_path() -> str:
+    """This run's own file of finished tests (two runs in one checkout never share one)."""
+    return os.path.join(FOLDER, f"partial-{os.getpid()}.jsonl")
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -79,6 +76,10 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     with open(latest, "w") as f:
         json.dump(record, f, indent=1)
     shutil.copyfile(latest, os.path.join(FOLDER, time.strftime("%Y%m%d-%H%M%S", time.localtime(_started)) + ".json"))
+    try:
+        os.remove(_partial_path())  # the whole record is written
+    except OSError:
+        pass
     session.config._durations_record = record
 
 

@@ -37,12 +37,14 @@ PROCESS_TIERS = frozenset(TIERS)
 FAST_EXPRESSION = "not " + " and not ".join(TIERS)
 """The `-m` expression of `make test-fast`: the pure tier only."""
 
-# What a launched command line says about the tier it needs (first match wins).
+# What a launched command line says about the tier it needs: the program it runs (`-m MODULE`, a script,
+# or the executable itself), first match wins.
 LAUNCH_RULES = (
-    ("vllm", ("vllm.entrypoints", "serve_vllm", "vllm serve")),
-    ("sglang", ("sglang.launch_server", "serve_sglang")),
-    ("e2e", ("torchrun", "torch.distributed.run", "examples.demo", "examples.job", "launch/", "megatron_sync.serve",
-             "megatron_sync.colocate")),
+    ("vllm", ("vllm.entrypoints", "serve_vllm.sh", "vllm")),
+    ("sglang", ("sglang.launch_server", "serve_sglang.sh")),
+    ("e2e", ("torchrun", "torch.distributed.run", "examples.demo", "examples.job", "megatron_sync.drivers.serve",
+             "megatron_sync.drivers.colocate", "megatron_sync.serve", "megatron_sync.colocate", "train.sh",
+             "serve.sh", "colocate.sh")),
 )
 # Calls that start a process; the harness functions that wrap them are found by following calls.
 STARTERS = frozenset({"subprocess.run", "subprocess.Popen", "subprocess.check_output", "subprocess.check_call",
@@ -56,10 +58,24 @@ def tier_of(item: Any) -> str:
     return next((t for t in TIERS if t in names), "pure")
 
 
+def launched_program(argv: Iterable[str]) -> str:
+    """Return what a command line runs: the module after `-m`, else the script a shell or python runs, else
+    the executable."""
+    argv = [str(a) for a in argv]
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1]
+    name = os.path.basename(argv[0]) if argv else ""
+    if name in ("bash", "sh") or name.startswith("python"):
+        script = next((a for a in argv[1:] if not a.startswith("-")), "")
+        return os.path.basename(script)
+    return name
+
+
 def needed_for_launch(argv: Iterable[str]) -> Optional[str]:
     """Return the tier a command line needs beyond `multiproc` ("e2e", "vllm", "sglang"), or None."""
-    line = " ".join(str(a) for a in argv)
-    return next((tier for tier, words in LAUNCH_RULES if any(w in line for w in words)), None)
+    program = launched_program(argv)
+    return next((tier for tier, programs in LAUNCH_RULES if program in programs or
+                 any(program.startswith(p + ".") for p in programs)), None)
 
 
 # ---- collection: following the calls of the tests and of their support code ----
