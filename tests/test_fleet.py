@@ -12,7 +12,8 @@ import multiprocessing
 import pytest
 
 from tests.support.dist import free_port
-from tests.support.fleet_fakes import drain, engine_main, model_bytes, trainer_main
+from tests.support import procs
+from tests.support.fleet_fakes import drain, drain_while, engine_main, model_bytes, trainer_main
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -21,17 +22,15 @@ class Fleet:
     """The processes of one run: a trainer and engines that come and go."""
 
     def __init__(self, versions: list[int], **changes) -> None:
-        self.ctx = multiprocessing.get_context("spawn")
+        self.ctx = procs.context()
         self.port, self.changes = free_port(), changes
         self.go, self.reports = self.ctx.Queue(), self.ctx.Queue()
-        self.trainer = self.ctx.Process(target=trainer_main, args=(self.port, changes, versions, self.go,
-                                                                   self.reports), daemon=True)
+        self.trainer = procs.process(trainer_main, (self.port, changes, versions, self.go, self.reports))
         self.engines: dict[int, multiprocessing.Process] = {}
         self.seen: list[tuple] = []
 
     def start_engine(self, engine: int, **faults) -> None:
-        proc = self.ctx.Process(target=engine_main, args=(self.port, self.changes, engine, self.reports),
-                                kwargs=faults, daemon=True)
+        proc = procs.process(engine_main, (self.port, self.changes, engine, self.reports), faults)
         proc.start()
         self.engines[engine] = proc
 
@@ -53,9 +52,16 @@ class Fleet:
         self.go.put((version, admitted or {}))
         return self.wait_for(lambda r: r[0] == "synced" and r[1] == version)[-1]
 
-    def commits(self, version: int) -> dict[int, bool]:
-        """engine -> exact, of every commit of `version` reported so far."""
-        return {r[1]: r[3] for r in self.seen if r[0] == "commit" and r[2] == version}
+    @staticmethod
+    def _commits(reports: list[tuple], version: int) -> dict[int, bool]:
+        return {r[1]: r[3] for r in reports if r[0] == "commit" and r[2] == version}
+
+    def commits(self, version: int, engines: set[int]) -> dict[int, bool]:
+        """engine -> exact, of every commit of `version` reported, once every engine of `engines` reported its
+        own (reports of several processes reach one queue in no set order: an engine's commit can arrive after
+        the trainer's "synced"); an engine missing after the bound is simply absent from the answer."""
+        self.seen += drain_while(self.reports, lambda got: not engines <= set(self._commits(self.seen + got, version)))
+        return self._commits(self.seen, version)
 
     def close(self) -> None:
         for proc in [self.trainer, *self.engines.values()]:
@@ -86,23 +92,23 @@ def test_engines_leave_between_and_during_syncs_and_a_restarted_one_rejoins_on_t
         fleet.start_engine(2, die_at=3)
         fleet.wait_for(lambda r: r[0] == "started")
         v1 = fleet.sync(1)
-        assert v1[4] == [0, 1, 2] and fleet.commits(1) == {0: True, 1: True, 2: True}
+        assert v1[4] == [0, 1, 2] and fleet.commits(1, {0, 1, 2}) == {0: True, 1: True, 2: True}
         assert sorted(_events(v1)) == [("joined", 0, 0), ("joined", 1, 0), ("joined", 2, 0)]
 
         fleet.kill(1)  # between syncs
         v2 = fleet.sync(2)
-        assert fleet.commits(2) == {0: True, 2: True}
+        assert fleet.commits(2, {0, 2}) == {0: True, 2: True}
         assert _rows(v2)[1]["outcome"] == "failed" and v2[4] == [0, 2]
         assert ("left", 1, 0) in _events(v2)
 
         v3 = fleet.sync(3)  # engine 2 dies mid-sync
-        assert fleet.commits(3) == {0: True}
+        assert fleet.commits(3, {0}) == {0: True}
         assert _rows(v3)[2]["outcome"] == "failed" and v3[4] == [0]
         assert ("left", 2, 0) in _events(v3)
 
         fleet.start_engine(1)  # restarted: the same id, a new job, linked at the boundary of v4
         v4 = fleet.sync(4, admitted={1: 1})
-        assert fleet.commits(4) == {0: True, 1: True}
+        assert fleet.commits(4, {0, 1}) == {0: True, 1: True}
         assert ("rejoined", 1, 1) in _events(v4) and v4[4] == [0, 1]
         assert _rows(v4)[1] == {**_rows(v4)[1], "generation": 1, "outcome": "committed", "source": "trainer"}
         fleet.wait_for(lambda r: r[0] == "trainer-exit")
@@ -124,7 +130,7 @@ def test_waves_of_one_update_one_engine_at_a_time():
         fleet.wait_for(lambda r: r[0] == "started")
         for version in (1, 2):
             report = fleet.sync(version)
-            assert fleet.commits(version) == {0: True, 1: True, 2: True}
+            assert fleet.commits(version, {0, 1, 2}) == {0: True, 1: True, 2: True}
             assert [_rows(report)[e]["wave"] for e in range(3)] == [1, 2, 3]
         fleet.wait_for(lambda r: r[0] == "trainer-exit")
         for engine in range(3):
@@ -151,13 +157,13 @@ def test_relay_sends_one_copy_from_the_trainer_and_a_dying_relay_falls_back_to_i
             fleet.start_engine(engine)
         fleet.wait_for(lambda r: r[0] == "started")
         v1 = fleet.sync(1)
-        assert fleet.commits(1) == {0: True, 1: True, 2: True}
+        assert fleet.commits(1, {0, 1, 2}) == {0: True, 1: True, 2: True}
         rows = _rows(v1)
         assert [rows[e]["source"] for e in range(3)] == ["trainer", "engine 0", "engine 0"]
         assert sum(row["trainer_bytes"] for row in rows.values()) == model_bytes()
 
         v2 = fleet.sync(2)  # engine 0 commits v2 from the trainer, then dies as it relays it to engine 1
-        assert fleet.commits(2) == {0: True, 1: True, 2: True}
+        assert fleet.commits(2, {0, 1, 2}) == {0: True, 1: True, 2: True}
         to_1 = [(row["source"], row["outcome"]) for row in v2[2] if row.get("engine") == 1]
         assert to_1 == [("engine 0", "aborted"), ("trainer", "committed")], v2[2]
         assert _rows(v2)[2]["source"] == "trainer"  # its relay source had left
@@ -191,4 +197,4 @@ def test_bounded_staleness_lets_later_waves_update_while_the_trainer_goes_on():
     finally:
         fleet.close()
     for version in (1, 2, 3):
-        assert fleet.commits(version) == {0: True, 1: True, 2: True}
+        assert fleet.commits(version, {0, 1, 2}) == {0: True, 1: True, 2: True}

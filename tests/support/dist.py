@@ -17,6 +17,7 @@ import traceback
 from typing import Any, Callable
 
 from tests.support.procs import adopt_environ, context as procs_context, environ
+from tests.support.timing import scaled
 
 __all__ = [
     "RemoteProcessError",
@@ -111,6 +112,7 @@ def run_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    timeout = scaled(timeout)  # a bound for an idle machine, grown with the load (tests/support/timing.py)
     ctx = procs_context()
     results = ctx.Queue()
     port = free_port()
@@ -136,7 +138,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     ``fn`` and ``args`` must be picklable (``fn`` defined at module level). ``env`` is
     applied in each worker before the process group is created. A remote exception
     or a silent death raises ``RemoteProcessError`` (its message holds the remote
-    traceback); exceeding ``timeout`` seconds raises ``TimeoutError``. Either way
+    traceback); exceeding ``timeout`` seconds (scaled for load) raises ``TimeoutError``. Either way
     every worker is killed.
     """
     outcomes = run_ranks(fn, world_size, *args, timeout=timeout, env=env, fail_fast=True)

@@ -165,3 +165,17 @@ def drain(reports: Any, until: Any, timeout: float = STEP_TIMEOUT_S) -> list[tup
         if until(report):
             return seen
     raise AssertionError(f"no matching report within {scaled(timeout):g}s; reports so far: {seen}")
+
+
+
+def drain_while(reports: Any, wanting: Any, timeout: float = STEP_TIMEOUT_S) -> list[tuple]:
+    """Read reports while `wanting(read so far)` is true, up to the scaled bound; return what was read (it
+    never raises: the caller's assertion says what is missing)."""
+    got: list[tuple] = []
+    limit = Deadline.after(scaled(timeout))
+    while wanting(got) and not limit.expired():
+        try:
+            got.append(reports.get(timeout=min(limit.remaining(floor=0.01), 1.0)))
+        except queue.Empty:
+            continue
+    return got

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from typing import Any
+from typing import Any, Optional
 
 PRELOAD = [
     "torch",
@@ -64,3 +64,14 @@ def adopt_environ(env: dict[str, str]) -> None:
     """In a worker: replace the inherited environment (the server's) with the caller's `env`."""
     os.environ.clear()
     os.environ.update(env)
+
+
+def _in_environ(env: dict[str, str], target: Any, args: tuple, kwargs: dict) -> Any:
+    adopt_environ(env)
+    return target(*args, **kwargs)
+
+
+def process(target: Any, args: tuple = (), kwargs: Optional[dict] = None, *, daemon: bool = True) -> Any:
+    """Return an unstarted worker process (from `context()`) running `target(*args, **kwargs)` in the
+    environment this process has now."""
+    return context().Process(target=_in_environ, args=(environ(), target, args, kwargs or {}), daemon=daemon)

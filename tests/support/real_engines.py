@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -25,6 +24,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from megatron_sync.core.wait import poll
+from tests.support import procs
 from tests.support.dist import free_port
 from tests.support.models import ModelSpec, hf_config, reference_weights
 from tests.support.timing import scaled
@@ -386,9 +386,8 @@ class TrainerProcess:
 
     def __init__(self, spec: ModelSpec, timeout_s: float = 300.0) -> None:
         self.timeout_s = timeout_s
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_trainer_main, args=(child, spec, free_port()), daemon=True)
+        self._conn, child = procs.context().Pipe()
+        self.proc = procs.process(_trainer_main, (child, spec, free_port()))
         self.proc.start()
         child.close()
 
