@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.support
 
 from bench_sync import _table, machine_description  # noqa: E402 — the benchmarks' shared helpers
-from megatron_sync.delta import DeltaReader, DeltaWriter, WriterOptions, codec  # noqa: E402
+from megatron_sync.transports.disk_delta import DeltaReader, DeltaWriter, WriterOptions, codec  # noqa: E402
 from tests.support.dist import run_distributed  # noqa: E402
 from tests.support.models import ModelSpec  # noqa: E402
 

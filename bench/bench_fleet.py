@@ -42,12 +42,12 @@ from typing import Any, Iterable
 import torch
 
 from bench.bench_sync import load_average, machine_description
-from converters import get_family, keep_together_of
-from megatron_sync.config import WeightSyncConfig
+from megatron_sync.convert import get_family, keep_together_of
+from megatron_sync.settings.config import WeightSyncConfig
 from megatron_sync.fleet.roster import EngineRecord, EngineState
 from megatron_sync.fleet.waves import TRAINER, Delivery, plan_waves
-from megatron_sync.meta import TensorMeta
-from megatron_sync.metrics import align
+from megatron_sync.core.meta import TensorMeta
+from megatron_sync.core.metrics import align
 from tests.support.dist import free_port
 from tests.support.fakes import FakeEngine, FakeStream, make_tensor, shard_rule
 from tests.support.fleet_fakes import drain
@@ -131,10 +131,10 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
 def trainer_main(config: WeightSyncConfig, mib: int, versions: list[int], reports: Any) -> None:
     """One trainer rank hosting the session: link the initial fleet, sync every version, stop the engines."""
     from megatron_sync.fleet.trainer import FleetDriver
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.transport.broadcast import BroadcastTransport
-    from megatron_sync.transport.rendezvous import Identity, expectations
-    from megatron_sync.transport.session import SyncSession
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.transports.broadcast import BroadcastTransport
+    from megatron_sync.session.rendezvous import Identity, expectations
+    from megatron_sync.session.session import SyncSession
 
     metas = model_metas(mib)
     identity = Identity(job="trainer-bench", role="trainer", member=0,
@@ -170,7 +170,7 @@ def trainer_main(config: WeightSyncConfig, mib: int, versions: list[int], report
 
 def engine_main(config: WeightSyncConfig, mib: int, engine_id: int, versions: list[int], reports: Any) -> None:
     """One engine job of one rank: serve until the trainer says "stop"; report every commit and how it left."""
-    from megatron_sync.sync import InferenceWeightSync
+    from megatron_sync.drivers.sync import InferenceWeightSync
 
     engine = VerifyingEngine(model_metas(mib), engine_id, versions, reports)
     isync = None

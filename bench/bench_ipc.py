@@ -32,7 +32,7 @@ import statistics
 import time
 
 from bench.bench_sync import machine_description
-from megatron_sync.metrics import align
+from megatron_sync.core.metrics import align
 from tests.support.jobs import run_pair
 
 SPEC = dict(family="qwen3", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, head_dim=64,

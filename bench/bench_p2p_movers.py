@@ -22,8 +22,8 @@ ROW_ELEMS = 4096
 def _plan(mib: int, senders: int, receivers: int, bucket: int):
     from megatron_sync.layout.regions import Shard, Sharding, TensorSpec
     from megatron_sync.layout.roles import RoleLayout
-    from megatron_sync.p2p.assign import ReplicaUnit, TrainerRank, assign_replica
-    from megatron_sync.p2p.plan import build_transfer_plan, fleet_receivers
+    from megatron_sync.transports.p2p.assign import ReplicaUnit, TrainerRank, assign_replica
+    from megatron_sync.transports.p2p.plan import build_transfer_plan, fleet_receivers
 
     rows = 512 * receivers  # 4 MiB per tensor in bf16 when receivers == 1
     count = max(1, mib * 2**20 // (rows * ROW_ELEMS * 2))
@@ -36,9 +36,9 @@ def _plan(mib: int, senders: int, receivers: int, bucket: int):
 
 
 def _worker(rank, world, port, planned, senders, backends, repeats):
-    from megatron_sync.p2p.execute import receive_shards, send_share
-    from megatron_sync.p2p.movers import MooncakeMover, TorchP2PMover
-    from megatron_sync.transport.group import init_transport_group
+    from megatron_sync.transports.p2p.execute import receive_shards, send_share
+    from megatron_sync.transports.p2p.movers import MooncakeMover, TorchP2PMover
+    from megatron_sync.session.group import init_transport_group
 
     specs, holders, plan = planned
     group = init_transport_group("127.0.0.1", port, world, rank, timeout=300, group_name="bench_p2p")

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from converters.quant import Fp8Block, Fp8Tensor, Int4Group, dequantize, quantize
+from megatron_sync.convert.quant import Fp8Block, Fp8Tensor, Int4Group, dequantize, quantize
 
 FORMATS = {
     "fp8 block 128x128": Fp8Block(),

@@ -81,9 +81,9 @@ def _dp2_tp1_groups():
 def _refit_job(rank: int, world: int, repeats: int) -> dict:
     from megatron.core.resharding import swap_model_weights
 
-    from converters import get_converter
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.stream import MegatronWeightStream
+    from megatron_sync.convert import get_converter
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.trainer.stream import MegatronWeightStream
     from tests.support import models
     from tests.support.dist import init_megatron
 

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_sync import MODELS  # noqa: E402
 
-from megatron_sync.metrics import align  # noqa: E402
+from megatron_sync.core.metrics import align  # noqa: E402
 from megatron_sync.scale.hardware import RATES_FILE, local_profile  # noqa: E402
 from megatron_sync.scale.layouts import FleetLayout, TrainerLayout  # noqa: E402
 from megatron_sync.scale.plans import ScalePlanner  # noqa: E402

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_sync import load_average, machine_description  # noqa: E402
 
-from megatron_sync.metrics import align  # noqa: E402
+from megatron_sync.core.metrics import align  # noqa: E402
 from megatron_sync.scale.layouts import FleetLayout, TrainerLayout  # noqa: E402
 from megatron_sync.scale.models import model_named  # noqa: E402
 from megatron_sync.scale.plans import ScalePlanner  # noqa: E402

@@ -9,7 +9,7 @@ spread of the rounds stored beside it. The real code paths are timed where they 
   Megatron models laid out as the bench's trainers (MoE: EP=2, dense: TP=2), per layout two models
   (larger tensors, many small ones) fitted to seconds = a * HF bytes + b * units, and the other rank's
   CPU per byte of the stage (its casts and sends); the models are not the bench's (CALIBRATION);
-- xxh3, copy, cast: `megatron_sync.bucket.checksum` and torch copies of 64 MiB;
+- xxh3, copy, cast: `megatron_sync.plan.bucket.checksum` and torch copies of 64 MiB;
 - stage + load: what an engine rank does with its slices (`layout.staging.StagingSets.write` through its
   rank layout, `ReferenceEngine.load_shards`), fitted per byte and per tensor;
 - wire: a 3-process gloo group over loopback as the bench runs it: a broadcast (CPU per byte on the
@@ -95,7 +95,7 @@ def fit(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
 
 
 def primitive_rates() -> dict[str, float]:
-    from megatron_sync.checksum import checksum
+    from megatron_sync.core.checksum import checksum
 
     src32 = torch.randn(BIG // 2)  # casting it to bf16 writes BIG bytes
     src = torch.randn(BIG // 2).to(torch.bfloat16)
@@ -110,11 +110,11 @@ def primitive_rates() -> dict[str, float]:
 def trainer_walk(rank: int, world: int, cfg: dict) -> dict:
     """One warm walk of a stage's stream into a host replica on rank 0 (gathers from rank 1 included),
     per calibration model of one layout: {model: (HF bytes, units, CPU seconds) of this rank}."""
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.plan import build_plan
-    from megatron_sync.replica import HostReplica
-    from megatron_sync.stream import MegatronWeightStream
-    from converters import get_converter
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.plan.buckets import build_plan
+    from megatron_sync.trainer.replica import HostReplica
+    from megatron_sync.trainer.stream import MegatronWeightStream
+    from megatron_sync.convert import get_converter
     from tests.support import models
     from tests.support.dist import init_megatron
 
@@ -145,7 +145,7 @@ def trainer_walk(rank: int, world: int, cfg: dict) -> dict:
 def engine_rows(rank: int, world: int, names: list[str]) -> tuple[list, list]:
     """Per model: (shard bytes, tensors, CPU s) of staging this engine rank's slices of every full tensor
     into its staging set (of an engine with TP = world, as the bench runs it), and of loading them."""
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
     from megatron_sync.layout.staging import StagingSets
     from tests.support import models
 
@@ -185,8 +185,8 @@ def engine_ranks(rank: int, world: int, cfg: dict) -> dict:
 
 
 def wire(rank: int, world: int, cfg: dict) -> dict:
-    from megatron_sync.transport.broadcast import BroadcastTransport
-    from megatron_sync.transport.group import init_transport_group
+    from megatron_sync.transports.broadcast import BroadcastTransport
+    from megatron_sync.session.group import init_transport_group
 
     group = init_transport_group("127.0.0.1", cfg["port"], world, rank, timeout=120.0, group_name="rates")
     transport = BroadcastTransport(group, 1)

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling module
 from sync_workers import ENGINE_TP, KINDS, engine_main, trainer_main  # noqa: E402
 from timeline_plot import draw_timeline  # noqa: E402
 
-from megatron_sync.metrics import align  # noqa: E402
+from megatron_sync.core.metrics import align  # noqa: E402
 from tests.support.dist import free_port, run_distributed  # noqa: E402
 from tests.support.models import ModelSpec  # noqa: E402
 

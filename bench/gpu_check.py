@@ -125,7 +125,7 @@ def checksum_row(device: str) -> Row:
     """The device checksum equals the host one on the same bytes; its rate on the device."""
     import torch
 
-    from megatron_sync.checksum import fletcher_checksum
+    from megatron_sync.core.checksum import fletcher_checksum
 
     for n in (1, 65535, 65537, (1 << 20) + 3):
         data = torch.randint(0, 256, (n,), dtype=torch.uint8)
@@ -215,7 +215,7 @@ def gather_memory_row(device: str) -> Row:
 
     if device == "cpu":
         return Row("gather peak memory <= bound", "skipped: no CUDA")
-    from megatron_sync.gather import merge_strided_shards
+    from megatron_sync.trainer.gather import merge_strided_shards
 
     shards = [torch.randn(4096, 1024, device=device) for _ in range(4)]
     torch.cuda.reset_peak_memory_stats()

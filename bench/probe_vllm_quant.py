@@ -60,7 +60,7 @@ def write_version(path: str, family: str, quantization_config: dict, seed: int) 
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models as token_models, pre_tokenizers
 
-    from converters import get_converter
+    from megatron_sync.convert import get_converter
     from tests.support import models
 
     spec, config = tiny_config(family, quantization_config)
@@ -81,7 +81,7 @@ def write_version(path: str, family: str, quantization_config: dict, seed: int) 
 
 def reference_tokens(family: str, quantization_config: dict, state: dict[str, torch.Tensor]) -> list[int]:
     """Greedy tokens of the reference engine (TP=1, bf16) loaded with the same quantized tensors."""
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
 
     engine = ReferenceEngine(tiny_config(family, quantization_config)[1], tp_rank=0, tp_size=1, dtype=torch.bfloat16)
     engine.load_shards(state, 1)

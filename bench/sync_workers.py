@@ -105,8 +105,8 @@ def _sync_row(metrics) -> dict:
 
 
 def _transport(rank: int, cfg: dict):
-    from megatron_sync.transport.broadcast import BroadcastTransport
-    from megatron_sync.transport.group import init_transport_group
+    from megatron_sync.transports.broadcast import BroadcastTransport
+    from megatron_sync.session.group import init_transport_group
 
     group = init_transport_group("127.0.0.1", cfg["port"], TRANSPORT_WORLD, rank,
                                  timeout=cfg["timeout_s"], group_name="bench")
@@ -129,10 +129,10 @@ def cfg_threads() -> int:
 def trainer_main(rank: int, world_size: int, spec: ModelSpec, layout_kw: dict, cfg: dict) -> dict:
     """Build the Megatron model, then per bucket size: warm-up, then rounds of sync / raw / naive."""
     _quiet()
-    from converters import get_converter
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.sender import WeightSender
-    from megatron_sync.stream import MegatronWeightStream
+    from megatron_sync.convert import get_converter
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.transports.buckets.sender import WeightSender
+    from megatron_sync.trainer.stream import MegatronWeightStream
     from tests.support import models
     from tests.support.dist import init_megatron
 
@@ -200,7 +200,7 @@ def _measured_sync(sender, stream, version: int) -> dict:
 
 def _raw_send(transport, sender) -> None:
     """Broadcast the replica's buckets as they are (header + payload), `max_in_flight` deep."""
-    from megatron_sync.transport.base import BucketHeader
+    from megatron_sync.transports.base import BucketHeader
 
     in_flight = []
     for b in sender.plan.buckets:
@@ -214,8 +214,8 @@ def _raw_send(transport, sender) -> None:
 
 def _naive_send(chunks, layout, converter, transport, plan) -> dict:
     """Gather the whole stage at once, convert all of it, then broadcast tensor by tensor."""
-    from megatron_sync.gather import ShardGatherer, plan_gather_units
-    from megatron_sync.source import walk_model_chunks
+    from megatron_sync.trainer.gather import ShardGatherer, plan_gather_units
+    from megatron_sync.trainer.source import walk_model_chunks
 
     tensors = walk_model_chunks(chunks, layout, is_buffer=converter.is_buffer)
     units = [u for u in plan_gather_units(tensors, layout) if not converter.is_skipped(u.name)]
@@ -237,8 +237,8 @@ def _naive_send(chunks, layout, converter, transport, plan) -> dict:
 def engine_main(rank: int, world_size: int, spec: ModelSpec, layout_kw: dict, cfg: dict) -> dict:
     """One TP rank of the reference engine: receive every sync, raw run and naive run the trainer makes."""
     _quiet()
-    from megatron_sync.engines.reference import ReferenceEngine
-    from megatron_sync.receiver import WeightReceiver
+    from megatron_sync.engines.reference.engine import ReferenceEngine
+    from megatron_sync.transports.buckets.receiver import WeightReceiver
     from tests.support import models
 
     engine = ReferenceEngine(models.hf_config(spec), tp_rank=rank, tp_size=world_size, dtype=DTYPE)

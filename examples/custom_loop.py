@@ -5,7 +5,7 @@
 With `--handoff` it is a colocated loop (trainer and engines taking turns on the same devices, e.g. one
 job from launch/colocate.sh with `transport: ipc`): before each step the engines free their weights and
 the trainer takes back its gradient buffers and optimizer state; after it, the trainer gives them up and
-the engines take their memory back as the sync begins (megatron_sync.handoff).
+the engines take their memory back as the sync begins (megatron_sync.engines.handoff).
 
 `train.yaml` holds the `weight_sync:` section (family, hf_config_path, rendezvous,
 engine layout...). The only lines a real job adds to its loop are marked
@@ -25,10 +25,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_sync.callback import WeightSyncCallback
-from megatron_sync.config import WeightSyncConfig, add_weight_sync_args, explicit_flags
-from megatron_sync.handoff import TrainerMemory
-from megatron_sync.parallel import ParallelLayout
+from megatron_sync.drivers.callback import WeightSyncCallback
+from megatron_sync.settings.config import WeightSyncConfig, add_weight_sync_args, explicit_flags
+from megatron_sync.engines.handoff import TrainerMemory
+from megatron_sync.core.grid import ParallelLayout
 
 
 def build_model(family: str, seed: int, rotary_base: float | None = None):

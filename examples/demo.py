@@ -23,7 +23,7 @@ import sys
 import time
 
 from examples.job import harness_store, job_arg_parser, job_argv, load_job
-from megatron_sync.lifecycle import Terminated, stop_on_signals
+from megatron_sync.core.lifecycle import Terminated, stop_on_signals
 from tests.support.dist import free_port
 
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 from dataclasses import dataclass, field
 from typing import Any, Callable, NoReturn
 
 import yaml
 
-from megatron_sync.config import WeightSyncConfig, add_weight_sync_args, explicit_flags, field_names
-from megatron_sync.lifecycle import Terminated
+from megatron_sync.settings.config import WeightSyncConfig, add_weight_sync_args, explicit_flags, field_names
+from megatron_sync.core.lifecycle import Terminated
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,6 +162,15 @@ class JobConfig:
 
 
 SECTIONS = ("model", "trainer", "train", "verify", "weight_sync")
+
+
+def deaf_to_stop_signals() -> None:
+    """Fault injection for tests: from now on SIGTERM / SIGINT do nothing in Python, wherever the kernel
+    delivers them, as in a rank blocked in native code. (Blocking them in the calling thread alone is not
+    deaf: another thread takes the signal and the main thread runs the handler at its next bytecode.) The
+    library's stop watchdog still hears them through the signal wakeup fd, which is what such a test checks."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)
 
 
 def _model_spec_type():

@@ -1,4 +1,4 @@
-"""The demo's inference job: `megatron_sync.serve` around reference engines, plus the demo's checks.
+"""The demo's inference job: `megatron_sync.drivers.serve` around reference engines, plus the demo's checks.
 
 Run under torchrun (one process per inference rank), e.g.
     torchrun --nproc-per-node 2 -m examples.serve_checked --config configs/demo_qwen3_moe_ep2.yaml
@@ -25,10 +25,10 @@ from concurrent.futures import Future
 
 import torch
 
-from examples.job import JobConfig, harness_store, job_arg_parser, run_under_torchrun
-from megatron_sync.serve import EngineRank, join, serve
-from megatron_sync.sync import InferenceWeightSync
-from megatron_sync.transport.control import ControlMessage, ControlOp
+from examples.job import JobConfig, deaf_to_stop_signals, harness_store, job_arg_parser, run_under_torchrun
+from megatron_sync.drivers.serve import EngineRank, join, serve
+from megatron_sync.drivers.sync import InferenceWeightSync
+from megatron_sync.session.control import ControlMessage, ControlOp
 from tests.support.fakes import FaultyLayout
 
 
@@ -52,12 +52,12 @@ class _DiesMidSync:
 
 class _HangsMidSync(_DiesMidSync):
     """Fault injection for tests: the wrapped engine's rank hangs while staging `version`, deaf to
-    SIGTERM (signals blocked in its main thread, as in a rank stuck in native code)."""
+    SIGTERM (as a rank stuck in native code is)."""
 
     def _before_write(self, n: int) -> None:
         if self._engine.version == self._version - 1 and n > 3:
             print(f"[inference] fault injection: hanging while receiving version {self._version}", flush=True)
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+            deaf_to_stop_signals()
             time.sleep(3600)
 
 

@@ -22,11 +22,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from examples.job import JobConfig, harness_store, job_arg_parser, run_under_torchrun
-from megatron_sync.callback import WeightSyncCallback
-from megatron_sync.metrics import format_table
-from megatron_sync.parallel import ParallelLayout
-from megatron_sync.sync import TrainerWeightSync
+from examples.job import JobConfig, deaf_to_stop_signals, harness_store, job_arg_parser, run_under_torchrun
+from megatron_sync.drivers.callback import WeightSyncCallback
+from megatron_sync.core.metrics import format_table
+from megatron_sync.core.grid import ParallelLayout
+from megatron_sync.drivers.sync import TrainerWeightSync
 
 
 def build_trainer(job: JobConfig):
@@ -169,7 +169,7 @@ def fault_during(sync: TrainerWeightSync, version: int, fault: str) -> None:
 
 def _sigterm_while_deaf() -> None:
     """SIGTERM to the trainer job while this rank is deaf to it, as a rank blocked in native code is."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    deaf_to_stop_signals()
     os.kill(os.getppid(), signal.SIGTERM)
     time.sleep(PAUSE_S)
 

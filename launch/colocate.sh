@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Colocated job: ONE torchrun job per host holding both roles, NTRAIN trainer ranks and NSERVE inference
-# ranks (megatron_sync.colocate gives each role its own ranks and rendezvous port). The trainer's
+# ranks (megatron_sync.drivers.colocate gives each role its own ranks and rendezvous port). The trainer's
 # arguments come first, the inference job's after --serve:
 #
 #   NTRAIN=2 NSERVE=2 launch/colocate.sh --module my_pkg.train -- --config train.yaml \
@@ -23,4 +23,4 @@ fi
 [[ "${1:-}" == "--" ]] && shift
 exec "${PYTHON:-python}" -m torch.distributed.run --nnodes="${NNODES:-1}" --nproc-per-node="$((NTRAIN + NSERVE))" \
   --node-rank="${NODE_RANK:-0}" --master-addr="${MASTER_ADDR:-127.0.0.1}" --master-port="${MASTER_PORT:-29500}" \
-  -m megatron_sync.colocate --trainer-ranks "$NTRAIN" "${ENTRY[@]}" -- "$@"
+  -m megatron_sync.drivers.colocate --trainer-ranks "$NTRAIN" "${ENTRY[@]}" -- "$@"

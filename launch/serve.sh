@@ -13,4 +13,4 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 exec "${PYTHON:-python}" -m torch.distributed.run --nnodes="${NNODES:-1}" --nproc-per-node="${NPROC:-2}" \
   --node-rank="${NODE_RANK:-0}" --master-addr="${MASTER_ADDR:-127.0.0.1}" --master-port="${MASTER_PORT:-29501}" \
-  -m megatron_sync.serve "$@"
+  -m megatron_sync.drivers.serve "$@"

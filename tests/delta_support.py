@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from megatron_sync.delta import DeltaReader, DeltaWriter, WriterOptions
+from megatron_sync.transports.disk_delta import DeltaReader, DeltaWriter, WriterOptions
 from tests.support.fakes import shard_of
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -89,7 +89,7 @@ def changed_fraction(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor])
 
 def baseline_bytes(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor], level: int = 3) -> int:
     """Return the size of the field's baseline on this update: bytewise XOR, then zstd, per whole tensor."""
-    from megatron_sync.delta import codec
+    from megatron_sync.transports.disk_delta import codec
 
     total = 0
     for name, tensor in new.items():
@@ -108,10 +108,10 @@ def megatron_delta_chain(rank: int, world_size: int, spec, steps: int, lr: float
     |engine logits - trainer logits| (the trainer's forward with its weights rounded to bf16, the engine
     in float32 with the bf16 weights: the same function of the same weights).
     """
-    from converters import get_converter
-    from megatron_sync.engines.reference import ReferenceEngine
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.stream import MegatronWeightStream
+    from megatron_sync.convert import get_converter
+    from megatron_sync.engines.reference.engine import ReferenceEngine
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.trainer.stream import MegatronWeightStream
     from tests.support import models
     from tests.support.dist import init_megatron
     from tests.support.train import make_optimizer, train_step, wrap_in_ddp

@@ -65,7 +65,7 @@ def fusing(tp: int, *, expert_parallel: bool = False) -> Engine:
 
 def receivers_of(engines: Sequence[Engine], specs: list[TensorSpec], kv: int):
     """Return the plan's receivers: every rank of every engine, in order, with its layout."""
-    from megatron_sync.p2p.plan import Receiver
+    from megatron_sync.transports.p2p.plan import Receiver
 
     return tuple(Receiver(e, r, layout) for e, make in enumerate(engines) for r, layout in enumerate(make(specs, kv)))
 
@@ -76,9 +76,9 @@ def synthetic_plan(family: str, engines: Sequence[Engine], senders: int, bucket:
 
     Every HF tensor is its own unit; holders balance the bytes sent (or the bytes held).
     """
-    from converters import get_converter
-    from megatron_sync.p2p.assign import ReplicaUnit, TrainerRank, assign_replica
-    from megatron_sync.p2p.plan import build_transfer_plan, send_bytes_per_tensor
+    from megatron_sync.convert import get_converter
+    from megatron_sync.transports.p2p.assign import ReplicaUnit, TrainerRank, assign_replica
+    from megatron_sync.transports.p2p.plan import build_transfer_plan, send_bytes_per_tensor
     from tests.support import models
 
     cfg = models.hf_config(models.ModelSpec(family=family, num_kv_heads=kv))

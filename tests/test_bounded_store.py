@@ -16,9 +16,9 @@ import threading
 import pytest
 
 from megatron_sync.core.wait import ManualClock, using_clock
-from megatron_sync.errors import StoreSilentError
-from megatron_sync.transport.session import connect
-from megatron_sync.transport.store import CHECK_EVERY_S, MIN_BOUND_S
+from megatron_sync.core.errors import StoreSilentError
+from megatron_sync.session.session import connect
+from megatron_sync.session.store import CHECK_EVERY_S, MIN_BOUND_S
 from tests.support.dist import free_port
 
 TIMEOUT_S = 3.0
@@ -27,8 +27,8 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
 HOST = """
 import sys, threading
-from megatron_sync.transport.rendezvous import Identity
-from megatron_sync.transport.session import SyncSession
+from megatron_sync.session.rendezvous import Identity
+from megatron_sync.session.session import SyncSession
 SyncSession.host("127.0.0.1", {port}, Identity(job="T", role="trainer", member=0), members={{"trainer": 1}},
                  timeout_s={timeout})
 print("hosting", flush=True)

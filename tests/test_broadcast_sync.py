@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-from megatron_sync.errors import PeerFailureError, PlanMismatchError, SyncAbortedError, SyncError
-from megatron_sync.metrics import SyncMetrics, format_table
-from megatron_sync.receiver import WeightReceiver
-from megatron_sync.sender import WeightSender
-from megatron_sync.transport.broadcast import BroadcastTransport
-from megatron_sync.transport.group import init_transport_group
+from megatron_sync.core.errors import PeerFailureError, PlanMismatchError, SyncAbortedError, SyncError
+from megatron_sync.core.metrics import SyncMetrics, format_table
+from megatron_sync.transports.buckets.receiver import WeightReceiver
+from megatron_sync.transports.buckets.sender import WeightSender
+from megatron_sync.transports.broadcast import BroadcastTransport
+from megatron_sync.session.group import init_transport_group
 from tests.support.dist import free_port, run_ranks
 from tests.support.fakes import STAGES, FakeEngine, FakeStream, make_tensor, shard_rule, wire_corruption
 from tests.support.timing import bounded

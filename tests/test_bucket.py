@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_sync.bucket import flatten, unpack
-from megatron_sync.checksum import CHECKSUMS, checksum, fletcher_checksum, resolve_checksum
-from megatron_sync.meta import TensorMeta
-from megatron_sync.plan import build_plan
-from megatron_sync.replica import HostReplica
+from megatron_sync.plan.bucket import flatten, unpack
+from megatron_sync.core.checksum import CHECKSUMS, checksum, fletcher_checksum, resolve_checksum
+from megatron_sync.core.meta import TensorMeta
+from megatron_sync.plan.buckets import build_plan
+from megatron_sync.trainer.replica import HostReplica
 
 METAS = [
     TensorMeta("w.bf16", (3, 5), torch.bfloat16),
@@ -120,7 +120,7 @@ def test_none_checks_nothing():
 
 @pytest.mark.parametrize("nbytes", [1, 7, 65536, 65537, 3 * 2**20 + 5])
 def test_fletcher_matches_its_definition(nbytes, monkeypatch):
-    import megatron_sync.checksum as checksum_module
+    import megatron_sync.core.checksum as checksum_module
 
     monkeypatch.setattr(checksum_module, "_FLETCHER_CHUNK", 1 << 20)  # several chunks, a partial last block
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))

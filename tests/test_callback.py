@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from megatron_sync.callback import WeightSyncCallback
-from megatron_sync.config import WeightSyncConfig
-from megatron_sync.sync import build_converter
+from megatron_sync.drivers.callback import WeightSyncCallback
+from megatron_sync.settings.config import WeightSyncConfig
+from megatron_sync.drivers.sync import build_converter
 
 
 class _CountingSyncer:

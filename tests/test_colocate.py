@@ -1,6 +1,6 @@
 """Colocated launching: one torchrun job holding the trainer's and the engines' ranks (launch/colocate.sh).
 
-The role split is pure (`megatron_sync.colocate.role_of`: ranks numbered within each role, host by host,
+The role split is pure (`megatron_sync.drivers.colocate.role_of`: ranks numbered within each role, host by host,
 each role with its own rendezvous port). Then the real thing: one torchrun job of 2 processes on this host,
 a trainer rank running the custom loop with the memory handoff (`--handoff`) and an inference rank serving
 the reference engine, syncing over `transport: ipc`: every step the engine frees its weights for training
@@ -17,8 +17,8 @@ import sys
 import pytest
 import yaml
 
-from megatron_sync.colocate import role_of, split_arguments
-from megatron_sync.transport.segments import leftover_segments
+from megatron_sync.drivers.colocate import role_of, split_arguments
+from megatron_sync.transports.ipc.segments import leftover_segments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,11 +10,11 @@ from typing import Optional
 import pytest
 import torch
 
-from megatron_sync.agreement import failures_of
-from megatron_sync.engines.reference import ReferenceEngine
-from megatron_sync.errors import SyncAbortedError
-from megatron_sync.metrics import SyncMetrics
-from megatron_sync.transport.commit import AgreedCommit
+from megatron_sync.core.agreement import failures_of
+from megatron_sync.engines.reference.engine import ReferenceEngine
+from megatron_sync.core.errors import SyncAbortedError
+from megatron_sync.core.metrics import SyncMetrics
+from megatron_sync.session.commit import AgreedCommit
 from tests.support.models import ModelSpec, hf_config
 
 RANKS = 2

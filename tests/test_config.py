@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from megatron_sync.config import WeightSyncConfig, add_weight_sync_args, field_names
+from megatron_sync.settings.config import WeightSyncConfig, add_weight_sync_args, field_names
 
 
 def test_defaults_are_valid_and_keyword_only():
@@ -95,8 +95,8 @@ def test_every_field_has_a_flag():
 
 
 def test_checksum_choices_are_the_bucket_module_table_plus_auto():
-    from megatron_sync.checksum import CHECKSUMS
-    from megatron_sync.config import CHECKSUM_CHOICES
+    from megatron_sync.core.checksum import CHECKSUMS
+    from megatron_sync.settings.config import CHECKSUM_CHOICES
 
     assert CHECKSUM_CHOICES == ("auto", *CHECKSUMS)
     assert WeightSyncConfig().checksum == "auto"

@@ -13,11 +13,11 @@ import math
 import pytest
 import torch
 
-from converters import (
+from megatron_sync.convert import (
     FAMILIES, ConfigError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError,
     UnknownFamilyError, UnmappedParameterError, get_converter,
 )
-from converters.layout import merge_gate_up, merge_qkv, pad_vocab
+from megatron_sync.convert.layout import merge_gate_up, merge_qkv, pad_vocab
 
 PADDED_VOCAB = 16
 
@@ -481,7 +481,7 @@ KIMI_K2_INSTRUCT = dict(
 
 
 def test_kimi_k2_config_maps_onto_deepseek_v3_at_384_experts():
-    from converters import family_of_model_type
+    from megatron_sync.convert import family_of_model_type
 
     assert family_of_model_type("kimi_k2").name == "deepseek_v3"
     conv = get_converter("deepseek_v3", KIMI_K2_INSTRUCT)
@@ -517,9 +517,9 @@ def test_kimi_k2_config_json_is_read_and_compared_as_deepseek_v3(tmp_path):
 
     import transformers
 
-    from converters import config_model_type
-    from megatron_sync.model_digest import model_differences, model_fields
-    from megatron_sync.serve import load_model_config
+    from megatron_sync.convert import config_model_type
+    from megatron_sync.convert.model_digest import model_differences, model_fields
+    from megatron_sync.drivers.serve import load_model_config
 
     assert config_model_type("kimi_k2") == "deepseek_v3" and config_model_type("qwen3") == "qwen3"
     values = {k: v for k, v in KIMI_K2_INSTRUCT.items() if k != "quantization_config"}

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from converters import FAMILIES, ConfigError, ShapeMismatchError, UnexpectedTensorError, get_converter
-from converters.layout import (
+from megatron_sync.convert import FAMILIES, ConfigError, ShapeMismatchError, UnexpectedTensorError, get_converter
+from megatron_sync.convert.layout import (
     deinterleave_gate_up, gamma_to_zero_centered, merge_gate_up, merge_gated_qkv, merge_gdn_in_proj, merge_qkv,
     pad_vocab,
 )

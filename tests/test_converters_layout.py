@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from converters.errors import ConfigError, ShapeMismatchError
-from converters.layout import (
+from megatron_sync.convert.errors import ConfigError, ShapeMismatchError
+from megatron_sync.convert.layout import (
     merge_gate_up, merge_qkv, pad_vocab, split_gate_up, split_qkv, trim_vocab,
 )
-from converters.patterns import Pattern, compile_pattern, translate
+from megatron_sync.convert.patterns import Pattern, compile_pattern, translate
 
 # -- pattern grammar ------------------------------------------------------------------------
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from converters.errors import ConfigError, ShapeMismatchError
-from converters.layout import (
+from megatron_sync.convert.errors import ConfigError, ShapeMismatchError
+from megatron_sync.convert.layout import (
     deinterleave_gate_up, gamma_to_zero_centered, interleave_gate_up, merge_gated_qkv, merge_gdn_in_proj,
     split_gated_qkv, split_gdn_in_proj, zero_centered_to_gamma,
 )

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_sync.delta.chain import (
+from megatron_sync.transports.disk_delta.chain import (
     Held, Lease, Step, VersionInfo, plan_chain, versions_to_keep,
 )
-from megatron_sync.delta.errors import ChainError, VersionNotPublishedError
+from megatron_sync.transports.disk_delta.errors import ChainError, VersionNotPublishedError
 
 
 def _store(spec: str) -> dict[int, VersionInfo]:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_sync.delta import codec
+from megatron_sync.transports.disk_delta import codec
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float16, torch.uint8, torch.float64]
 BASE_FREE = ("raw", "zstd", "plane_zstd")

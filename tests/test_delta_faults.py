@@ -23,12 +23,12 @@ import signal
 import pytest
 import torch
 
-from megatron_sync.delta import (
+from megatron_sync.transports.disk_delta import (
     ChainError, CorruptFileError, DeltaReader, DeltaWriter, LockHeldError, StoreWriteError,
     VersionNotPublishedError, WriterOptions,
 )
-from megatron_sync.delta.chain import Step
-from megatron_sync.delta.storedir import published_versions, snapshot_requests, version_path
+from megatron_sync.transports.disk_delta.chain import Step
+from megatron_sync.transports.disk_delta.storedir import published_versions, snapshot_requests, version_path
 from tests.delta_support import assert_same_bytes, make_pair, publish, small_model, sparse_update
 from tests.support.dist import run_distributed, run_ranks
 
@@ -200,7 +200,7 @@ def test_missing_version_falls_back_to_the_newest_snapshot(tmp_path):
 
 
 def _writer_killed_before_rename(rank, root):
-    from megatron_sync.delta import fsio
+    from megatron_sync.transports.disk_delta import fsio
 
     writer = DeltaWriter(root, WriterOptions(snapshot_every=100))
     tensors = small_model()

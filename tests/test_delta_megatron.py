@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_sync.delta import WriterOptions
+from megatron_sync.transports.disk_delta import WriterOptions
 from tests.support.dist import run_distributed
 from tests.support.models import ModelSpec
 from tests.delta_support import megatron_delta_chain

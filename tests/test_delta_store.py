@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_sync.core.wait import poll
-from megatron_sync.delta import DeltaReader, DeltaWriter, StoreWriteError, WriterOptions
-from megatron_sync.delta.chain import Step
-from megatron_sync.delta.localcopy import open_committed, read_slot, slot_path
-from megatron_sync.delta.manifest import read_manifest
-from megatron_sync.delta.storedir import gc_lock, published_versions, version_path
+from megatron_sync.transports.disk_delta import DeltaReader, DeltaWriter, StoreWriteError, WriterOptions
+from megatron_sync.transports.disk_delta.chain import Step
+from megatron_sync.transports.disk_delta.localcopy import open_committed, read_slot, slot_path
+from megatron_sync.transports.disk_delta.manifest import read_manifest
+from megatron_sync.transports.disk_delta.storedir import gc_lock, published_versions, version_path
 from tests.delta_support import assert_same_bytes, make_pair, publish, small_model, sparse_update
 from tests.support.timing import scaled
 
@@ -249,8 +249,8 @@ def test_reader_survives_a_restart_and_continues_from_its_committed_version(tmp_
 
 
 def test_a_reading_lease_protects_versions_from_garbage_collection(tmp_path):
-    from megatron_sync.delta.chain import Lease
-    from megatron_sync.delta.storedir import write_lease
+    from megatron_sync.transports.disk_delta.chain import Lease
+    from megatron_sync.transports.disk_delta.storedir import write_lease
 
     writer, reader = make_pair(tmp_path, snapshot_every=3, retention=1)
     publish(writer, 1, tensors := small_model())
@@ -299,7 +299,7 @@ def test_on_published_hears_of_every_published_version_and_its_errors_are_report
 
 
 def test_a_buffer_filled_in_place_is_published_like_a_submitted_one(tmp_path):
-    from megatron_sync.delta.publish import TensorLayout
+    from megatron_sync.transports.disk_delta.publish import TensorLayout
 
     writer, reader = make_pair(tmp_path)
     tensors = small_model()

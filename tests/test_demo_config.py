@@ -8,7 +8,7 @@ import socket
 import pytest
 import yaml
 
-from megatron_sync.config import WeightSyncConfig
+from megatron_sync.settings.config import WeightSyncConfig
 from tests.support.dist import free_port
 from tests.support.timing import bounded
 
@@ -67,7 +67,7 @@ def test_the_demo_keeps_the_files_port_and_refuses_one_in_use(tmp_path, capsys):
 
 
 def test_no_family_is_filled_in_and_the_trainer_says_where_to_set_it(tmp_path):
-    from megatron_sync.sync import build_converter
+    from megatron_sync.drivers.sync import build_converter
 
     path = tmp_path / "train.yaml"
     path.write_text(yaml.safe_dump({"weight_sync": {"hf_config_path": "config.json"}}))
@@ -79,7 +79,7 @@ def test_no_family_is_filled_in_and_the_trainer_says_where_to_set_it(tmp_path):
 
 
 def test_serve_reads_the_family_from_the_model_it_serves_or_says_where_to_set_it():
-    from megatron_sync.serve import with_model_family
+    from megatron_sync.drivers.serve import with_model_family
     from tests.support.models import ModelSpec, hf_config
 
     assert with_model_family(WeightSyncConfig(), hf_config(ModelSpec("qwen3_moe"))).family == "qwen3_moe"

@@ -59,8 +59,8 @@ def _wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
 
 def delta_trainer_job(rank: int, world_size: int, case: dict) -> dict:
     """Train and sync every version in lockstep with the engines; return what the stream produced per version."""
-    from megatron_sync.sync import TrainerWeightSync
-    from megatron_sync.parallel import ParallelLayout
+    from megatron_sync.drivers.sync import TrainerWeightSync
+    from megatron_sync.core.grid import ParallelLayout
     from tests.delta_support import bf16_rounded
     from tests.support import models
     from tests.support.dist import init_megatron
@@ -112,7 +112,7 @@ class _Errors(logging.Handler):
 
 def _damage(config, version: int) -> str:
     """Flip one byte in the middle of `version`'s delta file in stage 0's store; return its path."""
-    from megatron_sync.delta.storedir import version_path
+    from megatron_sync.transports.disk_delta.storedir import version_path
 
     path = os.path.join(version_path(os.path.join(config.delta_dir, "stage-0"), version), "delta-00000.bin")
     _wait_for(lambda: os.path.exists(path), f"version {version} being published")
@@ -125,11 +125,11 @@ def _damage(config, version: int) -> str:
 
 def delta_engine_job(rank: int, world_size: int, case: dict) -> dict:
     """Serve until "stop"; after each sync record the engine's version, shards, float32 logits, local copy."""
-    from megatron_sync.delta.localcopy import open_committed
-    from megatron_sync.engines.reference import ReferenceEngine
-    from megatron_sync.serve import join
-    from megatron_sync.sync import InferenceWeightSync
-    from megatron_sync.transport.control import ControlOp
+    from megatron_sync.transports.disk_delta.localcopy import open_committed
+    from megatron_sync.engines.reference.engine import ReferenceEngine
+    from megatron_sync.drivers.serve import join
+    from megatron_sync.drivers.sync import InferenceWeightSync
+    from megatron_sync.session.control import ControlOp
     from tests.support import models
 
     config = sync_config(case)
@@ -163,7 +163,7 @@ def delta_engine_job(rank: int, world_size: int, case: dict) -> dict:
 
 
 def _assert_version_arrived(engines, sent, logits, previous_logits, version: int, index: int) -> None:
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
     from tests.support.models import ModelSpec, hf_config
 
     local = engines[0]["held"][index]["local"]
@@ -204,7 +204,7 @@ def test_a_chain_of_real_adam_steps_arrives_bit_for_bit_through_the_drivers(tmp_
 
 def _print_table(trainer: dict, stats: list) -> None:
     """Print (pytest -s) every version's submission, publication and receive rows, and the payload sizes."""
-    from megatron_sync.metrics import SyncMetrics, format_table
+    from megatron_sync.core.metrics import SyncMetrics, format_table
 
     rows = []
     for row, published in zip(trainer["rows"], trainer["published"]):

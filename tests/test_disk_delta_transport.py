@@ -18,15 +18,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_sync.config import WeightSyncConfig
+from megatron_sync.settings.config import WeightSyncConfig
 from megatron_sync.core.wait import poll
-from megatron_sync.delta import receiver as delta_receiver
-from megatron_sync.delta import session as sessions
-from megatron_sync.delta.localcopy import open_committed
-from megatron_sync.errors import PeerFailureError
-from megatron_sync.transport import get_transport
-from megatron_sync.transport.control import ControlMessage, ControlOp, Report
-from megatron_sync.transport.disk_delta import DiskDeltaTransport, control_dir, latest_version
+from megatron_sync.transports.disk_delta import receiver as delta_receiver
+from megatron_sync.transports.disk_delta import session as sessions
+from megatron_sync.transports.disk_delta.localcopy import open_committed
+from megatron_sync.core.errors import PeerFailureError
+from megatron_sync.transports import get_transport
+from megatron_sync.session.control import ControlMessage, ControlOp, Report
+from megatron_sync.transports.disk_delta.transport import DiskDeltaTransport, control_dir, latest_version
 from tests.support.fakes import STAGES, FakeEngine, FakeStream, make_tensor, shard_rule
 from tests.support.timing import bounded, scaled
 

@@ -50,8 +50,8 @@ def _run_demo(path: str, *extra: str, time_limit: int = 240) -> subprocess.Compl
 
 
 def _engine_slicer(job: dict, tp_rank: int):
-    from megatron_sync.engines.reference import ReferenceEngine
-    from megatron_sync.meta import dtype_from_name
+    from megatron_sync.engines.reference.engine import ReferenceEngine
+    from megatron_sync.core.meta import dtype_from_name
     from tests.support.models import ModelSpec, hf_config
 
     ws = job["weight_sync"]
@@ -131,7 +131,7 @@ def test_every_sync_lands_exactly_on_every_engine_rank(tmp_path, config, flags):
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize("transport", ["broadcast", "ipc"])
 def test_engine_rank_dying_mid_sync_fails_the_trainer_and_leaves_survivors_on_the_previous_version(tmp_path, transport):
-    from megatron_sync.transport.segments import leftover_segments
+    from megatron_sync.transports.ipc.segments import leftover_segments
 
     timeout_s = 10
     path, job = _write_job(tmp_path, "demo_qwen3_moe_ep2.yaml")

@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from megatron_sync.config import WeightSyncConfig
+from megatron_sync.settings.config import WeightSyncConfig
 from megatron_sync.engines.base import EngineClient, Rendezvous, plan_rendezvous
-from megatron_sync.config import parse_engine
-from megatron_sync.engines.fleet import EngineFleet, clients_from_config
+from megatron_sync.settings.config import parse_engine
+from megatron_sync.engines.driven import EngineFleet, clients_from_config
 from megatron_sync.engines.sglang.client import SGLangEngineClient
 from megatron_sync.engines.vllm.client import PAUSE_PLANS, VLLMEngineClient
 from megatron_sync.engines.vllm.wire import JoinInfo, UpdateInfo
-from megatron_sync.errors import SyncAbortedError
+from megatron_sync.core.errors import SyncAbortedError
 
 
 @pytest.mark.parametrize("stages,counts,firsts", [
@@ -70,7 +70,7 @@ def test_join_info_round_trips_through_json_and_is_validated():
 
 
 def test_every_inflight_policy_maps_to_a_vllm_pause_mode_and_a_cache_rule():
-    from megatron_sync.config import INFLIGHT_POLICIES
+    from megatron_sync.settings.config import INFLIGHT_POLICIES
 
     assert {p: (plan.mode, plan.reset_running) for p, plan in PAUSE_PLANS.items()} == {
         "abort": ("abort", False), "wait": ("wait", False), "recompute": ("keep", True), "keep": ("keep", None)}
@@ -109,8 +109,7 @@ class FakeEngine:
         self.closed = True
 
 
-class _Transport:
-    inference_ranks = range(1, 3)  # one trainer stage, two inference ranks
+INFERENCE_RANKS = range(1, 3)  # one trainer stage, two inference ranks
 
 
 def test_fleet_names_the_failing_worker_and_tags_only_committed_versions():
@@ -122,7 +121,7 @@ def test_fleet_names_the_failing_worker_and_tags_only_committed_versions():
     assert [(e.paused, e.tag) for e in engines] == [(False, "1"), (False, "1")]
     fleet.before_sync(2)
     fleet.begin_transfer(2)
-    error = fleet.named(SyncAbortedError(2, [(0, "sender fine"), (2, "commit failed: boom")]), _Transport())
+    error = fleet.named(SyncAbortedError(2, [(0, "sender fine"), (2, "commit failed: boom")]), INFERENCE_RANKS)
     assert error.failures == [(0, "sender fine"), (2, "worker 0 of http://b: commit failed: boom")]
     fleet.after_sync(2, ok=False)
     assert [(e.paused, e.open, e.tag) for e in engines] == [(False, False, "1"), (False, False, "1")]
@@ -147,7 +146,7 @@ def test_fleet_without_clients_does_nothing():
     with fleet.joined():
         pass
     error = SyncAbortedError(1, [(1, "x")])
-    assert fleet.named(error, _Transport()) is error
+    assert fleet.named(error, INFERENCE_RANKS) is error
     fleet.before_sync(1), fleet.begin_transfer(1), fleet.after_sync(1, ok=True), fleet.close()
 
 
@@ -171,9 +170,9 @@ def test_sglang_client_refuses_settings_sglang_cannot_honour():
 @pytest.mark.multiproc
 def test_trainer_side_modules_import_without_vllm_or_sglang():
     code = ("import sys; sys.modules['vllm'] = None; sys.modules['sglang'] = None\n"
-            "import megatron_sync.sync, megatron_sync.engines.vllm.client, megatron_sync.engines.vllm.plugin\n"
-            "import megatron_sync.engines.sglang.client, megatron_sync.engines.sglang.transport\n"
-            "from megatron_sync.transport import get_transport; get_transport('sglang')\n")
+            "import megatron_sync.drivers.sync, megatron_sync.engines.vllm.client, megatron_sync.drivers.vllm_plugin\n"
+            "import megatron_sync.engines.sglang.client, megatron_sync.transports.sglang\n"
+            "from megatron_sync.transports import get_transport; get_transport('sglang')\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": root},
                           capture_output=True, text=True, timeout=120)

@@ -16,17 +16,17 @@ import pytest
 import torch
 from tests.support.fakes import shard_of
 
-import converters
-from converters import Family
+import megatron_sync.convert
+from megatron_sync.convert import Family
 
 MISTRAL = Family(
     name="mistral",
-    rules=converters.FAMILIES["llama"].rules,
-    hf_tensors=converters.FAMILIES["llama"].hf_tensors,
-    skip=converters.FAMILIES["llama"].skip,
+    rules=megatron_sync.convert.FAMILIES["llama"].rules,
+    hf_tensors=megatron_sync.convert.FAMILIES["llama"].hf_tensors,
+    skip=megatron_sync.convert.FAMILIES["llama"].skip,
     hf_model_types=("mistral",),
 )
-converters.register_family(MISTRAL)
+megatron_sync.convert.register_family(MISTRAL)
 
 LOGITS_ATOL = 1e-4  # float32, different kernels and reduction order; observed ~2e-6
 
@@ -34,7 +34,7 @@ LOGITS_ATOL = 1e-4  # float32, different kernels and reduction order; observed ~
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_a_registered_family_syncs_end_to_end():
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
     from tests.support.jobs import run_pair
     from tests.support.models import ModelSpec, hf_config
 

@@ -26,7 +26,7 @@ TIMEOUT = 400.0
 
 def _check_exact(engine_ranks: dict, trainer: dict, spec: dict) -> list[int]:
     """Assert every version an engine's ranks committed is the trainer's, shards and logits; return the versions."""
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
 
     config = hf_config(ModelSpec(**spec))
     versions = None
@@ -81,7 +81,7 @@ def test_a_fleet_keeps_training_through_an_engine_killed_between_syncs_and_one_m
     assert status == "ok" and out["failure"] is not None and out["failure"]["version"] == 2, killed1
     assert [h["version"] for h in out["held"]] == [1, 2]
     config = hf_config(ModelSpec(**case["spec"]))
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
     slicer = ReferenceEngine(config, tp_rank=0, tp_size=2)
     assert all(torch.equal(shard, shard_of(slicer, name, leader["sent"][1][name]))
                for name, shard in out["failure"]["shards"].items())  # still exactly version 2

@@ -33,10 +33,10 @@ def _spec(case: str):
 
 
 def _stream_family(family: str, layout_kw: dict, budget: int):
-    from converters import get_converter
-    from megatron_sync.gather import GatherMemoryTracker
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.stream import MegatronWeightStream
+    from megatron_sync.convert import get_converter
+    from megatron_sync.trainer.gather import GatherMemoryTracker
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.trainer.stream import MegatronWeightStream
     from tests.support import models
 
     spec = _spec(family)
@@ -121,10 +121,10 @@ def _start_up_errors(rank, world_size):
     """Worker: three bad set-ups of the weight stream; return each rank's error text."""
     import dataclasses
 
-    from converters import get_converter
-    from megatron_sync.agreement import AgreedFailure
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.stream import MegatronWeightStream, check_model_complete
+    from megatron_sync.convert import get_converter
+    from megatron_sync.core.agreement import AgreedFailure
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.trainer.stream import MegatronWeightStream, check_model_complete
     from tests.support import models
     from tests.support.dist import init_megatron
 
@@ -176,9 +176,9 @@ class _FailsOn:
 
 
 def _convert_fails_mid_stream(rank, world_size):
-    from converters import get_converter
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.stream import MegatronWeightStream
+    from megatron_sync.convert import get_converter
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.trainer.stream import MegatronWeightStream
     from tests.support import models
     from tests.support.dist import init_megatron
 

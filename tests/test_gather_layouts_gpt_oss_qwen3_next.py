@@ -30,9 +30,9 @@ def _spec(family: str):
 
 
 def _stream_family(family: str, layout_kw: dict, budget: int):
-    from converters import get_converter
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.stream import MegatronWeightStream
+    from megatron_sync.convert import get_converter
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.trainer.stream import MegatronWeightStream
     from tests.support import models
 
     spec = _spec(family)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from megatron_sync.gather import merge_strided_shards, plan_gather_units, split_strided_shard
-from megatron_sync.parallel import ParallelLayout
-from megatron_sync.source import ExpertSlot, Sharding, SourceTensor
+from megatron_sync.trainer.gather import merge_strided_shards, plan_gather_units, split_strided_shard
+from megatron_sync.core.grid import ParallelLayout
+from megatron_sync.trainer.source import ExpertSlot, Sharding, SourceTensor
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])

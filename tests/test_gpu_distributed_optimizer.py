@@ -29,7 +29,7 @@ def _step_and_read(rank: int, world_size: int, port: int, overlap: bool, out) ->
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_sync.callback import ensure_params_gathered
+    from megatron_sync.drivers.callback import ensure_params_gathered
     from tests.support import models
 
     torch.cuda.set_device(rank)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_sync.handoff import EngineHandoff, TrainerMemory
+from megatron_sync.engines.handoff import EngineHandoff, TrainerMemory
 from tests.support.dist import run_distributed
 from tests.support.models import ModelSpec
 from tests.support.real_engines import hf_checkpoint, tiny_hf_config
@@ -23,7 +23,7 @@ TOKENS = torch.randint(0, 200, (2, 7), generator=torch.Generator().manual_seed(3
 
 
 def _engine_with(version_shards: dict, version: int):
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
 
     engine = ReferenceEngine(tiny_hf_config(SPEC), tp_rank=0, tp_size=1)
     engine.load_shards({k: v.clone() for k, v in version_shards.items()}, version)
@@ -80,7 +80,7 @@ def test_an_engine_is_not_released_before_it_holds_a_synced_version():
 def _train_twice(rank: int, world_size: int, with_handoff: bool) -> dict:
     from tests.support import models
     from tests.support.dist import init_megatron
-    from megatron_sync.parallel import ParallelLayout
+    from megatron_sync.core.grid import ParallelLayout
     from tests.support.train import make_optimizer, train_step, wrap_in_ddp
 
     init_megatron(seed=5)

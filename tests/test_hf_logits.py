@@ -109,7 +109,7 @@ def _negative_controls(tensors: dict, spec: ModelSpec, tokens, reference: torch.
 
 
 def _gpt_oss_controls(tensors: dict, spec: ModelSpec) -> dict[str, dict]:
-    from converters.layout import deinterleave_gate_up
+    from megatron_sync.convert.layout import deinterleave_gate_up
 
     gate_up = {f"model.layers.0.mlp.experts.{e}.gate_up_proj" for e in range(spec.num_experts)}
     return {
@@ -120,7 +120,7 @@ def _gpt_oss_controls(tensors: dict, spec: ModelSpec) -> dict[str, dict]:
 
 
 def _qwen3_next_controls(tensors: dict, spec: ModelSpec) -> dict[str, dict]:
-    from converters.layout import merge_gated_qkv, merge_gdn_in_proj
+    from megatron_sync.convert.layout import merge_gated_qkv, merge_gdn_in_proj
     from tests.support.models import hf_config
 
     cfg = hf_config(spec)

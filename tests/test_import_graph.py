@@ -2,7 +2,7 @@
 
 The graph counts every import of a shipped module anywhere in a module (top level, `if TYPE_CHECKING:`
 blocks, and inside functions, where a cycle would only be hidden): data and rules at the bottom
-(`meta`, `layout`, `converters`, `config`), mechanisms in the middle, drivers at the top. Then, in a
+(`meta`, `layout`, `megatron_sync.convert`, `config`), mechanisms in the middle, drivers at the top. Then, in a
 fresh interpreter, each shipped module is imported first, alone (the others dropped from
 `sys.modules` between imports), which an import-order-dependent cycle would break.
 """
@@ -18,7 +18,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("megatron_sync", "converters")
+PACKAGES = ("megatron_sync",)
 
 
 def shipped_modules() -> dict[str, str]:
@@ -91,8 +91,38 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_shipped_modules_import_each_other_without_a_cycle():
     modules = shipped_modules()
     graph = {m: imports_of(m, path, set(modules)) for m, path in modules.items()}
-    assert "megatron_sync.layout.staging" in graph["megatron_sync.receiver"]  # the graph sees real imports
+    assert "megatron_sync.layout.staging" in graph["megatron_sync.transports.buckets.receiver"]  # the graph sees real imports
     assert cycles(graph) == []
+
+
+def folder_of(module: str) -> str:
+    """Return the folder a shipped module lives in: `megatron_sync.<folder>`, or `megatron_sync` itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or os.path.isdir(os.path.join(ROOT, *parts)) else parts[0]
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, dict[str, list[str]]]:
+    """Return folder -> {folder it imports: the module imports that make the arrow}."""
+    folders: dict[str, dict[str, list[str]]] = {}
+    for module, targets in graph.items():
+        arrows = folders.setdefault(folder_of(module), {})
+        for target in targets:
+            if folder_of(target) != folder_of(module):
+                arrows.setdefault(folder_of(target), []).append(f"{module} -> {target}")
+    return folders
+
+
+def test_no_two_folders_import_each_other_and_the_folders_stack_without_a_cycle():
+    """Data and rules at the bottom (core, convert, settings, layout), drivers at the top: every arrow between
+    folders points one way. A registry filled by import paths (strings) is not an import."""
+    modules = shipped_modules()
+    folders = folder_graph({m: imports_of(m, path, set(modules)) for m, path in modules.items()})
+    assert "megatron_sync.core" in folders["megatron_sync.transports"]  # the graph sees real arrows
+    mutual = [f"{a} <-> {b}: {folders[a][b][:2]} / {folders[b][a][:2]}" for a in folders for b in folders[a]
+              if a < b and a in folders.get(b, {})]
+    assert mutual == []
+    assert cycles({f: set(arrows) for f, arrows in folders.items()}) == []
+    assert folders["megatron_sync.core"] == {}  # the bottom layer imports nothing of the package
 
 
 def test_a_cycle_is_found_when_there_is_one():
@@ -103,7 +133,7 @@ PROBE = r"""
 import importlib, json, sys
 failed = {}
 for module in MODULES:
-    for name in [m for m in sys.modules if m.split(".")[0] in ("megatron_sync", "converters")]:
+    for name in [m for m in sys.modules if m.split(".")[0] in ("megatron_sync", "megatron_sync.convert")]:
         del sys.modules[name]
     try:
         importlib.import_module(module)

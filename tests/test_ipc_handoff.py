@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from megatron_sync.engines.reference import ReferenceEngine
+from megatron_sync.engines.reference.engine import ReferenceEngine
 from tests.support.fakes import shard_of
 from tests.support.jobs import run_pair
 from tests.support.models import ModelSpec, hf_config

@@ -19,15 +19,15 @@ import signal
 import pytest
 import torch
 
-from megatron_sync.config import WeightSyncConfig
-from megatron_sync.errors import PeerFailureError, SyncError
-from megatron_sync.transport import get_transport
-from megatron_sync.transport.ipc import IpcTransport
-from megatron_sync.transport.rendezvous import Identity
-from megatron_sync.transport.segments import (
+from megatron_sync.settings.config import WeightSyncConfig
+from megatron_sync.core.errors import PeerFailureError, SyncError
+from megatron_sync.transports import get_transport
+from megatron_sync.transports.ipc.transport import IpcTransport
+from megatron_sync.session.rendezvous import Identity
+from megatron_sync.transports.ipc.segments import (
     NAME_PREFIX, SEGMENT_DIR, HostSegment, SegmentInfo, leftover_segments, segment_name,
 )
-from megatron_sync.transport.session import SyncSession
+from megatron_sync.session.session import SyncSession
 from tests.support.dist import free_port, run_ranks
 from tests.support.fakes import STAGES, FakeEngine, FakeStream, make_tensor, shard_rule, wire_corruption
 from tests.test_broadcast_sync import version_bound
@@ -155,7 +155,7 @@ def _die_handing_over(version: int, nth: int) -> None:
 
 
 def _run_sender(rank: int, transport: IpcTransport, config: WeightSyncConfig, sc: dict) -> list:
-    from megatron_sync.sender import WeightSender
+    from megatron_sync.transports.buckets.sender import WeightSender
 
     stream = FakeStream(rank, STAGES[rank], fail_at=tuple(sc.get("fail_at", ())) if rank == 1 else None)
     if sc.get("kill_source", {}).get("rank") == rank:

@@ -25,7 +25,7 @@ def _model_dir(path, family: str) -> str:
     """Write config.json and the seed-0 weights (HF checkpoint format) of the tiny `family` model."""
     from safetensors.torch import save_file
 
-    from converters import get_converter
+    from megatron_sync.convert import get_converter
     from tests.support.models import ModelSpec, hf_config, reference_weights
 
     spec = ModelSpec(family)

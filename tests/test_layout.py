@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from converters import BUILTIN_FAMILIES, get_converter
+from megatron_sync.convert import BUILTIN_FAMILIES, get_converter
 from megatron_sync.layout.rank import ParamSpec, Placement, RankLayout, placements_of_copy
 from megatron_sync.layout.regions import (
     VOCAB_BLOCKS, VOCAB_WHOLE, Region, Shard, Sharding, TensorSpec, even_range, expert_range, kv_head_range,
@@ -189,7 +189,7 @@ def test_every_element_of_every_tensor_lands_on_a_rank_and_shard_bytes_add_up(fa
 
 
 def test_the_reference_engine_holds_its_layouts_params():
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
 
     cfg = models.hf_config(models.ModelSpec(family="qwen3_moe", num_kv_heads=2))
     for rank in range(2):

@@ -247,8 +247,8 @@ def test_an_engine_that_fails_at_start_up_fails_the_trainer_within_seconds_quoti
 def test_a_second_inference_job_is_refused_by_session_name_and_the_first_keeps_syncing_exactly(tmp_path):
     import multiprocessing
 
-    from megatron_sync.engines.reference import ReferenceEngine
-    from megatron_sync.transport.session import connect
+    from megatron_sync.engines.reference.engine import ReferenceEngine
+    from megatron_sync.session.session import connect
     from tests.support.dist import run_distributed, run_ranks
     from tests.support.jobs import engine_job, trainer_job
     from tests.support.models import ModelSpec, hf_config

@@ -1,4 +1,4 @@
-"""The trainer's Megatron model config against the HF config it sends under (`megatron_sync.megatron_config`).
+"""The trainer's Megatron model config against the HF config it sends under (`megatron_sync.trainer.megatron_config`).
 
 Pure cases: each row of the table, changed on one side, is refused naming both values and the Megatron
 option to set; the values that only look different (None routing groups and n_group 1, a softmax after
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_sync.megatron_config import MEGATRON_TO_HF, disagreements
-from megatron_sync.model_digest import model_fields
+from megatron_sync.trainer.megatron_config import MEGATRON_TO_HF, disagreements
+from megatron_sync.convert.model_digest import model_fields
 from tests.support.dist import run_distributed
 from tests.support.models import ModelSpec, hf_config
 
@@ -131,7 +131,7 @@ def test_what_only_looks_alike_is_told_apart():
 
 
 def test_every_row_names_hf_fields_the_rendezvous_compares():
-    from megatron_sync.model_digest import defining_field_names
+    from megatron_sync.convert.model_digest import defining_field_names
 
     compared = set(defining_field_names())
     for row in MEGATRON_TO_HF:
@@ -139,7 +139,7 @@ def test_every_row_names_hf_fields_the_rendezvous_compares():
 
 
 def _read_real_models(rank: int, world_size: int, specs: list[dict]) -> list[list[str]]:
-    from megatron_sync.megatron_config import megatron_values
+    from megatron_sync.trainer.megatron_config import megatron_values
     from tests.support.dist import init_megatron
     from tests.support.models import build_model_chunks
 
@@ -150,7 +150,7 @@ def _read_real_models(rank: int, world_size: int, specs: list[dict]) -> list[lis
 
 @pytest.mark.multiproc
 def test_values_read_off_real_megatron_models_agree_with_their_hf_configs():
-    from converters import BUILTIN_FAMILIES
+    from megatron_sync.convert import BUILTIN_FAMILIES
     from tests.support.models import KIMI_K2
 
     specs = [{"family": family} for family in BUILTIN_FAMILIES] + [

@@ -1,7 +1,7 @@
 """Multi-token-prediction (MTP) draft layers: synced with the main weights, in the same version, exactly.
 
 Megatron's MTP block (`mtp.layers.{d}`, on the last pipeline stage) becomes the checkpoint's draft
-layer `model.layers.{num_hidden_layers + d}` (converters/mtp.py). Checked here:
+layer `model.layers.{num_hidden_layers + d}` (megatron_sync.convert/mtp.py). Checked here:
 
 - the draft's next-token logits, computed by the reference engine from the converted tensors
   (its own MTP forward, `engines/draft.py`), equal Megatron's own MTP forward on the same tokens,
@@ -26,10 +26,10 @@ import dataclasses
 import pytest
 import torch
 
-import converters
-from converters.glm4_moe import GLM4_MOE
-from converters.layout import rename
-from converters.mtp import MTP
+import megatron_sync.convert
+from megatron_sync.convert.families.glm4_moe import GLM4_MOE
+from megatron_sync.convert.layout import rename
+from megatron_sync.convert.families.mtp import MTP
 from tests.support.dist import run_distributed
 from tests.support.fakes import shard_of
 
@@ -59,7 +59,7 @@ FAULTY_DRAFT = dataclasses.replace(
     rules=tuple(dataclasses.replace(r, transform=_eh_proj_failing_in_the_second_sync)
                 if r.megatron == MTP + "eh_proj.weight" else r for r in GLM4_MOE.rules),
 )
-converters.register_family(FAULTY_DRAFT)
+megatron_sync.convert.register_family(FAULTY_DRAFT)
 
 
 # -- the draft's logits against Megatron's MTP head ------------------------------------------------------
@@ -70,9 +70,9 @@ def _tokens(vocab_size: int) -> torch.Tensor:
 
 def _megatron_and_converted(rank, world_size, layout_kw, spec_kw):
     """Worker: Megatron's main and draft logits (every rank) and the converted tensors (stage sources)."""
-    from converters import get_converter
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.stream import MegatronWeightStream
+    from megatron_sync.convert import get_converter
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.trainer.stream import MegatronWeightStream
     from tests.support import models
     from tests.support.dist import init_megatron
 
@@ -89,7 +89,7 @@ def _megatron_and_converted(rank, world_size, layout_kw, spec_kw):
 
 
 def _engine_logits(spec_kw: dict, tensors: dict, tokens: torch.Tensor):
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
     from tests.support import models
 
     engine = ReferenceEngine(models.hf_config(models.ModelSpec(**spec_kw)), tp_rank=0, tp_size=1)
@@ -137,7 +137,7 @@ def test_draft_logits_from_the_synced_tensors_equal_megatrons_mtp_head(case, wor
 # -- end to end through the drivers ---------------------------------------------------------------------
 
 def _slicer(spec_kw: dict, tp_rank: int, tp_size: int):
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
     from tests.support.models import ModelSpec, hf_config
 
     return ReferenceEngine(hf_config(ModelSpec(**spec_kw)), tp_rank=tp_rank, tp_size=tp_size)
@@ -202,8 +202,8 @@ def test_a_sync_failing_on_the_draft_leaves_target_and_draft_on_the_previous_ver
 # -- the explicit setting ---------------------------------------------------------------------------------
 
 def test_draft_skip_leaves_the_mtp_block_out_on_both_sides():
-    from megatron_sync.config import WeightSyncConfig
-    from megatron_sync.sync import build_converter
+    from megatron_sync.settings.config import WeightSyncConfig
+    from megatron_sync.drivers.sync import build_converter
     from tests.support.models import ModelSpec, hf_config
 
     config = hf_config(ModelSpec(**SPECS["glm4_moe"]))
@@ -213,7 +213,7 @@ def test_draft_skip_leaves_the_mtp_block_out_on_both_sides():
     assert skipping.is_skipped("mtp.layers.1.transformer_layer.self_attention.linear_qkv.weight")
     engine = _slicer({**SPECS["glm4_moe"]}, 0, 1)
     assert {m.name for m in engine.expected_tensors()} == set(sending.expected_hf_tensors())
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
     without = ReferenceEngine(config, tp_rank=0, tp_size=1, draft=False)
     assert {m.name for m in without.expected_tensors()} == set(skipping.expected_hf_tensors())
     with pytest.raises(ValueError, match="holds no draft layers"):

@@ -122,7 +122,7 @@ def test_sigterm_to_the_trainer_mid_sync_ends_it_everywhere_and_the_engines_exit
     trainer rank leaves at once, the leader tells the engines and ends the transfer, and the engines, which
     were receiving, leave on version 1 with exit 0. "sigterm-deaf": the leader is deaf to the signal (as a
     rank blocked in native code); its watchdog tells the engines and ends it STOP_GRACE_S after the signal."""
-    from megatron_sync.callback import STOP_GRACE_S
+    from megatron_sync.drivers.callback import STOP_GRACE_S
 
     path, job = _demo_job(tmp_path, "e2e_qwen3_tp2_to_2x_tp1.yaml")
     demo = _demo(path, "--test-fault-during-version", fault, "2")  # timeout_s 120: nothing may wait it out
@@ -182,9 +182,9 @@ def test_a_full_disk_on_the_disk_delta_writer_leaves_the_engines_on_their_versio
 def _trainer_timing_its_close(rank: int, world_size: int, case: dict) -> dict:
     """A trainer job (`tests/support/jobs.py`'s model and settings) that syncs versions 1 and 2, the failure of
     version 2 and leaving the `with` block (telling the engines) each within its bound; returns the failure."""
-    from megatron_sync.callback import WeightSyncCallback
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.sync import ACK_AFTER_BREAK_S
+    from megatron_sync.drivers.callback import WeightSyncCallback
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.drivers.sync import ACK_AFTER_BREAK_S
     from tests.support import models
     from tests.support.dist import init_megatron
     from tests.support.jobs import case_hf_config, sync_config
@@ -211,9 +211,9 @@ def _trainer_timing_its_close(rank: int, world_size: int, case: dict) -> dict:
 
 
 def _engines_one_dying_at_version_2(rank: int, world_size: int, case: dict) -> int:
-    """The inference job (`megatron_sync.serve`'s loop) whose rank 1 exits while it receives version 2."""
+    """The inference job (`megatron_sync.drivers.serve`'s loop) whose rank 1 exits while it receives version 2."""
     from examples.serve_checked import _DiesMidSync
-    from megatron_sync.serve import join, serve
+    from megatron_sync.drivers.serve import join, serve
     from tests.support.jobs import case_hf_config, sync_config
 
     config = sync_config(case)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from megatron_sync.p2p.assign import ReplicaUnit, TrainerRank, assign_replica, candidates
+from megatron_sync.transports.p2p.assign import ReplicaUnit, TrainerRank, assign_replica, candidates
 
 
 def grid(tp=1, dp=1, pp=1, ep=1, etp=1) -> list[TrainerRank]:

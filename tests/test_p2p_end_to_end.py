@@ -32,7 +32,7 @@ def _fleet(case, specs):
 
 
 def _mover(backend, group, trainers, receivers):
-    from megatron_sync.p2p.movers import MooncakeMover, TorchP2PMover
+    from megatron_sync.transports.p2p.movers import MooncakeMover, TorchP2PMover
 
     if backend == "mooncake":
         return MooncakeMover(group.board, protocol="tcp", timeout_s=group.timeout_s)
@@ -42,7 +42,7 @@ def _mover(backend, group, trainers, receivers):
 
 
 def _open(rank, world, port):
-    from megatron_sync.transport.group import init_transport_group
+    from megatron_sync.session.group import init_transport_group
 
     return init_transport_group("127.0.0.1", port, world, rank, timeout=120, group_name="p2p_e2e")
 
@@ -53,14 +53,14 @@ def _agree_on_plan(group, plan):
 
 
 def _trainer(rank, world, case, port, receivers):
-    from converters import get_converter
-    from megatron_sync.gather import GatherMemoryTracker
-    from megatron_sync.p2p.execute import send_share
+    from megatron_sync.convert import get_converter
+    from megatron_sync.trainer.gather import GatherMemoryTracker
+    from megatron_sync.transports.p2p.execute import send_share
     from megatron_sync.layout.rank import specs_to_wire
-    from megatron_sync.p2p.plan import build_transfer_plan, send_bytes_per_tensor
-    from megatron_sync.p2p.replica import DistributedReplica
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.stream import MegatronWeightStream
+    from megatron_sync.transports.p2p.plan import build_transfer_plan, send_bytes_per_tensor
+    from megatron_sync.transports.p2p.replica import DistributedReplica
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.trainer.stream import MegatronWeightStream
     from tests.support import models
     from tests.support.dist import init_megatron
 
@@ -98,9 +98,9 @@ def _trainer(rank, world, case, port, receivers):
 
 
 def _receiver(index, count, case, port, trainers):
-    from megatron_sync.p2p.execute import receive_shards
+    from megatron_sync.transports.p2p.execute import receive_shards
     from megatron_sync.layout.rank import specs_from_wire
-    from megatron_sync.p2p.plan import build_transfer_plan
+    from megatron_sync.transports.p2p.plan import build_transfer_plan
 
     group = _open(trainers + index, trainers + count, port)
     inputs = json.loads(group.board.fetch("plan_inputs", 240))
@@ -124,8 +124,8 @@ def _receiver(index, count, case, port, trainers):
 
 def _reference_shards(case, engine_tp, rank):
     """Return the reference engine's params of the single-rank conversion of the same seeded weights."""
-    from converters import get_converter
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.convert import get_converter
+    from megatron_sync.engines.reference.engine import ReferenceEngine
     from tests.support import models
 
     spec = models.ModelSpec(family=case["family"], num_kv_heads=case["kv"])

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_sync.errors import AgreedFailure, PeerFailureError
-from megatron_sync.p2p.handshake import exchange
+from megatron_sync.core.errors import AgreedFailure, PeerFailureError
+from megatron_sync.transports.p2p.handshake import exchange
 
 
 class _Gathers:
@@ -33,7 +33,7 @@ def test_a_consumed_report_is_deleted_from_the_store():
 
     import torch.distributed as dist
 
-    from megatron_sync.transport.group import StoreBoard
+    from megatron_sync.session.group import StoreBoard
     from tests.support.dist import free_port
 
     store = dist.TCPStore("127.0.0.1", free_port(), None, True, timeout=datetime.timedelta(seconds=10),

@@ -29,7 +29,7 @@ def _plan(bucket=4096):
 
 
 def _mover(backend, group, plan):
-    from megatron_sync.p2p.movers import MooncakeMover, TorchP2PMover
+    from megatron_sync.transports.p2p.movers import MooncakeMover, TorchP2PMover
 
     if backend == "mooncake":
         return MooncakeMover(group.board, protocol="tcp", timeout_s=group.timeout_s)
@@ -39,14 +39,14 @@ def _mover(backend, group, plan):
 
 
 def _open_group(rank, world, port, timeout):
-    from megatron_sync.transport.group import init_transport_group
+    from megatron_sync.session.group import init_transport_group
 
     return init_transport_group("127.0.0.1", port, world, rank, timeout=timeout, group_name="p2p_test")
 
 
 def _sync_once(rank, plan, specs, holders, mover, group, version, *, sender_fault=None, timeout_s=None):
     """One version over one mover; returns the receiver's findings, or the sender's stats."""
-    from megatron_sync.p2p.execute import receive_shards, send_share
+    from megatron_sync.transports.p2p.execute import receive_shards, send_share
 
     if rank < SENDERS:
         replica = {s.name: seeded_full(s) for s in specs if holders[s.name] == rank}
@@ -106,7 +106,7 @@ FAULTS = {  # fault -> (error every waiting receiver raises, words in it); silen
 
 def _faulty_sender(rank, world, port, planned, backend):
     """One version per fault, in FAULTS order, on one group; trainer rank 0 misbehaves."""
-    from megatron_sync.errors import SyncError
+    from megatron_sync.core.errors import SyncError
 
     specs, _, holders, plan = planned
     group = _open_group(rank, world, port, timeout=60)
@@ -174,7 +174,7 @@ def test_sender_faults_reach_every_waiting_receiver_as_clear_errors(backend):
 
 def test_mooncake_refuses_rdma_without_a_device_and_unregistered_sources():
     import mooncake.engine  # noqa: F401 — a requirement (requirements-cpu.txt): missing is a failure
-    from megatron_sync.p2p.movers import MooncakeMover
+    from megatron_sync.transports.p2p.movers import MooncakeMover
 
     class Posts(dict):
         def post(self, key, value):
@@ -211,15 +211,15 @@ def test_mooncake_refuses_rdma_without_a_device_and_unregistered_sources():
     (json.dumps({"cpu:0": [["mlx5_0"], ["mlx5_1"]], "cuda:0": [["mlx5_0"], []]}), 2),
 ])
 def test_count_hcas(topology, count):
-    from megatron_sync.p2p.movers import count_hcas
+    from megatron_sync.transports.p2p.movers import count_hcas
 
     assert count_hcas(topology) == count
 
 
 def _nccl_worker(rank, world, port, planned):
-    from megatron_sync.p2p.execute import receive_shards, send_share
-    from megatron_sync.p2p.movers import TorchP2PMover
-    from megatron_sync.transport.group import init_transport_group
+    from megatron_sync.transports.p2p.execute import receive_shards, send_share
+    from megatron_sync.transports.p2p.movers import TorchP2PMover
+    from megatron_sync.session.group import init_transport_group
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     specs, _, holders, plan = planned

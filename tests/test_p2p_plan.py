@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megatron_sync.p2p.plan import build_transfer_plan
+from megatron_sync.transports.p2p.plan import build_transfer_plan
 from tests.p2p_support import fusing, ref, synthetic_plan as _setup
 
 

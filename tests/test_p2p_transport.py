@@ -28,8 +28,8 @@ import os
 import pytest
 import torch
 
-from megatron_sync.transport import register_transport
-from megatron_sync.transport.p2p import P2PTransport
+from megatron_sync.transports import register_transport
+from megatron_sync.transports.p2p.transport import P2PTransport
 from tests.support.fakes import shard_of
 
 LOGITS_ATOL = 1e-4  # float32, different kernels and reduction order
@@ -89,7 +89,7 @@ def _case(backend: str, **case) -> dict:
 
 def _reference_shards(case: dict, tp_rank: int) -> dict[str, torch.Tensor]:
     """Return the engine's shards of a single-rank conversion of the trainer's seeded weights."""
-    from converters import get_converter
+    from megatron_sync.convert import get_converter
     from tests.support import models
 
     spec = models.ModelSpec(**case["spec"])
@@ -102,7 +102,7 @@ def _reference_shards(case: dict, tp_rank: int) -> dict[str, torch.Tensor]:
 
 
 def _slicer(case: dict, tp_rank: int):
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
     from tests.support.models import ModelSpec, hf_config
 
     return ReferenceEngine(hf_config(ModelSpec(**case["spec"])), tp_rank=tp_rank, tp_size=case["engine_tp"])
@@ -224,8 +224,8 @@ def test_a_failed_sender_aborts_everywhere_then_a_killed_one_leaves_engines_on_t
 
 
 def test_p2p_settings_are_validated_and_named():
-    from megatron_sync.config import P2P_BACKENDS, WeightSyncConfig
-    from megatron_sync.transport.p2p import MOVERS
+    from megatron_sync.settings.config import P2P_BACKENDS, WeightSyncConfig
+    from megatron_sync.transports.p2p.transport import MOVERS
 
     assert set(MOVERS) == set(P2P_BACKENDS)
     config = WeightSyncConfig(transport="p2p", p2p_backend="mooncake", p2p_protocol="rdma", p2p_device_name="mlx5_0")

@@ -1,6 +1,6 @@
 """What a production job imports is the library alone: no test support, no demo, megatron-core unpatched.
 
-Every module of the shipped packages (`megatron_sync`, `converters`) is imported
+Every module of the shipped packages (`megatron_sync`, `megatron_sync.convert`) is imported
 in a fresh interpreter, together with the megatron-core modules a trainer
 uses; then no module of `tests`, `examples` or `bench` may be loaded, and no
 function or method anywhere in megatron-core or `torch.cuda` may come from
@@ -25,7 +25,7 @@ import importlib, inspect, json, pkgutil, sys
 import megatron.core.models.gpt, megatron.core.transformer.moe.router, megatron.core.tensor_parallel.mappings
 import megatron.core.distributed.param_and_grad_buffer, megatron.core.models.common.embeddings.rotary_pos_embedding
 shipped = []
-for package in ("megatron_sync", "converters"):
+for package in ("megatron_sync", "megatron_sync.convert"):
     root = importlib.import_module(package)
     shipped.append(package)
     for info in pkgutil.walk_packages(root.__path__, prefix=package + "."):
@@ -43,7 +43,7 @@ for name, module in list(sys.modules.items()):
             objects += [(f"{attr}.{k}", v) for k, v in vars(value).items()]
         for label, obj in objects:
             owner = getattr(obj, "__module__", None) if callable(obj) else None
-            if isinstance(owner, str) and owner.split(".")[0] in ("megatron_sync", "converters", "tests", "examples", "bench"):
+            if isinstance(owner, str) and owner.split(".")[0] in ("megatron_sync", "megatron_sync.convert", "tests", "examples", "bench"):
                 foreign.append(f"{name}.{label} <- {owner}")
 harness = sorted(m for m in sys.modules if m.split(".")[0] in ("tests", "examples", "bench"))
 print(json.dumps({"shipped": shipped, "harness": harness, "foreign": sorted(set(foreign))}))
@@ -62,8 +62,8 @@ def _probe(apply_shim: bool) -> dict:
 @pytest.mark.timeout(300)
 def test_shipped_packages_load_no_harness_and_patch_nothing():
     result = _probe(apply_shim=False)
-    assert "megatron_sync.sync" in result["shipped"] and "converters.deepseek_v3" in result["shipped"]
-    assert "megatron_sync.serve" in result["shipped"]
+    assert "megatron_sync.drivers.sync" in result["shipped"] and "megatron_sync.convert.families.deepseek_v3" in result["shipped"]
+    assert "megatron_sync.drivers.serve" in result["shipped"]
     assert result["harness"] == []
     assert result["foreign"] == []
 

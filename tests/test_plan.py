@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_sync.meta import TensorMeta
-from converters import get_family
-from megatron_sync.plan import build_plan
+from megatron_sync.core.meta import TensorMeta
+from megatron_sync.convert import get_family
+from megatron_sync.plan.buckets import build_plan
 
 DEEPSEEK_KEEP_TOGETHER = get_family("deepseek_v3").keep_together
-from megatron_sync.plan import coverage_problem
+from megatron_sync.plan.buckets import coverage_problem
 
 bf16, f32, i64, u8 = torch.bfloat16, torch.float32, torch.int64, torch.uint8
 

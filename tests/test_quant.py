@@ -1,4 +1,4 @@
-"""Quantization core (converters/quant): bit-for-bit against the libraries engines ship, plus bounds.
+"""Quantization core (megatron_sync.convert/quant): bit-for-bit against the libraries engines ship, plus bounds.
 
 References, called directly from the installed packages:
 - FP8 block: vLLM's `vllm.utils.deep_gemm.per_block_cast_to_fp8` (DeepGEMM's
@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from converters import get_converter
-from converters.quant import (
+from megatron_sync.convert import get_converter
+from megatron_sync.convert.quant import (
     DEFAULT_UNQUANTIZED, Fp8Block, Fp8Tensor, Int4Group, QuantPlan, dequantize, pack_int4,
     parse_quantization_config, quantize, quantized_names, select_targets, shard_quantized, slice_quantized,
     unpack_int4,
@@ -472,7 +472,7 @@ def test_expected_layout_rejects_a_plan_built_from_other_names():
 
 @pytest.mark.parametrize("cfg", [DEEPSEEK_V3_FP8, KIMI_K2_INT4, dict(DEEPSEEK_V3_FP8, weight_block_size=None)])
 def test_keep_together_puts_every_weight_in_its_scales_bucket(cfg):
-    from megatron_sync.plan import build_plan
+    from megatron_sync.plan.buckets import build_plan
     hf = layout("deepseek_v3", DSV3)
     plan = QuantPlan.from_hf_config(cfg, hf, is_linear_weight)
     metas = [m for name, (shape, dtype) in hf.items() for m in plan.outputs(name, shape, dtype)]
@@ -499,7 +499,7 @@ def test_non_contiguous_source_quantizes_like_its_contiguous_copy(scheme):
                                           (Fp8Tensor(), (300, 260)), (Int4Group(32), (300, 384))])
 def test_many_row_chunks_equal_the_reference(vllm_refs, monkeypatch, scheme, shape):
     """Large weights are quantized in row chunks; force many (and a ragged last one) on a small weight."""
-    import converters.quant.base as base
+    import megatron_sync.convert.quant.base as base
     monkeypatch.setattr(base, "CHUNK_ELEMS", 5000)
     assert len(base.row_chunks(shape[0], shape[1], 64)) > 3
     x = weight(shape, torch.bfloat16, seed=31, special=True)

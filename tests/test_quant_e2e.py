@@ -40,7 +40,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from converters import Shard, get_converter
+from megatron_sync.convert import Shard, get_converter
 from tests.support import models
 from tests.support.fakes import shard_of
 from tests.support.quant_refs import (
@@ -71,7 +71,7 @@ def dequantized(converter, sent: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 
 def check_quantized_sync(case: dict, trainer: list, engines: list) -> None:
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
     from tests.support.hf_check import hf_logits_from_checkpoint
     from tests.support.jobs import EVAL_TOKENS, case_hf_config
 
@@ -127,7 +127,7 @@ def negative_control(config, sent: dict[str, torch.Tensor], hf_deq_logits: torch
     """The scales of every quantized o_proj and down_proj cut for the other TP rank (their column blocks
     or groups swapped): a block straddling the shard boundary the wrong way moves the logits far beyond
     LOGITS_ATOL."""
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
 
     engine = ReferenceEngine(config, tp_rank=0, tp_size=1)
     engine.load_shards(sent, 1)

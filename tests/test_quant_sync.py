@@ -16,10 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from converters import MissingTensorError, Shard, UnexpectedTensorError, get_converter, keep_together_of
-from converters.errors import ConfigError
-from converters.quant import Fp8Block, Fp8Tensor, Int4Group
-from megatron_sync.meta import TensorMeta
+from megatron_sync.convert import MissingTensorError, Shard, UnexpectedTensorError, get_converter, keep_together_of
+from megatron_sync.convert.errors import ConfigError
+from megatron_sync.convert.quant import Fp8Block, Fp8Tensor, Int4Group
+from megatron_sync.core.meta import TensorMeta
 from tests.support import models
 from tests.support.fakes import shard_of
 from tests.support.quant_refs import (
@@ -48,7 +48,7 @@ def unquantized_hf(family: str, spec, seed: int = 3) -> dict[str, torch.Tensor]:
 
 
 def independent_dequantize(name: str, tensors: dict[str, torch.Tensor], scheme) -> torch.Tensor:
-    """Dequantize without converters.quant: the FP8 formula written out, INT4 through compressed-tensors."""
+    """Dequantize without megatron_sync.convert.quant: the FP8 formula written out, INT4 through compressed-tensors."""
     prefix = name.removesuffix("weight")
     if isinstance(scheme, Int4Group):
         parts = {k: tensors[prefix + k] for k in ("weight_packed", "weight_scale", "weight_shape")}
@@ -123,7 +123,7 @@ def test_a_group_that_does_not_divide_a_weight_fails_at_construction_naming_both
 
 @pytest.mark.parametrize("family,qc", CASES, ids=IDS)
 def test_both_sides_keep_every_weight_with_its_scales(family, qc):
-    from megatron_sync.plan import build_plan
+    from megatron_sync.plan.buckets import build_plan
 
     converter = get_converter(family, tiny(family, qc)[1], dtype=torch.float32)
     engine_names = [m.name for m in converter.expected_metas()]
@@ -167,7 +167,7 @@ def test_engine_shards_are_the_reference_quantization_of_the_weight_shard(family
     """Every rank's shard of a quantized weight equals the engine library's quantization of that rank's
     slice of the float weight (block-local scales), or for a per-tensor scale the slice of the whole
     weight's quantization; unquantized tensors are the float slices."""
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
 
     spec, config = tiny(family, qc)
     hf = unquantized_hf(family, spec)
@@ -196,7 +196,7 @@ def test_engine_shards_are_the_reference_quantization_of_the_weight_shard(family
 
 @pytest.mark.parametrize("family,qc", CASES[:3], ids=IDS[:3])
 def test_engine_snapshot_is_the_wire_format_and_rolls_back(family, qc):
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
 
     spec, config = tiny(family, qc)
     engine = ReferenceEngine(config, tp_rank=1, tp_size=2)
@@ -223,12 +223,12 @@ def test_engine_snapshot_is_the_wire_format_and_rolls_back(family, qc):
 ], ids=IDS[:3])
 def test_engine_logits_equal_transformers_on_independently_dequantized_weights(family, qc, wrong_scale):
     """Logits of the engine loaded with the quantized checkpoint equal transformers' from
-    `from_pretrained` on weights dequantized outside converters.quant (atol 1e-4: float32, another
+    `from_pretrained` on weights dequantized outside megatron_sync.convert.quant (atol 1e-4: float32, another
     reduction order); negative control: the first scale of a weight (of every expert) off by 2x moves
     them far beyond that."""
     import re
 
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
     from tests.support.hf_check import hf_logits_from_checkpoint
     from tests.support.jobs import EVAL_TOKENS
 
@@ -252,7 +252,7 @@ def test_engine_logits_equal_transformers_on_independently_dequantized_weights(f
 
 
 def test_engine_refuses_shards_that_disagree_with_its_quantized_layout():
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
 
     spec, config = tiny("qwen3_moe", INT4_EXPERTS)
     engine = ReferenceEngine(config, tp_rank=0, tp_size=2)
@@ -271,7 +271,7 @@ def test_engine_refuses_shards_that_disagree_with_its_quantized_layout():
 
 
 def test_engine_tp_that_cuts_a_scale_block_fails_at_construction_naming_the_setting():
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
 
     config = tiny("deepseek_v3", {**FP8_BLOCK, "weight_block_size": [32, 32]})[1]  # q_b_proj: 48 rows per rank
     with pytest.raises(ValueError, match=r"q_b_proj\.weight.*weight_block_size"):

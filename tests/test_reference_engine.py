@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from converters import BUILTIN_FAMILIES, Shard, UnknownFamilyError
-from megatron_sync.engines.reference import ReferenceEngine, full_state_from_hf_model
+from megatron_sync.convert import BUILTIN_FAMILIES, Shard, UnknownFamilyError
+from megatron_sync.engines.reference.engine import ReferenceEngine, full_state_from_hf_model
 from megatron_sync.layout.regions import kv_head_range
 from tests.support.fakes import shard_of
 from megatron_sync.engines.base import EngineAdapter

@@ -17,13 +17,13 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from megatron_sync.config import WeightSyncConfig
+from megatron_sync.settings.config import WeightSyncConfig
 from megatron_sync.core.wait import ManualClock, poll, using_clock
-from megatron_sync.errors import RendezvousError
-from megatron_sync.model_digest import model_fields
-from megatron_sync.transport.group import init_transport_group, transport_group_over
-from megatron_sync.transport.rendezvous import Identity, expectations
-from megatron_sync.transport.session import SyncSession, report_failure
+from megatron_sync.core.errors import RendezvousError
+from megatron_sync.convert.model_digest import model_fields
+from megatron_sync.session.group import init_transport_group, transport_group_over
+from megatron_sync.session.rendezvous import Identity, expectations
+from megatron_sync.session.session import SyncSession, report_failure
 from tests.support.dist import free_port
 from tests.support.models import ModelSpec, hf_config
 from tests.support.timing import bounded, scaled

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_sync.config import WeightSyncConfig
-from megatron_sync.model_digest import defining_field_names, model_digest, model_fields
-from megatron_sync.transport.rendezvous import Admission, Identity, expectations
+from megatron_sync.settings.config import WeightSyncConfig
+from megatron_sync.convert.model_digest import defining_field_names, model_digest, model_fields
+from megatron_sync.session.rendezvous import Admission, Identity, expectations
 
 CONFIG = WeightSyncConfig(family="qwen3", num_inference_ranks=2, engine_tp_size=2, dtype="float32")
 QWEN3 = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -95,7 +95,7 @@ SHARED_SETTINGS = [  # (transport, trainer's settings, inference job's settings,
 
 @pytest.mark.parametrize("transport, trainer, engine, words", SHARED_SETTINGS)
 def test_each_transport_compares_the_settings_its_halves_share(transport, trainer, engine, words):
-    from megatron_sync.transport import get_transport
+    from megatron_sync.transports import get_transport
 
     shares = get_transport(transport).shares
 

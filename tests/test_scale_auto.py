@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_sync.config import WeightSyncConfig
+from megatron_sync.settings.config import WeightSyncConfig
 from megatron_sync.scale.auto import adopt_host_choice, choose, exclusions, resolve
 from megatron_sync.scale.hardware import profile_named
 from megatron_sync.scale.layouts import FleetLayout, TrainerLayout
 from megatron_sync.scale.models import model_named
 from megatron_sync.scale.plans import ScalePlanner
 from megatron_sync.scale.timing import predict
-from megatron_sync.transport.rendezvous import Identity, disagreements, expectations
+from megatron_sync.session.rendezvous import Identity, disagreements, expectations
 
 # (what it declares, trainer, engines, SGLang engines, the transport the model must pick)
 DECLARED = [

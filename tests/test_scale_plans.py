@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from megatron_sync.p2p.assign import assign_replica
-from megatron_sync.p2p.replica import replica_units
+from megatron_sync.transports.p2p.assign import assign_replica
+from megatron_sync.transports.p2p.replica import replica_units
 from megatron_sync.scale.layouts import FleetLayout, TrainerLayout
 from megatron_sync.scale.models import MODELS, converter_for, model_named
 from megatron_sync.scale.megatron_side import stage_units
@@ -27,10 +27,10 @@ MOE_SPEC = dict(family="qwen3_moe", hidden_size=128, num_layers=4, num_heads=4, 
 def _real_units(rank: int, world: int, family: str, layout_kw: dict, spec_kw: dict) -> dict | None:
     """Build the tiny model under `layout_kw` and return stage 0's gather units as plan_gather_units
     lists them on rank 0 (HF outputs -> full shape, sharding, EP owner)."""
-    from converters import get_converter
-    from megatron_sync.gather import plan_gather_units
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.source import walk_model_chunks
+    from megatron_sync.convert import get_converter
+    from megatron_sync.trainer.gather import plan_gather_units
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.trainer.source import walk_model_chunks
     from tests.support import models
     from tests.support.dist import init_megatron
 

@@ -26,9 +26,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_sync.engines.reference import ReferenceEngine, full_state_from_hf_model
+from megatron_sync.engines.reference.engine import ReferenceEngine, full_state_from_hf_model
 from megatron_sync.engines.serving import GenerationServer
-from megatron_sync.meta import TensorMeta
+from megatron_sync.core.meta import TensorMeta
 from tests.support.dist import free_port, run_distributed
 from tests.test_reference_engine import tiny_config
 from tests.support.fakes import shard_of
@@ -78,10 +78,10 @@ class _VersionedStream:
 
 
 def _rank_main(rank: int, world_size: int, port: int, states: dict) -> dict:
-    from megatron_sync.receiver import WeightReceiver
-    from megatron_sync.sender import WeightSender
-    from megatron_sync.transport.broadcast import BroadcastTransport
-    from megatron_sync.transport.group import init_transport_group
+    from megatron_sync.transports.buckets.receiver import WeightReceiver
+    from megatron_sync.transports.buckets.sender import WeightSender
+    from megatron_sync.transports.broadcast import BroadcastTransport
+    from megatron_sync.session.group import init_transport_group
 
     engine_group = dist.new_group([1, 2])  # collective: every rank creates it
     group = init_transport_group("127.0.0.1", port, world_size, rank, timeout=40.0, group_name="serving")

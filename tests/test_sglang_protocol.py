@@ -21,8 +21,8 @@ import torch
 
 from megatron_sync.engines.sglang import requests
 from megatron_sync.engines.sglang.client import PAUSE_PLANS
-from megatron_sync.meta import TensorMeta
-from megatron_sync.plan import build_plan
+from megatron_sync.core.meta import TensorMeta
+from megatron_sync.plan.buckets import build_plan
 from tests.support.dist import free_port
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
@@ -137,8 +137,8 @@ def _sglang_receiver(port: int, group_name: str, bodies: list[dict], out) -> Non
 @pytest.mark.timeout(120)
 def test_update_group_and_buckets_interoperate_with_sglang_receiving_code():
     """The trainer's group (init_update_group) and bucket bytes, received by SGLang's own functions."""
-    from megatron_sync.bucket import pack_tensor
-    from megatron_sync.engines.sglang.transport import init_update_group
+    from megatron_sync.plan.bucket import pack_tensor
+    from megatron_sync.transports.sglang import init_update_group
 
     port, group_name = free_port(), "megatron_sync_test"
     plan = build_plan([METAS], bucket_size_bytes=200)
@@ -228,11 +228,11 @@ class _FakeSGLang:
 def test_transport_sglang_sends_plan_buckets_and_fails_the_sync_when_an_engine_refuses_one():
     """Transport "sglang" through the unchanged bucket sender: SGLang's update group receives exactly the
     sent bytes; an engine answering success=false fails the sync on the trainer, naming the engine."""
-    from megatron_sync.config import WeightSyncConfig
-    from megatron_sync.errors import SyncAbortedError
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.sender import WeightSender
-    from megatron_sync.transport import get_transport
+    from megatron_sync.settings.config import WeightSyncConfig
+    from megatron_sync.core.errors import SyncAbortedError
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.transports.buckets.sender import WeightSender
+    from megatron_sync.transports import get_transport
     from tests.support.fakes import STAGES, FakeStream, make_tensor
 
     metas, bucket_bytes = STAGES[0], 1024

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from megatron_sync.parallel import ParallelLayout
-from megatron_sync.source import walk_model_chunks
+from megatron_sync.core.grid import ParallelLayout
+from megatron_sync.trainer.source import walk_model_chunks
 
 
 def _param(*shape, tp=False, dim=0, stride=1):

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from converters import Family, HFTensor, Rule, Shard, get_converter
-from converters.base import Converter
-from megatron_sync.metrics import PhaseTimer, SyncMetrics, Timeline
+from megatron_sync.convert import Family, HFTensor, Rule, Shard, get_converter
+from megatron_sync.convert.base import Converter
+from megatron_sync.core.metrics import PhaseTimer, SyncMetrics, Timeline
 from tests.support.models import ModelSpec, hf_config
 from tests.support.timing import scaled
 

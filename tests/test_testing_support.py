@@ -11,7 +11,7 @@ from tests.support.dist import (
     run_distributed,
     teardown_megatron,
 )
-from converters import BUILTIN_FAMILIES as FAMILIES
+from megatron_sync.convert import BUILTIN_FAMILIES as FAMILIES
 from tests.support.models import (
     ModelSpec,
     hf_config,

@@ -16,12 +16,12 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from megatron_sync.meta import TensorMeta
-from megatron_sync.transport import register_transport, transport_names
-from megatron_sync.transport.base import BucketHeader, PendingBucket
-from megatron_sync.transport.buckets import PlanBucketTransport
-from megatron_sync.transport.control import StoreControlChannel
-from megatron_sync.transport.group import StoreBoard
+from megatron_sync.core.meta import TensorMeta
+from megatron_sync.transports import register_transport, transport_names
+from megatron_sync.transports.base import BucketHeader, PendingBucket
+from megatron_sync.transports.buckets.transport import PlanBucketTransport
+from megatron_sync.session.control import StoreControlChannel
+from megatron_sync.session.group import StoreBoard
 from tests.support.fakes import shard_of
 
 
@@ -114,8 +114,8 @@ register_transport("store", StoreTransport)
 
 
 def test_the_registry_lists_the_new_name_and_refuses_unknown_ones():
-    from megatron_sync.config import WeightSyncConfig
-    from megatron_sync.transport import get_transport
+    from megatron_sync.settings.config import WeightSyncConfig
+    from megatron_sync.transports import get_transport
 
     assert "store" in transport_names() and get_transport("store") is StoreTransport
     with pytest.raises(ValueError, match=r"transport='pigeon' is not valid; use one of \['broadcast', .*'store'"):
@@ -127,7 +127,7 @@ def test_the_registry_lists_the_new_name_and_refuses_unknown_ones():
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_a_toy_transport_drives_a_full_sync_through_the_drivers():
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
     from tests.support.jobs import run_pair
     from tests.support.models import ModelSpec, hf_config
 

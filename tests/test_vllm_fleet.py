@@ -75,7 +75,7 @@ def test_a_vllm_server_killed_between_syncs_is_driven_back_into_the_fleet(tmp_pa
         (status, out), = reference.result().values()
 
     assert status == "ok", out
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
     slicer = ReferenceEngine(tiny_hf_config(QWEN3), tp_rank=0, tp_size=1)
     assert [h["version"] for h in out["held"]] == [1, 2, 3]
     for held in out["held"]:

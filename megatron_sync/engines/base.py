@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence, runtime
 import torch
 
 from megatron_sync.layout.rank import RankLayout
-from megatron_sync.meta import TensorMeta
+from megatron_sync.core.meta import TensorMeta
 
 if TYPE_CHECKING:
-    from megatron_sync.config import WeightSyncConfig
+    from megatron_sync.settings.config import WeightSyncConfig
 
 
 @runtime_checkable

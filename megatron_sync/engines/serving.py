@@ -43,10 +43,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_sync.agreement import Gather, describe, failures_of, torch_gather
-from megatron_sync.config import INFLIGHT_POLICIES
+from megatron_sync.core.agreement import Gather, describe, failures_of, torch_gather
+from megatron_sync.settings.config import INFLIGHT_POLICIES
 from megatron_sync.core.wait import Deadline, clock
-from megatron_sync.errors import AgreedFailure
+from megatron_sync.core.errors import AgreedFailure
 
 Span = tuple[int, int, int]  # (version, start, end), end exclusive
 

@@ -14,15 +14,15 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_sync.agreement import describe
-from megatron_sync.checksum import resolve_checksum
-from megatron_sync.errors import PeerFailureError, RendezvousError
+from megatron_sync.core.agreement import describe
+from megatron_sync.core.checksum import resolve_checksum
+from megatron_sync.core.errors import PeerFailureError, RendezvousError
 from megatron_sync.fleet.links import link_name
 from megatron_sync.fleet.relay import receive_live_set, send_live_set
 from megatron_sync.fleet.trainer import OPEN_KEY
-from megatron_sync.metrics import SyncMetrics
-from megatron_sync.transport.control import ControlMessage
-from megatron_sync.transport.group import StoreBoard
+from megatron_sync.core.metrics import SyncMetrics
+from megatron_sync.session.control import ControlMessage
+from megatron_sync.session.group import StoreBoard
 
 log = logging.getLogger("megatron_sync")
 

@@ -17,10 +17,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_sync.errors import AgreedFailure, PeerFailureError, SyncAbortedError
-from megatron_sync.meta import TensorMeta
-from megatron_sync.plan import BucketPlan
-from megatron_sync.transport.base import BucketHeader, BucketTransport, PendingBucket, Transport
+from megatron_sync.core.errors import AgreedFailure, PeerFailureError, SyncAbortedError
+from megatron_sync.core.meta import TensorMeta
+from megatron_sync.plan.buckets import BucketPlan
+from megatron_sync.transports.base import BucketHeader, BucketTransport, PendingBucket, Transport
 
 log = logging.getLogger("megatron_sync")
 

@@ -15,10 +15,10 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_sync.checksum import checksum
-from megatron_sync.errors import CorruptBucketError
-from megatron_sync.transport.base import BucketHeader
-from megatron_sync.transport.group import transport_group_over
+from megatron_sync.core.checksum import checksum
+from megatron_sync.core.errors import CorruptBucketError
+from megatron_sync.transports.base import BucketHeader
+from megatron_sync.session.group import transport_group_over
 
 GROUP_NAME = "megatron_sync_relay"
 

@@ -33,26 +33,26 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_sync.agreement import Gather, describe
-from megatron_sync.checksum import resolve_checksum
-from megatron_sync.config import WeightSyncConfig
+from megatron_sync.core.agreement import Gather, describe
+from megatron_sync.core.checksum import resolve_checksum
+from megatron_sync.settings.config import WeightSyncConfig
 from megatron_sync.core.wait import WaitTimeout, poll
-from megatron_sync.errors import AgreedFailure, PeerFailureError, PlanMismatchError, SyncAbortedError, SyncError
+from megatron_sync.core.errors import AgreedFailure, PeerFailureError, PlanMismatchError, SyncAbortedError, SyncError
 from megatron_sync.fleet.links import Deliveries, FanOut, Link, link_name
 from megatron_sync.fleet.relay import relay_part
 from megatron_sync.engines.base import fleet_rendezvous
-from megatron_sync.engines.fleet import JOIN_GRACE_S
+from megatron_sync.engines.driven import JOIN_GRACE_S
 from megatron_sync.fleet.roster import FleetTooSmall, Roster
 from megatron_sync.fleet.waves import TRAINER, Delivery, plan_waves
-from megatron_sync.metrics import SyncMetrics
-from megatron_sync.parallel import ParallelLayout
-from megatron_sync.plan import KeepTogether
-from megatron_sync.sender import WeightSender
-from megatron_sync.stream import HFWeightStream
-from megatron_sync.transport.commit import sender_rounds
-from megatron_sync.transport.control import ControlMessage, ControlOp, Report
-from megatron_sync.transport.group import StoreBoard
-from megatron_sync.transport.plan_agreement import handshake_plan
+from megatron_sync.core.metrics import SyncMetrics
+from megatron_sync.core.grid import ParallelLayout
+from megatron_sync.plan.buckets import KeepTogether
+from megatron_sync.transports.buckets.sender import WeightSender
+from megatron_sync.trainer.stream import HFWeightStream
+from megatron_sync.session.commit import sender_rounds
+from megatron_sync.session.control import ControlMessage, ControlOp, Report
+from megatron_sync.session.group import StoreBoard
+from megatron_sync.transports.buckets.plan_agreement import handshake_plan
 
 log = logging.getLogger("megatron_sync")
 

@@ -21,7 +21,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 from megatron_sync.layout.regions import Region, TensorSpec
-from megatron_sync.meta import TensorMeta, dtype_from_name, dtype_name
+from megatron_sync.core.meta import TensorMeta, dtype_from_name, dtype_name
 
 ParamSpec = TensorMeta  # one tensor a rank stores: an HF shard, or an engine's fused param
 STAGING_ALIGNMENT = 64  # bytes; every param starts at a multiple (any dtype view is aligned)

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_sync.meta import TensorMeta, dtype_from_name, dtype_name
+from megatron_sync.core.meta import TensorMeta, dtype_from_name, dtype_name
 
 
 class Shard(enum.Enum):

@@ -16,7 +16,7 @@ import copy
 import sys
 import time
 
-from megatron_sync.metrics import align
+from megatron_sync.core.metrics import align
 from megatron_sync.scale.hardware import profile_named, profile_names
 from megatron_sync.scale.layouts import FleetLayout, TrainerLayout
 from megatron_sync.scale.models import MODELS, model_named

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from megatron_sync.config import parse_engine
+from megatron_sync.settings.config import parse_engine
 from megatron_sync.scale.hardware import HardwareProfile, profile_named, profile_names
 from megatron_sync.scale.layouts import FleetLayout, TrainerLayout
 from megatron_sync.scale.plans import ScalePlanner
@@ -135,3 +135,14 @@ def adopt_host_choice(config: Any, host_expects: dict) -> Any:
                          f"size (it presented transport={transport!r}, bucket_size_mb={bucket!r}); run both jobs "
                          "with this version of megatron-sync")
     return config.replace(transport=transport, bucket_size_mb=float(bucket))
+
+
+def check_settings(config: Any) -> None:
+    """Refuse a `hardware_profile` the scale model does not know, naming the known ones (called when the
+    settings are made, through `megatron_sync.settings.registry`). A missing profile is refused where the
+    choice is made (`resolve`, on the trainer): the inference job adopts the trainer's choice without one."""
+    if config.hardware_profile is None:
+        return
+    if config.hardware_profile not in profile_names():
+        raise ValueError(f"hardware_profile={config.hardware_profile!r} is not valid; use one of "
+                         f"{list(profile_names())}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_sync.p2p.assign import TrainerRank
+from megatron_sync.transports.p2p.assign import TrainerRank
 
 
 def _positive(owner: str, **values: int) -> None:

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from converters.base import Shard
-from converters.layout import gate_up, vocab
-from megatron_sync.gather import GatherUnit, plan_gather_units
-from megatron_sync.parallel import ParallelLayout
+from megatron_sync.convert.base import Shard
+from megatron_sync.convert.layout import gate_up, vocab
+from megatron_sync.trainer.gather import GatherUnit, plan_gather_units
+from megatron_sync.core.grid import ParallelLayout
 from megatron_sync.scale.layouts import TrainerLayout
-from megatron_sync.source import ExpertSlot, Sharding, SourceTensor
+from megatron_sync.trainer.source import ExpertSlot, Sharding, SourceTensor
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")  # a layer or expert index inside a dotted name
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")  # the checkpoint's layer of an HF tensor

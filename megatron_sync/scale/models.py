@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from converters import Converter, get_family
-from megatron_sync.meta import dtype_from_name
+from megatron_sync.convert import Converter, get_family
+from megatron_sync.core.meta import dtype_from_name
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 

@@ -4,7 +4,7 @@ From an HF config and the two layouts, on metadata only (meta-device tensors, `T
 what the real sync runs at start-up and summarises, per transport, what each sender and each
 receiver moves (`scale.summary`):
 
-- the converter (`converters`): the HF checkpoint's tensors, shard roles, quantized outputs;
+- the converter (`megatron_sync.convert`): the HF checkpoint's tensors, shard roles, quantized outputs;
 - the Megatron side (`scale.megatron_side`): every stage's gather units from `gather.plan_gather_units`;
 - broadcast: `plan.build_plan` (buckets per stage, keep-together groups);
 - P2P: `p2p.replica.replica_units` + `p2p.assign.assign_replica` (the distributed replica) and
@@ -29,17 +29,17 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
-from megatron_sync.delta.chain import Held, VersionInfo, plan_chain
-from megatron_sync.delta.options import WriterOptions
-from megatron_sync.gather import GatherUnit
+from megatron_sync.transports.disk_delta.chain import Held, VersionInfo, plan_chain
+from megatron_sync.transports.disk_delta.options import WriterOptions
+from megatron_sync.trainer.gather import GatherUnit
 from megatron_sync.layout.rank import Placement
 from megatron_sync.layout.regions import VOCAB_BLOCKS, VOCAB_WHOLE, Region, Sharding, TensorSpec
 from megatron_sync.layout.roles import RoleLayout
-from megatron_sync.meta import dtype_from_name
-from megatron_sync.p2p.assign import ReplicaAssignment, ReplicaUnit, TrainerRank, assign_replica, candidates
-from megatron_sync.p2p.plan import Receiver, build_transfer_plan, send_bytes_per_tensor
-from megatron_sync.p2p.replica import replica_units
-from megatron_sync.plan import build_plan
+from megatron_sync.core.meta import dtype_from_name
+from megatron_sync.transports.p2p.assign import ReplicaAssignment, ReplicaUnit, TrainerRank, assign_replica, candidates
+from megatron_sync.transports.p2p.plan import Receiver, build_transfer_plan, send_bytes_per_tensor
+from megatron_sync.transports.p2p.replica import replica_units
+from megatron_sync.plan.buckets import build_plan
 from megatron_sync.scale.layouts import FleetLayout, TrainerLayout
 from megatron_sync.scale.megatron_side import flows, stage_units
 from megatron_sync.scale.models import converter_for
@@ -332,7 +332,7 @@ def _fast_transfer_totals(specs: Sequence[TensorSpec], regions: RegionTable, hol
     (sender, receiver) pair, without building ranges: every engine is the same, so one engine's totals
     stand for all; a tensor kind's row ranges on a rank (`p2p.plan._row_ranges`) are cut once; messages
     are packed per pair in plan order exactly as `p2p.plan._messages` packs them."""
-    from megatron_sync.p2p.plan import _row_ranges
+    from megatron_sync.transports.p2p.plan import _row_ranges
 
     cut: dict[tuple, list[int]] = {}
     senders: dict[int, Endpoint] = {}

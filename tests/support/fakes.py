@@ -12,7 +12,7 @@ import torch
 from megatron_sync.layout.rank import RankLayout
 from megatron_sync.layout.regions import Shard, Sharding, TensorSpec
 from megatron_sync.layout.roles import RoleLayout
-from megatron_sync.meta import TensorMeta
+from megatron_sync.core.meta import TensorMeta
 
 bf16, f32, i64 = torch.bfloat16, torch.float32, torch.int64
 

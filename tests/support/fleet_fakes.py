@@ -15,11 +15,11 @@ from typing import Any, Optional
 
 import torch
 
-from converters import get_family, keep_together_of
-from megatron_sync.config import WeightSyncConfig
+from megatron_sync.convert import get_family, keep_together_of
+from megatron_sync.settings.config import WeightSyncConfig
 from megatron_sync.core.wait import Deadline
 from megatron_sync.layout.rank import RankLayout
-from megatron_sync.meta import TensorMeta
+from megatron_sync.core.meta import TensorMeta
 from tests.support.fakes import STAGES, FakeEngine, FakeStream, FaultyLayout, make_tensor, shard_rule
 from tests.support.fleet_jobs import await_admitted
 from tests.support.timing import scaled
@@ -71,10 +71,10 @@ class CheckedEngine(FakeEngine):
 def trainer_main(port: int, changes: dict, versions: list[int], go: Any, reports: Any) -> None:
     """One trainer rank hosting the session; syncs each version once the test says go."""
     from megatron_sync.fleet.trainer import FleetDriver
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.transport.broadcast import BroadcastTransport
-    from megatron_sync.transport.rendezvous import Identity, expectations
-    from megatron_sync.transport.session import SyncSession
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.transports.broadcast import BroadcastTransport
+    from megatron_sync.session.rendezvous import Identity, expectations
+    from megatron_sync.session.session import SyncSession
 
     config = fleet_config(port, **changes)
     identity = Identity(job="trainer-fake", role="trainer", member=0,
@@ -110,7 +110,7 @@ def trainer_main(port: int, changes: dict, versions: list[int], go: Any, reports
 def engine_main(port: int, changes: dict, engine_id: int, reports: Any, die_at: Optional[int] = None,
                 relay_dies_at: Optional[int] = None) -> None:
     """One engine job of one rank: serve until "stop"; report every commit and how it left."""
-    from megatron_sync.sync import InferenceWeightSync
+    from megatron_sync.drivers.sync import InferenceWeightSync
 
     if relay_dies_at is not None:
         _die_when_relaying(relay_dies_at)

@@ -4,7 +4,7 @@ The trainer (`fleet_trainer_job`, a tiny Megatron model under `case["layout"]`) 
 `case["versions"]` versions through `TrainerWeightSync` with `weight_sync.fleet`; before version v its
 leader waits until the engines in `case["await"][v]` ({engine: generation}) were admitted, so a test
 that restarts an engine knows which version it rejoins at. Every engine (`fleet_engine_job`) is one
-`megatron_sync.serve.join` job of `engine_tp` ranks with its own `engine_id`; it serves until "stop"
+`megatron_sync.drivers.serve.join` job of `engine_tp` ranks with its own `engine_id`; it serves until "stop"
 and returns, per version it committed, its shards and logits. Faults, per engine job:
 `case["die_after"] = v` (every rank exits right after committing v: killed between syncs) and
 `case["die_during"] = (v, rank)` (that rank exits a few tensors into version v: killed mid-sync).
@@ -27,7 +27,7 @@ KILLED = 17  # the exit code of a rank killed on purpose
 
 def fleet_trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     """Train and sync; return per version what the leader sent, the trainer's logits and the fleet's rows."""
-    from megatron_sync.callback import WeightSyncCallback
+    from megatron_sync.drivers.callback import WeightSyncCallback
     from tests.support import models
     from tests.support.train import train_step
 
@@ -65,9 +65,9 @@ def await_admitted(session: Any, engines: dict[int, int], timeout_s: float) -> N
 def fleet_engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     """One engine of the fleet: serve until "stop"; return per committed version this rank's shards and logits."""
     _setup(case)
-    from megatron_sync.serve import join
-    from megatron_sync.sync import InferenceWeightSync
-    from megatron_sync.transport.control import ControlOp
+    from megatron_sync.drivers.serve import join
+    from megatron_sync.drivers.sync import InferenceWeightSync
+    from megatron_sync.session.control import ControlOp
 
     config = sync_config(case).replace(engine_id=case["engine_id"])
     me = join(config, case_hf_config(case))
@@ -120,10 +120,10 @@ def reference_fleet_engine(rank: int, world_size: int, settings: dict, spec: Any
     `settings`, without its `engines`); serve until "stop"; return per committed version its shards."""
     import uuid
 
-    from megatron_sync.config import WeightSyncConfig
-    from megatron_sync.engines.reference import ReferenceEngine
-    from megatron_sync.sync import InferenceWeightSync
-    from megatron_sync.transport.control import ControlOp
+    from megatron_sync.settings.config import WeightSyncConfig
+    from megatron_sync.engines.reference.engine import ReferenceEngine
+    from megatron_sync.drivers.sync import InferenceWeightSync
+    from megatron_sync.session.control import ControlOp
     from tests.support.real_engines import tiny_hf_config
 
     config = WeightSyncConfig.from_dict({**settings, "engines": [], "engine_id": engine_id})

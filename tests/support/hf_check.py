@@ -4,7 +4,7 @@ The weights go through transformers' own checkpoint path (``model.safetensors`` 
 ``config.json`` in a directory, then ``AutoModelForCausalLM.from_pretrained``), not
 ``load_state_dict`` on an instantiated model: transformers 5 keeps MoE experts
 fused in memory and converts per-expert checkpoint names on load, so only the
-checkpoint path checks the HF *checkpoint* names the converters promise.
+checkpoint path checks the HF *checkpoint* names the megatron_sync.convert promise.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ _STACKED_EXPERTS = tuple(
 def transformers_checkpoint(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Return `tensors` as transformers' checkpoint of the family spells them: per-expert gpt-oss tensors
     stacked over experts in expert order (every other tensor as it is)."""
-    from converters.patterns import compile_pattern
+    from megatron_sync.convert.patterns import compile_pattern
 
     out, stacks = {}, {}
     for name, tensor in tensors.items():
@@ -106,9 +106,9 @@ def stream_and_check(spec: Any, seed: int, tokens: torch.Tensor) -> StreamedCase
     """Build `spec`'s tiny Megatron model under the current parallel_state with `reference_weights(spec,
     seed)`, run Megatron's forward on `tokens`, stream its weights through the library's gather + convert
     (float32, no rounding added) and load them into transformers. Collective; None on non-source ranks."""
-    from converters import get_converter
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.stream import MegatronWeightStream
+    from megatron_sync.convert import get_converter
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.trainer.stream import MegatronWeightStream
     from tests.support import models
 
     chunks = models.build_model_chunks(spec)

@@ -4,7 +4,7 @@
 weight-sync rendezvous, like the real launched jobs: the trainer builds a tiny
 Megatron model (`case["spec"]` under `case["layout"]`), syncs `case["versions"]`
 versions through `TrainerWeightSync` with a training step between them, and
-returns what it sent; the engines (`ReferenceEngine` via `megatron_sync.serve.join`)
+returns what it sent; the engines (`ReferenceEngine` via `megatron_sync.drivers.serve.join`)
 serve through `InferenceWeightSync` until "stop" and return their shards and
 logits per version. `case["imports"]` names modules each process imports
 first (a test that registers its own family or transport). `case["quantization_config"]`
@@ -44,7 +44,7 @@ EVAL_TOKENS = torch.randint(0, 200, (2, 10), generator=torch.Generator().manual_
 
 def sync_config(case: dict):
     """Return the WeightSyncConfig both jobs of `case` use."""
-    from megatron_sync.config import WeightSyncConfig
+    from megatron_sync.settings.config import WeightSyncConfig
 
     return WeightSyncConfig.from_dict({
         "family": case["spec"]["family"], "master_port": case["port"], "timeout_s": case.get("timeout_s", 60.0),
@@ -72,9 +72,9 @@ def case_hf_config(case: dict):
 def _unquantized_hf_tensors(chunks: list, layout, case: dict) -> dict[str, torch.Tensor]:
     """Return the HF tensors of the chunks' current weights, gathered and converted like a sync but not
     quantized (collective over the trainer job; the stage source gets them)."""
-    from converters import get_converter
-    from megatron_sync.meta import dtype_from_name
-    from megatron_sync.stream import MegatronWeightStream
+    from megatron_sync.convert import get_converter
+    from megatron_sync.core.meta import dtype_from_name
+    from megatron_sync.trainer.stream import MegatronWeightStream
 
     config = sync_config(case)
     converter = get_converter(config.family, {**case_hf_config(case).to_dict(), "quantization_config": None},
@@ -86,7 +86,7 @@ def megatron_trainer(case: dict) -> tuple:
     """Build the trainer of `case` on this rank: (spec, chunks, layout, ddp, optimizer), the tiny Megatron
     model of `case["spec"]` under `case["layout"]` with the reference weights of seed 3."""
     _setup(case)
-    from megatron_sync.parallel import ParallelLayout
+    from megatron_sync.core.grid import ParallelLayout
     from tests.support import models
     from tests.support.dist import init_megatron
     from tests.support.train import make_optimizer, wrap_in_ddp
@@ -102,9 +102,9 @@ def megatron_trainer(case: dict) -> tuple:
 
 def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     """Train and sync; return {"sent": [{name: tensor} per version] (leader), "logits": [...]}."""
-    from megatron_sync.callback import WeightSyncCallback
-    from megatron_sync.handoff import TrainerMemory
-    from megatron_sync.p2p.replica import DistributedReplica
+    from megatron_sync.drivers.callback import WeightSyncCallback
+    from megatron_sync.engines.handoff import TrainerMemory
+    from megatron_sync.transports.p2p.replica import DistributedReplica
     from tests.support import models
     from tests.support.train import train_step
 
@@ -160,14 +160,14 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
 
 def _aborted(error: Exception) -> bool:
     """True when every trainer rank agrees the sync was aborted (the transport stays usable)."""
-    from megatron_sync.errors import AgreedFailure
+    from megatron_sync.core.errors import AgreedFailure
 
     return isinstance(error, AgreedFailure) and all(m.startswith("SyncAbortedError") for _, m in error.failures)
 
 
 def _sent_here(syncer) -> dict[str, torch.Tensor]:
     """Return what this rank sent in the last sync: its P2P share, or (broadcast leader) its stage's buckets."""
-    from megatron_sync.p2p.replica import DistributedReplica
+    from megatron_sync.transports.p2p.replica import DistributedReplica
 
     replica = syncer.sender.replica
     if isinstance(replica, DistributedReplica):
@@ -205,9 +205,9 @@ def _failed_in_time(case: dict, limit: Optional[Deadline], job: str, error: Base
 def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     """Serve syncs until "stop"; return per committed version this rank's shards and the engine's logits."""
     _setup(case)
-    from megatron_sync.serve import join
-    from megatron_sync.sync import InferenceWeightSync
-    from megatron_sync.transport.control import ControlOp
+    from megatron_sync.drivers.serve import join
+    from megatron_sync.drivers.sync import InferenceWeightSync
+    from megatron_sync.session.control import ControlOp
 
     config = sync_config(case)
     me = join(config, case_hf_config(case))
@@ -252,7 +252,7 @@ def _computes(me) -> bool:
 def shards_not_sent(engines: list, sent: list[dict[str, torch.Tensor]], spec: dict) -> list[tuple[int, int, str]]:
     """Return (version index, TP rank, name) of every engine shard that is not exactly the reference engine's
     slice of the tensor the trainer sent (`engine_job` / `trainer_job` results of one engine of `spec`)."""
-    from megatron_sync.engines.reference import ReferenceEngine
+    from megatron_sync.engines.reference.engine import ReferenceEngine
     from tests.support.fakes import shard_of
     from tests.support.models import ModelSpec, hf_config
 

@@ -15,9 +15,9 @@ import zlib
 import torch
 import torch.nn.functional as F
 
-from converters import get_family
-from converters.hf_config import HFConfig
-from converters.mtp import MTP_STAGE_EMBEDDING
+from megatron_sync.convert import get_family
+from megatron_sync.convert.hf_config import HFConfig
+from megatron_sync.convert.families.mtp import MTP_STAGE_EMBEDDING
 
 __all__ = [
     "ModelSpec",
@@ -37,7 +37,7 @@ __all__ = [
 
 VOCAB_DIVISOR = 128  # Megatron-LM's default --make-vocab-size-divisible-by
 
-# Shipped families the reference engine (megatron_sync/engines/reference.py) cannot run at TP > 1 yet:
+# Shipped families the reference engine (megatron_sync/engines/reference/engine.py) cannot run at TP > 1 yet:
 # transformers stacks gpt-oss's experts and the engine has no place for one expert's tensors in that stack
 # (its FUSED_EXPERTS), so it refuses gpt-oss by name; its TP does not split a gated-delta-net layer, so
 # Qwen3-Next computes correctly on it at TP=1 only.
@@ -60,7 +60,7 @@ class FamilyTraits:
 
 
 def family_traits(family: str) -> FamilyTraits:
-    """Return the traits of registered converters family `family` (its tables are the one source)."""
+    """Return the traits of registered megatron_sync.convert family `family` (its tables are the one source)."""
     fam = get_family(family)
     rows = [row.name for row in fam.hf_tensors]
 
@@ -645,7 +645,7 @@ def _rank_slice(full: torch.Tensor, local, spec: ModelSpec, layout) -> torch.Ten
 
     The inverse of the library's gather: the same sharding attributes, the same split.
     """
-    from megatron_sync.gather import split_strided_shard
+    from megatron_sync.trainer.gather import split_strided_shard
 
     if local.name in _VOCAB_NAMES:
         padded = torch.zeros(padded_vocab_size(spec, layout.tp), full.shape[1], dtype=full.dtype)
@@ -682,8 +682,8 @@ def load_reference_weights(chunks: list, full: dict[str, torch.Tensor], spec: Mo
     sharded. Raises ``KeyError`` if a local parameter or buffer has no full tensor,
     ``ValueError`` on a shape mismatch or if a full tensor this rank should hold was not used.
     """
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.source import walk_model_chunks
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.trainer.source import walk_model_chunks
 
     layout = ParallelLayout.from_megatron()
     walked = walk_model_chunks(chunks, layout, is_buffer=lambda name: name in full)

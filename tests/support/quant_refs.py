@@ -63,8 +63,8 @@ def ct_decompress(tensors: dict[str, torch.Tensor], group_size: int) -> torch.Te
 
 def reference_quantize(name: str, x: torch.Tensor, scheme) -> dict[str, torch.Tensor]:
     """Return the checkpoint tensors the engines' own library makes of weight `name` = `x` under `scheme`
-    (a `converters.quant` scheme, read only for its settings), keyed by their checkpoint names."""
-    from converters.quant import Fp8Block, Fp8Tensor, Int4Group
+    (a `megatron_sync.convert.quant` scheme, read only for its settings), keyed by their checkpoint names."""
+    from megatron_sync.convert.quant import Fp8Block, Fp8Tensor, Int4Group
 
     prefix = name.removesuffix("weight")
     if isinstance(scheme, Fp8Block):
@@ -88,7 +88,7 @@ def reference_checkpoint(converter, hf: dict[str, torch.Tensor]) -> dict[str, to
         out.update({name: x} if scheme is None else reference_quantize(name, x, scheme))
     return out
 
-# -- the formats' error bounds (derived in converters/quant/fp8.py and int4.py) ---------------------
+# -- the formats' error bounds (derived in megatron_sync.convert/quant/fp8.py and int4.py) ---------------------
 
 def fp8_bound(x: torch.Tensor, scale_full: torch.Tensor) -> torch.Tensor:
     """|x - dequant| <= 2**-4 |x| + 2**-10 s (half an e4m3 step, normal or subnormal), + fp32 slack."""
@@ -109,7 +109,7 @@ def int4_bound(x: torch.Tensor, scale_full: torch.Tensor, dtype: torch.dtype) ->
 def within_format_bound(name: str, x: torch.Tensor, tensors: dict[str, torch.Tensor], scheme) -> bool:
     """Return True if weight `name` = `x`, stored as `tensors` under `scheme`, dequantizes within its format's
     elementwise error bound."""
-    from converters.quant import Fp8Block, Fp8Tensor, dequantize
+    from megatron_sync.convert.quant import Fp8Block, Fp8Tensor, dequantize
 
     prefix = name.removesuffix("weight")
     if isinstance(scheme, Fp8Block):

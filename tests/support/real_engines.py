@@ -79,7 +79,7 @@ def tiny_hf_config(spec: ModelSpec, *, dtype: torch.dtype = torch.float32,
 def hf_checkpoint(spec: ModelSpec, seed: int, **config: Any) -> dict[str, torch.Tensor]:
     """Return the HF checkpoint tensors of `reference_weights(spec, seed)`, converted by the family's rules
     (`config`: `tiny_hf_config`'s dtype and quantization_config)."""
-    from converters import get_converter
+    from megatron_sync.convert import get_converter
 
     hf = tiny_hf_config(spec, **config)
     converter = get_converter(spec.family, hf, dtype=hf.dtype)
@@ -125,7 +125,7 @@ def plugin_path(folder: str) -> str:
     with open(os.path.join(info, "METADATA"), "w") as f:
         f.write("Metadata-Version: 2.1\nName: megatron-sync-vllm-test-plugins\nVersion: 0.0\n")
     with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write("[vllm.general_plugins]\nmegatron_sync = megatron_sync.engines.vllm.plugin:register\n"
+        f.write("[vllm.general_plugins]\nmegatron_sync = megatron_sync.drivers.vllm_plugin:register\n"
                 "megatron_sync_test_faults = tests.support.vllm_faults:register\n")
     return folder
 
@@ -353,7 +353,7 @@ class DequantizedReference(HFReference):
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype,
                  quantization_config: dict) -> None:
-        from megatron_sync.engines.reference import ReferenceEngine
+        from megatron_sync.engines.reference.engine import ReferenceEngine
 
         config = tiny_hf_config(spec, dtype=dtype, quantization_config=quantization_config)
         engine = ReferenceEngine(config, tp_rank=0, tp_size=1, dtype=dtype)
@@ -440,9 +440,9 @@ class TrainerProcess:
 def _trainer_main(conn, spec: ModelSpec, port: int) -> None:
     import torch.distributed as dist
 
-    from megatron_sync.config import WeightSyncConfig
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.sync import TrainerWeightSync
+    from megatron_sync.settings.config import WeightSyncConfig
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.drivers.sync import TrainerWeightSync
     from tests.support import models
     from tests.support.dist import init_megatron
 
@@ -522,9 +522,9 @@ def megatron_job_syncs(rank: int, world: int, spec: ModelSpec, parallel: dict, u
     reported version, and every inference rank's metrics."""
     import torch.distributed as dist
 
-    from megatron_sync.config import WeightSyncConfig
-    from megatron_sync.parallel import ParallelLayout
-    from megatron_sync.sync import TrainerWeightSync
+    from megatron_sync.settings.config import WeightSyncConfig
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.drivers.sync import TrainerWeightSync
     from tests.support import models
     from tests.support.dist import init_megatron
     from tests.support.train import make_optimizer, train_step, wrap_in_ddp

@@ -43,7 +43,7 @@ LAUNCH_RULES = (
     ("vllm", ("vllm.entrypoints", "serve_vllm.sh", "vllm")),
     ("sglang", ("sglang.launch_server", "serve_sglang.sh")),
     ("e2e", ("torchrun", "torch.distributed.run", "examples.demo", "examples.job", "megatron_sync.drivers.serve",
-             "megatron_sync.drivers.colocate", "megatron_sync.serve", "megatron_sync.colocate", "train.sh",
+             "megatron_sync.drivers.colocate", "megatron_sync.drivers.serve", "megatron_sync.drivers.colocate", "train.sh",
              "serve.sh", "colocate.sh")),
 )
 # Calls that start a process; the harness functions that wrap them are found by following calls.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_sync.parallel import ParallelLayout
+from megatron_sync.core.grid import ParallelLayout
 
 
 def wrap_in_ddp(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:

@@ -21,7 +21,7 @@ def record_and_replay(model: torch.nn.Module, checkpoint: Mapping[str, torch.Ten
     from vllm.model_executor.model_loader.reload import layerwise, meta, utils
 
     from megatron_sync.engines.vllm.layout import original_loaders, record_rank_layout
-    from megatron_sync.meta import TensorMeta
+    from megatron_sync.core.meta import TensorMeta
 
     layout = record_rank_layout(model, [TensorMeta.of(n, t) for n, t in checkpoint.items()], who="worker")
     kept = []
@@ -49,7 +49,7 @@ def reload_then_record(model: torch.nn.Module, checkpoint: Mapping[str, torch.Te
     """Load `checkpoint` shard-native through the recorded layout, then record again: the second record
     must equal the first (a load leaves vLLM's reload state as it found it)."""
     from megatron_sync.engines.vllm.layout import load_params, record_rank_layout
-    from megatron_sync.meta import TensorMeta
+    from megatron_sync.core.meta import TensorMeta
 
     metas = [TensorMeta.of(n, t) for n, t in checkpoint.items()]
     first = record_rank_layout(model, metas, who="worker")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from megatron_sync.meta import dtype_name
-from megatron_sync.plan import BucketPlan
+from megatron_sync.core.meta import dtype_name
+from megatron_sync.plan.buckets import BucketPlan
 
 GROUP_NAME = "megatron_sync"
 """The update group's name: SGLang's ranks and the trainer wrap the rendezvous store in PrefixStore(GROUP_NAME)."""

@@ -29,12 +29,12 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-from converters import get_converter
+from megatron_sync.convert import get_converter
 from megatron_sync.engines.vllm.layout import (
     PartialLoad, abandon_layerwise_reload, alias_names, load_params, record_rank_layout, refresh_alias_layers,
 )
 from megatron_sync.layout.rank import RankLayout
-from megatron_sync.meta import TensorMeta, dtype_name
+from megatron_sync.core.meta import TensorMeta, dtype_name
 
 log = logging.getLogger("megatron_sync")
 

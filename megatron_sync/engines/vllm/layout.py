@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_sync.layout.rank import ParamSpec, Placement, RankLayout, placements_of_copy
 from megatron_sync.layout.regions import Region
-from megatron_sync.meta import TensorMeta
+from megatron_sync.core.meta import TensorMeta
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:

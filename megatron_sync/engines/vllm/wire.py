@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_sync.config import WeightSyncConfig
+from megatron_sync.settings.config import WeightSyncConfig
 from megatron_sync.engines.base import Rendezvous
 
 BACKEND = "megatron_sync"

@@ -1,0 +1,286 @@
+"""The transport group: a process group over a rendezvous store, with timeout-bounded collectives.
+
+The group joins the ranks a transport needs (for broadcast: the P stage
+source ranks, group ranks 0..P-1, then the N inference ranks P..P+N-1). It is
+built over the store of a sync session (`session.py`: the rendezvous and its
+join handshake) under a prefix unique to the session, so separately launched
+jobs can join it and nobody else can, and it never touches (or is registered
+as) the training job's default group: collectives are called on the backend object itself, and
+each is bounded by `timeout_s`. The store also carries small control data
+(`post` / `fetch`), which the control channel builds on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_sync.core.wait import Deadline, poll
+from megatron_sync.core.errors import PeerFailureError, SyncError
+from megatron_sync.session.rendezvous import Identity
+from megatron_sync.session.session import SyncSession
+from megatron_sync.session.store import bounded
+
+
+class StoreBoard:
+    """Small control data over a rendezvous store: `post` a value under a key, `fetch` it (bounded).
+
+    `fetch` polls rather than blocking in the store, so a store whose host died
+    (the trainer) is noticed at once as a PeerFailureError, and every call is
+    bounded (`store.BoundedStore`), so a host that is stopped or hung is noticed
+    within `timeout_s` as a `StoreSilentError`.
+    """
+
+    def __init__(self, store: Any, *, prefix: str, rank: int, timeout_s: float,
+                 failure: Optional[Callable[[str, BaseException], PeerFailureError]] = None) -> None:
+        self._store = bounded(store, where="the rendezvous store", timeout_s=timeout_s)
+        self._prefix, self.rank, self.timeout_s = prefix, rank, timeout_s
+        self._failure = failure or (lambda op, e: PeerFailureError(f"[rank {rank}] {op} failed: {e}"))
+
+    def post(self, key: str, value: bytes) -> None:
+        """Publish `value` under `key` (small control data, not weights)."""
+        try:
+            self._store.set(self._prefix + key, value)
+        except SyncError:
+            raise
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise self._failure(f"posting {key!r}", e) from e
+
+    def fetch(self, key: str, timeout_s: Optional[float] = None) -> bytes:
+        """Return the value posted under `key`, waiting up to `timeout_s` (None: the board's timeout)."""
+        full_key = self._prefix + key
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = Deadline.after(limit)
+        try:
+            poll(lambda: self._store.check([full_key], bound=deadline.remaining()), within=deadline,
+                 what=f"a value under {key!r}", max_pause_s=0.1, timeout=lambda _: PeerFailureError(
+                     f"[rank {self.rank}] nothing was posted under {key!r} within {limit:g}s"))
+            return self._store.get(full_key, bound=deadline.remaining())
+        except SyncError:
+            raise
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise self._failure(f"waiting for {key!r}", e) from e
+
+    def delete(self, key: str) -> None:
+        """Remove `key` (a consumed value), so per-version keys do not pile up in the store."""
+        try:
+            self._store.delete_key(self._prefix + key)
+        except SyncError:
+            raise
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise self._failure(f"deleting {key!r}", e) from e
+
+    def close(self) -> None:
+        self._store = None
+
+
+class TransportGroup:
+    """A process group over a rendezvous store, with timeout-bounded collectives."""
+
+    def __init__(self, backend_pg: Any, store: Any, *, rank: int, world_size: int,
+                 backend: str, timeout_s: float, group_name: str) -> None:
+        self._pg, self._store = backend_pg, store
+        self.rank, self.world_size = rank, world_size
+        self.backend, self.timeout_s, self.group_name = backend, timeout_s, group_name
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.board = StoreBoard(store, prefix=f"{group_name}/post/", rank=rank, timeout_s=timeout_s,
+                                failure=self._fail)
+        self._owned_session: Any = None
+
+    def owns(self, session: Any) -> None:
+        """Close `session` with this group (a bare group that hosted or joined its own)."""
+        self._owned_session = session
+
+    def _fail(self, op: str, error: BaseException) -> PeerFailureError:
+        return PeerFailureError(
+            f"[transport rank {self.rank}] {op} on group {self.group_name!r} failed or timed out "
+            f"(timeout {self.timeout_s:g}s); expected transport ranks 0..{self.world_size - 1} "
+            f"to take part: {error}"
+        )
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> "Pending":
+        """Broadcast `tensor` in place from group rank `src`; return a handle (already waited unless async)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        try:
+            pending = Pending(self, f"broadcast from rank {src}", self._backend().broadcast([tensor], opts))
+        except RuntimeError as e:
+            raise self._fail(f"broadcast from rank {src}", e) from e
+        if not async_op:
+            pending.wait()
+        return pending
+
+    def send(self, tensor: torch.Tensor, dst: int, *, tag: int = 0) -> "Pending":
+        """Start sending `tensor` to group rank `dst`; return the in-flight handle (bounded `wait`)."""
+        try:
+            return Pending(self, f"send to rank {dst}", self._backend().send([tensor], dst, tag))
+        except RuntimeError as e:
+            raise self._fail(f"send to rank {dst}", e) from e
+
+    def recv(self, tensor: torch.Tensor, src: int, *, tag: int = 0) -> "Pending":
+        """Start receiving into `tensor` from group rank `src`; return the in-flight handle (bounded `wait`)."""
+        try:
+            return Pending(self, f"receive from rank {src}", self._backend().recv([tensor], src, tag))
+        except RuntimeError as e:
+            raise self._fail(f"receive from rank {src}", e) from e
+
+    def _all_gather(self, mine: torch.Tensor) -> list[torch.Tensor]:
+        """Return every rank's `mine` (same shape on every rank), indexed by rank."""
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        try:
+            work = self._backend().allgather([out], [mine])
+        except RuntimeError as e:
+            raise self._fail("all_gather", e) from e
+        Pending(self, "all_gather", work).wait()
+        return out
+
+    def all_gather_int64(self, values: Sequence[int]) -> list[list[int]]:
+        """Return every rank's `values` (same length on every rank), indexed by rank."""
+        mine = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        return [t.tolist() for t in self._all_gather(mine)]
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """Return every rank's JSON-serialisable `obj`, indexed by rank (no pickle on the wire)."""
+        payload = json.dumps(obj).encode()
+        sizes = [s[0] for s in self.all_gather_int64([len(payload)])]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        out = self._all_gather(padded.to(self.device))
+        return [json.loads(t.cpu()[:n].numpy().tobytes()) for t, n in zip(out, sizes)]
+
+    def broadcast_json(self, obj: Any, src: int) -> Any:
+        """Return `obj` as sent by group rank `src` (JSON-serialisable; ignored on other ranks)."""
+        payload = json.dumps(obj).encode() if self.rank == src else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        self.broadcast(size, src)
+        data = torch.zeros(int(size.item()), dtype=torch.uint8)
+        if self.rank == src:
+            data[:] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        data = data.to(self.device)
+        self.broadcast(data, src)
+        return json.loads(data.cpu().numpy().tobytes())
+
+    def _backend(self) -> Any:
+        if self._pg is None:  # raised as a peer failure, like any collective that cannot complete
+            raise RuntimeError("the group was shut down: this rank is stopping")
+        return self._pg
+
+    def close_backend(self) -> None:
+        """Shut the process group down (its peers' pending operations fail within about a second); the
+        board stays usable. Safe to call twice."""
+        if self._pg is not None:
+            try:
+                self._pg.shutdown()
+            except RuntimeError:
+                pass  # a failed group may refuse a clean shutdown; the sockets go with it
+            self._pg = None
+
+    def close(self) -> None:
+        """Shut the group down; safe to call twice and after a peer failure."""
+        self.close_backend()
+        if self._store is not None:
+            self._store = None
+            self.board.close()
+        if self._owned_session is not None:
+            self._owned_session.close()
+            self._owned_session = None
+
+
+class Pending:
+    """An in-flight collective; `wait()` turns backend errors into PeerFailureError.
+
+    `done_at` is the `time.perf_counter()` at which the backend finished it
+    (from the work's future callback; else when `wait()` returned), for timelines.
+    """
+
+    def __init__(self, group: TransportGroup, op: str, work: Any) -> None:
+        self._group, self._op, self._work = group, op, work
+        self.done_at: Optional[float] = None
+        if work is not None:
+            try:
+                work.get_future().add_done_callback(self._mark_done)
+            except (RuntimeError, AttributeError):  # a backend without futures: wait() stamps it
+                pass
+
+    def _mark_done(self, _future: Any) -> None:
+        if self.done_at is None:
+            self.done_at = time.perf_counter()
+
+    def wait(self, timeout_s: Optional[float] = None) -> None:
+        """Block until done, at most `timeout_s` (None: the group's timeout); PeerFailureError after."""
+        if self._work is None:
+            return
+        try:
+            self._work.wait(datetime.timedelta(seconds=self._group.timeout_s if timeout_s is None else timeout_s))
+        except RuntimeError as e:
+            raise self._group._fail(self._op, e) from e
+        finally:
+            self._work = None
+            self._mark_done(None)
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+def init_transport_group(master_address: str, master_port: int, world_size: int, rank: int, *,
+                         backend: str = "gloo", timeout: float = 300.0,
+                         group_name: str = "megatron_sync") -> TransportGroup:
+    """Return a bare transport group of `world_size` ranks after a rendezvous hosted by rank 0.
+
+    For code that forms a group without the drivers (tests, benchmarks): the
+    ranks still meet through a sync session (`session.SyncSession`), so a rank
+    beyond `world_size`, a second group on the same port, a port in use or a
+    port held by something silent are refused or reported by name rather than
+    absorbed into the group. The drivers host and join the session themselves,
+    with the jobs' full identities, and call `transport_group_over`.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+    me = Identity(job="", role="member", member=rank, expects={"world_size": world_size})
+    if rank == 0:
+        session = SyncSession.host(master_address, master_port, me, members={"member": world_size}, timeout_s=timeout)
+    else:
+        session = SyncSession.join(master_address, master_port, me, timeout_s=timeout)
+    try:
+        session.wait_ready()
+        group = transport_group_over(session, world_size, rank, backend=backend, timeout=timeout,
+                                     group_name=group_name)
+    except BaseException:
+        session.close()
+        raise
+    group.owns(session)
+    return group
+
+
+def transport_group_over(session: SyncSession, world_size: int, rank: int, *, backend: str = "gloo",
+                         timeout: float = 300.0, group_name: str = "megatron_sync") -> TransportGroup:
+    """Return the transport group over a ready sync session's store (keys under the session's own prefix).
+
+    Works across separately launched jobs and alongside an existing default
+    group: the backend is constructed straight from a PrefixStore, the way
+    SGLang's `init_custom_process_group` does, and not registered with
+    torch.distributed's world. The prefix carries the session id, so ranks of
+    another session can never land in this group.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+    delta = datetime.timedelta(seconds=timeout)
+    name = f"{group_name}/{session.id}"
+    prefixed = dist.PrefixStore(name, session.store.raw)
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, delta)
+    elif backend == "nccl":
+        if not torch.cuda.is_available() or not hasattr(dist, "ProcessGroupNCCL"):
+            raise ValueError("backend='nccl' needs CUDA and a torch built with NCCL; use backend='gloo'")
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = delta
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    else:
+        raise ValueError(f"backend={backend!r} is not valid; use 'gloo' or 'nccl'")
+    return TransportGroup(pg, session.store, rank=rank, world_size=world_size, backend=backend,
+                          timeout_s=timeout, group_name=name)
