@@ -28,8 +28,11 @@ setup: $(BIN)/.installed
 demo: setup
 	$(BIN)/python -m examples.demo --config $(CONFIG)
 
+# Two pytest-xdist workers: a launched job leaves a core idle while it starts and waits on its peers;
+# WORKERS=0 runs serially (tests/support/workers.py keeps a file's shared fixtures in one worker).
+WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not gpu and not vllm and not sglang and not e2e and not multiproc" $(PYTEST_ARGS)

@@ -8,8 +8,10 @@
   totals beside the previous run's.
 - Timeouts (`tests/support/timing.py`): every `timeout` marker is scaled by one
   factor for a loaded machine.
+- Workers (`tests/support/workers.py`): under pytest-xdist, the tests of a file
+  that share a module fixture run in one worker.
 """
 
 from __future__ import annotations
 
-pytest_plugins = ["tests.support.tiers", "tests.support.durations", "tests.support.timing"]
+pytest_plugins = ["tests.support.tiers", "tests.support.durations", "tests.support.timing", "tests.support.workers"]

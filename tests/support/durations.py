@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from tests.support.tiers import tier_of
+from tests.support.tiers import TIERS, tier_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FOLDER = os.path.join(ROOT, "runs", "test-durations")
@@ -27,10 +27,20 @@ SLOWEST = 20
 
 _started = time.time()
 _tests: dict[str, dict[str, Any]] = {}
+_worker = []  # [True] in a pytest-xdist worker: the controller records what its workers report
+
+
+def pytest_configure(config) -> None:
+    if getattr(config, "workerinput", None) is not None:
+        _worker.append(True)
 
 
 def pytest_runtest_logreport(report) -> None:
+    if _worker:
+        return
     entry = _tests.setdefault(report.nodeid, {"seconds": 0.0, "outcome": "passed", "tier": None})
+    if entry["tier"] is None:  # collected by a worker: the report carries the test's marker names
+        entry["tier"] = next((t for t in TIERS if t in report.keywords), "pure")
     entry["seconds"] += report.duration
     if report.failed:
         entry["outcome"] = "failed"
@@ -64,7 +74,7 @@ def tier_totals(tests: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     ran = {k: v for k, v in _tests.items() if v["seconds"] > 0 or v["outcome"] != "passed"}
-    if not ran or getattr(session.config, "workerinput", None) is not None:
+    if not ran or _worker:
         return
     record = {"started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(_started)),
               "wall_seconds": time.time() - _started, "exit_status": int(exitstatus),

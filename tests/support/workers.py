@@ -1,0 +1,38 @@
+"""`make test` runs the suite in two pytest-xdist workers; this keeps what must stay together together.
+
+A test that uses a fixture shared beyond itself (module, package or session
+scope: a vLLM server, a built model, process groups) is put in its file's
+`xdist_group`, so `--dist loadgroup` runs the whole file in one worker and the
+fixture is made once, as in a serial run. Every other test goes to whichever
+worker is free. The grouped files are collected first: each is one long unit of
+work, and one scheduled last would run alone while the other worker idles.
+
+Without xdist (`-p no:xdist`, or a plain `pytest` on one file) nothing changes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+SHARED_SCOPES = ("module", "package", "session")
+
+
+def _shares_a_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(defs and defs[-1].scope in SHARED_SCOPES and defs[-1].baseid != ""
+               for defs in info.name2fixturedefs.values())
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    grouped = []
+    for item in items:
+        if _shares_a_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+            grouped.append(item)
+    together = set(grouped)
+    items[:] = grouped + [item for item in items if item not in together]
