@@ -22,12 +22,16 @@ from tests.support.real_engines import (
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
 
 PROMPTS = [[5, 17, 42, 99, 7], [3, 3, 8]]
-LONG_GENERATION = 1000  # tokens (max-model-len 1024): the sync must arrive while they still stream
+MAX_MODEL_LEN = 8192
+# Tokens of the generation the sync must land in: several times what a sync's start takes here (one loaded CI
+# run generated 1000 tokens of the dense model before a sync's pause arrived).
+LONG_GENERATION = 4000
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    with serving(str(tmp_path_factory.mktemp("vllm_moe")), QWEN3_MOE, "--no-enable-prefix-caching") as (server, _):
+    with serving(str(tmp_path_factory.mktemp("vllm_moe")), QWEN3_MOE, "--no-enable-prefix-caching",
+                 "--max-model-len", str(MAX_MODEL_LEN)) as (server, _):
         yield server
 
 

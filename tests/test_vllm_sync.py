@@ -29,7 +29,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
 WORKERS = 2  # the server's own tensor parallelism
 PROMPTS = [[5, 17, 42, 99, 7], [3, 3, 8], [200, 1, 64, 128, 9, 31]]
 LONG_PROMPT = [(7 * i + 3) % 250 for i in range(300)]  # > one CPU KV block (128): exercises the prefix cache
-LONG_GENERATION = 1000  # tokens (max-model-len 1024): the sync must arrive while they still stream
+MAX_MODEL_LEN = 8192  # the module server's context: room for generations a sync must interrupt
+LONG_GENERATION = 1000  # tokens the "wait" policy lets finish before its sync
+# Tokens of a generation a sync must land in ("abort", "recompute"): the sync follows the first streamed tokens
+# at once (the trainer's next weights are ready), and one loaded CI run still generated 1000 tokens before
+# the pause arrived; these take several times longer than any sync's start here.
+ABORTED_GENERATION = 7000
+RECOMPUTED_GENERATION = 4000
 
 
 class Served:
@@ -45,7 +51,8 @@ def served(tmp_path_factory):
     faults = str(folder / "faults.json")
     # One core per worker: with unbound OpenMP threads two TP workers on 2 cores decode ~50x slower.
     env = {"MEGATRON_SYNC_TEST_FAULTS": faults, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    with serving(str(folder), QWEN3, "--tensor-parallel-size", str(WORKERS), env=env) as (server, _):
+    with serving(str(folder), QWEN3, "--tensor-parallel-size", str(WORKERS), "--max-model-len", str(MAX_MODEL_LEN),
+                 env=env) as (server, _):
         yield Served(server, faults)
 
 
@@ -143,7 +150,7 @@ def test_a_worker_failing_to_load_leaves_every_worker_on_the_previous_version(se
 # ---------------------------------------------------------------- a sync during a long generation
 
 
-def _stream_through_sync(served: Served, trainer: TrainerProcess, policy: str) -> dict:
+def _stream_through_sync(served: Served, trainer: TrainerProcess, policy: str, length: int) -> dict:
     """Sync v1, start a long generation, sync v2 under `policy` once tokens flow; return what happened."""
     try:
         trainer.load(21)
@@ -151,7 +158,7 @@ def _stream_through_sync(served: Served, trainer: TrainerProcess, policy: str) -
         trainer.sync()
         v1 = trainer.sent()
         trainer.load(22)  # the next version's weights are ready before the stream starts: its sync (and the
-        generation = StreamingGeneration(served.url, PROMPTS[1], LONG_GENERATION)  # pause) follows at once
+        generation = StreamingGeneration(served.url, PROMPTS[1], length)  # pause) follows at once
         assert generation.first_tokens.wait(120), "no tokens streamed"
         trainer.sync()
         synced_at = time.monotonic()
@@ -165,15 +172,15 @@ def _stream_through_sync(served: Served, trainer: TrainerProcess, policy: str) -
 
 
 def test_abort_policy_ends_the_generation_on_the_old_version(served, trainer):
-    got = _stream_through_sync(served, trainer, "abort")
+    got = _stream_through_sync(served, trainer, "abort", ABORTED_GENERATION)
     n = len(got["tokens"])
-    assert got["finish"] == "abort" and 0 < n < LONG_GENERATION
+    assert got["finish"] == "abort" and 0 < n < ABORTED_GENERATION
     assert got["spans"] == [("1", 0, n)]
     assert HFReference(QWEN3, got["v1"]).check(got["tokens"][:16], PROMPTS[1]) is None
 
 
 def test_wait_policy_lets_the_generation_finish_before_the_sync(served, trainer):
-    got = _stream_through_sync(served, trainer, "wait")
+    got = _stream_through_sync(served, trainer, "wait", LONG_GENERATION)
     assert got["finish"] == "length" and len(got["tokens"]) == LONG_GENERATION
     assert got["spans"] == [("1", 0, LONG_GENERATION)] and got["finished_before_sync_returned"]
     assert HFReference(QWEN3, got["v1"]).check(got["tokens"][:24], PROMPTS[1]) is None
@@ -182,12 +189,12 @@ def test_wait_policy_lets_the_generation_finish_before_the_sync(served, trainer)
 def test_recompute_policy_continues_on_the_new_version_with_recomputed_kv(served, trainer):
     """The request is preempted by the cache reset and resumes under v2: its KV is recomputed, so the
     tokens after the switch are exactly v2's greedy continuation of everything generated so far."""
-    got = _stream_through_sync(served, trainer, "recompute")
+    got = _stream_through_sync(served, trainer, "recompute", RECOMPUTED_GENERATION)
     tokens, spans = got["tokens"], got["spans"]
-    assert got["finish"] == "length" and len(tokens) == LONG_GENERATION
-    assert len(spans) == 2 and spans[0][:2] == ("1", 0) and spans[1][0] == "2" and spans[1][2] == LONG_GENERATION
+    assert got["finish"] == "length" and len(tokens) == RECOMPUTED_GENERATION
+    assert len(spans) == 2 and spans[0][:2] == ("1", 0) and spans[1][0] == "2" and spans[1][2] == RECOMPUTED_GENERATION
     switch = spans[0][2]
-    assert 0 < switch == spans[1][1] < LONG_GENERATION
+    assert 0 < switch == spans[1][1] < RECOMPUTED_GENERATION
     assert HFReference(QWEN3, got["v1"]).check(tokens[: min(switch, 16)], PROMPTS[1]) is None
     assert HFReference(QWEN3, got["v2"]).check(tokens[switch:switch + 16], PROMPTS[1] + tokens[:switch]) is None
 

@@ -11,11 +11,11 @@ import datetime
 import os
 import io
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable
 
+from tests.support.ports import free_port
 from tests.support.procs import adopt_environ, context as procs_context, environ
 from tests.support.timing import scaled
 
@@ -36,13 +36,6 @@ class RemoteProcessError(RuntimeError):
         super().__init__(f"rank {rank} failed:\n{remote_traceback}")
         self.rank = rank
         self.remote_traceback = remote_traceback
-
-
-def free_port() -> int:
-    """Return a loopback TCP port that was free a moment ago (bound to port 0 to choose it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(fn, rank, world_size, port, args, env, timeout, init_group, results):

