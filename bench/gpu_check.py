@@ -5,7 +5,7 @@ Runs on one CUDA machine with no network, in under 8 minutes (each step has its 
 1. `pytest -m gpu` (NCCL broadcast, the distributed optimizer, device buckets, CUDA IPC segments, the
    P2P movers on CUDA): passed / failed / skipped, each failure named.
 2. Device checks, each exact before it is timed:
-   - device checksums: the `fletcher` checksum computed by torch on the GPU equals the same definition
+   - device checksums: the `wsum64` checksum computed by torch on the GPU equals the same definition
      computed on the CPU, for odd and large sizes; its rate;
    - pinned host replica: host-to-device and device-to-host copy rates, pinned against pageable;
    - CUDA IPC: a second process maps a tensor this one shares and reads it back bit for bit; the rate;
@@ -125,18 +125,18 @@ def checksum_row(device: str) -> Row:
     """The device checksum equals the host one on the same bytes; its rate on the device."""
     import torch
 
-    from megatron_sync.core.checksum import fletcher_checksum
+    from megatron_sync.core.checksum import wsum64_checksum
 
     for n in (1, 65535, 65537, (1 << 20) + 3):
         data = torch.randint(0, 256, (n,), dtype=torch.uint8)
-        on_device, on_host = fletcher_checksum(data.to(device)), fletcher_checksum(data)
+        on_device, on_host = wsum64_checksum(data.to(device)), wsum64_checksum(data)
         if on_device != on_host:
             return Row("device checksum = host checksum", "FAILED", "", f"{n} bytes: {on_device} != {on_host}")
     size = 1 << (28 if device != "cpu" else 22)  # the rate is the device's figure; on a CPU only the logic
     big = torch.randint(0, 256, (size,), dtype=torch.uint8, device=device)
-    seconds = timed(lambda: fletcher_checksum(big))
+    seconds = timed(lambda: wsum64_checksum(big))
     return Row("device checksum = host checksum", "ok", f"{big.numel() / seconds / GB:.1f} GB/s",
-               f"fletcher on {device}, 4 sizes equal, rate over {size >> 20} MiB")
+               f"wsum64 on {device}, 4 sizes equal, rate over {size >> 20} MiB")
 
 
 def pinned_row(device: str) -> Row:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_sync.plan.bucket import flatten, unpack
-from megatron_sync.core.checksum import CHECKSUMS, checksum, fletcher_checksum, resolve_checksum
+from megatron_sync.core.checksum import CHECKSUMS, WSUM_BLOCK, checksum, resolve_checksum, word_weight, wsum64_checksum
 from megatron_sync.core.meta import TensorMeta
 from megatron_sync.plan.buckets import build_plan
 from megatron_sync.trainer.replica import HostReplica
@@ -118,22 +118,35 @@ def test_none_checks_nothing():
     assert checksum(data, "none") == checksum(data.flip(0), "none") == 0
 
 
-@pytest.mark.parametrize("nbytes", [1, 7, 65536, 65537, 3 * 2**20 + 5])
-def test_fletcher_matches_its_definition(nbytes, monkeypatch):
-    import megatron_sync.core.checksum as checksum_module
+def _wsum64_by_definition(data: torch.Tensor) -> int:
+    """wsum64 in Python integers, word by word (the definition the torch version must equal)."""
+    raw = bytes(data.numpy()) + bytes((-data.numel()) % 8)
+    total = 0
+    for i in range(len(raw) // 8):
+        word = int.from_bytes(raw[8 * i:8 * i + 8], "little", signed=True)
+        block, position = divmod(i, WSUM_BLOCK)
+        total += word * word_weight(position) * (2 * block + 1) * 0x9E3779B97F4A7C15
+    total &= (1 << 64) - 1
+    return (total - (1 << 64) if total >= 1 << 63 else total) ^ data.numel()
 
-    monkeypatch.setattr(checksum_module, "_FLETCHER_CHUNK", 1 << 20)  # several chunks, a partial last block
+
+@pytest.mark.parametrize("nbytes", [1, 7, 8, 8 * WSUM_BLOCK, 8 * WSUM_BLOCK + 13, 3 * 8 * WSUM_BLOCK + 5])
+def test_wsum64_matches_its_definition(nbytes):
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
-    x = data.to(torch.int64)
-    p = 2**31 - 1
-    a = int(x.sum()) % p
-    b = int((x * torch.arange(1, nbytes + 1, dtype=torch.int64)).sum()) % p
-    assert fletcher_checksum(data) == (a << 32 | b)
+    assert wsum64_checksum(data) == _wsum64_by_definition(data)
+
+
+def test_wsum64_is_defined_on_the_bytes_not_on_their_alignment():
+    data = torch.randint(0, 256, (4099,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    shifted = torch.zeros(4099 + 3, dtype=torch.uint8)
+    shifted[3:] = data
+    assert wsum64_checksum(shifted[3:]) == wsum64_checksum(data) == _wsum64_by_definition(data)
+    assert wsum64_checksum(data[:4098]) != wsum64_checksum(torch.cat([data[:4098], torch.zeros(1, dtype=torch.uint8)]))
 
 
 def test_auto_resolves_by_where_buckets_live():
     assert resolve_checksum("auto", torch.device("cpu")) == "xxh3"
-    assert resolve_checksum("auto", torch.device("cuda", 0)) == "fletcher"
+    assert resolve_checksum("auto", torch.device("cuda", 0)) == "wsum64"
     assert resolve_checksum("crc32", torch.device("cuda", 0)) == "crc32"
     with pytest.raises(ValueError, match="checksum='md5' is not valid"):
         resolve_checksum("md5", torch.device("cpu"))
@@ -187,10 +200,10 @@ def test_device_buckets_fill_the_host_replica_on_a_side_stream():
             if replica.is_complete(bucket.index):
                 payload = replica.payload(bucket.index)
                 assert payload.is_cuda and payload.numel() == bucket.nbytes
-                device_sum = checksum(payload, "fletcher")
+                device_sum = checksum(payload, "wsum64")
                 replica.fill_host(bucket.index)
                 replica.release(bucket.index)
-                assert checksum(replica.data(bucket.index), "fletcher") == device_sum
+                assert checksum(replica.data(bucket.index), "wsum64") == device_sum
         replica.finish()
         for name, t in tensors.items():
             assert torch.equal(_bits(replica.view(name)), _bits(t)), (version, name)

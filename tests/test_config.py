@@ -30,7 +30,7 @@ def test_defaults_are_valid_and_keyword_only():
     ({"inflight_policy": "pause"}, "inflight_policy"),
     ({"enabled": "yes"}, "enabled"),
     ({"every_n_steps": 1.5}, "every_n_steps"),
-    ({"checksum": "md5"}, r"checksum='md5' is not valid; use one of \['auto', 'xxh3', 'crc32', 'fletcher', 'none'\]"),
+    ({"checksum": "md5"}, r"checksum='md5' is not valid; use one of \['auto', 'xxh3', 'crc32', 'wsum64', 'none'\]"),
 ])
 def test_validation_names_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):

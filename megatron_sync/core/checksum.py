@@ -5,10 +5,12 @@ Every value is a signed 64-bit integer, so it travels in an int64 header.
 - `xxh3`: xxHash's XXH3-64 over host bytes (~10-15 GB/s on one core, releases
   the GIL); device bytes are copied to the host first.
 - `crc32`: zlib's CRC-32 over host bytes (~2 GB/s).
-- `fletcher`: a Fletcher-style pair of sums modulo 2^31 - 1 computed with torch
-  ops where the bytes are, so GPU bytes are checked on the GPU and only the
-  8-byte result crosses to the host. Any single changed byte, and any swap of
-  two different bytes, changes it.
+- `wsum64`: a position-weighted sum of the bytes' 64-bit words modulo 2^64,
+  computed with torch ops where the bytes are (one multiply and two sums, no
+  widening), so GPU bytes are checked on the GPU at memory speed and only the
+  8-byte result crosses to the host; the same value on every device (integer
+  sums modulo 2^64 do not depend on the order a kernel reduces in). Any change
+  confined to one word is always caught (every weight is odd, so invertible).
 - `none`: no checksum; the transport's own integrity (NCCL over NVLink /
   InfiniBand link-level CRC, TCP checksums) is trusted.
 """
@@ -22,9 +24,9 @@ from typing import Callable
 import torch
 import xxhash
 
-_FLETCHER_MOD = 2**31 - 1
-_FLETCHER_BLOCK = 1 << 16  # bytes per block: per-block sums fit int64 with room to spare
-_FLETCHER_CHUNK = 1 << 24  # bytes widened to int32 at once (bounds the temporary memory)
+WSUM_BLOCK = 1 << 12  # words per block: each word of a block has its own odd weight
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
 
 
 def _host_bytes(data: torch.Tensor):
@@ -46,30 +48,55 @@ def crc32_checksum(data: torch.Tensor) -> int:
     return zlib.crc32(_host_bytes(data)) & 0xFFFFFFFF
 
 
-def fletcher_checksum(data: torch.Tensor) -> int:
-    """Return (A << 32) | B with A = sum(x_i), B = sum((i + 1) * x_i), both mod 2^31 - 1.
+def _signed(value: int) -> int:
+    value &= _MASK64
+    return value - 2**64 if value >= 2**63 else value
 
-    Computed with torch ops on the device holding `data`, in chunks of 16 MiB
-    (the int32 widening of one chunk is the only temporary); one `.item()` at the end.
+
+def word_weight(position: int) -> int:
+    """Return the odd 64-bit weight of word `position` of a block (splitmix64 of the position, made odd)."""
+    z = (position * _GOLDEN + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) | 1
+
+
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _weights(device: torch.device) -> torch.Tensor:
+    if device not in _WEIGHTS:
+        _WEIGHTS[device] = torch.tensor([_signed(word_weight(i)) for i in range(WSUM_BLOCK)], dtype=torch.int64,
+                                        device=device)
+    return _WEIGHTS[device]
+
+
+def wsum64_checksum(data: torch.Tensor) -> int:
+    """Return sum(word_i * weight(i mod B) * (2 * (i // B) + 1) * GOLDEN) mod 2^64, xor the byte count.
+
+    word_i is bytes [8i, 8i + 8) read little-endian as a signed int64 (the last one zero-padded), B is
+    `WSUM_BLOCK`; computed with torch ops on the device holding `data`. Bytes that do not start at an
+    8-byte boundary are copied once to an aligned buffer (the value is defined on the bytes, not on where
+    they lie).
     """
-    p, block = _FLETCHER_MOD, _FLETCHER_BLOCK
-    a = torch.zeros((), dtype=torch.int64, device=data.device)
-    b = torch.zeros((), dtype=torch.int64, device=data.device)
-    weights = torch.arange(1, block + 1, dtype=torch.int32, device=data.device)
-    for start in range(0, data.numel(), _FLETCHER_CHUNK):
-        chunk = data[start:start + _FLETCHER_CHUNK]
-        pad = (-chunk.numel()) % block  # zeros at the end add nothing to either sum
-        wide = chunk.to(torch.int32)
-        if pad:
-            wide = torch.nn.functional.pad(wide, (0, pad))
-        blocks = wide.view(-1, block)
-        block_a = blocks.sum(dim=1, dtype=torch.int64)  # < 2^24 each
-        block_b = (blocks * weights).sum(dim=1, dtype=torch.int64)  # < 2^40 each
-        # Block j starts at global byte offset start + j * block: B gains offset * A_j there.
-        offsets = torch.arange(blocks.shape[0], dtype=torch.int64, device=data.device) * block + start
-        a = (a + block_a.sum()) % p
-        b = (b + (block_b % p).sum() + ((offsets % p) * (block_a % p) % p).sum()) % p
-    return int((a << 32 | b).item())
+    n = data.numel()
+    pad = (-n) % 8
+    if pad or data.storage_offset() % 8:
+        aligned = torch.zeros(n + pad, dtype=torch.uint8, device=data.device)
+        aligned[:n].copy_(data)
+        data = aligned
+    words = data.view(torch.int64)
+    count, full = words.numel(), words.numel() // WSUM_BLOCK * WSUM_BLOCK
+    weights = _weights(data.device)
+    golden = _signed(_GOLDEN)
+    total = torch.zeros((), dtype=torch.int64, device=data.device)
+    if full:
+        per_block = (words[:full].view(-1, WSUM_BLOCK) * weights).sum(dim=1)
+        odd = torch.arange(per_block.numel(), dtype=torch.int64, device=data.device) * 2 + 1
+        total = total + (per_block * odd * golden).sum()
+    if count > full:
+        total = total + (words[full:] * weights[:count - full]).sum() * (2 * (full // WSUM_BLOCK) + 1) * golden
+    return int(total.item()) ^ n
 
 
 def no_checksum(data: torch.Tensor) -> int:
@@ -90,16 +117,17 @@ class Checksum:
 CHECKSUMS: dict[str, Checksum] = {c.name: c for c in (
     Checksum("xxh3", xxh3_checksum, False, "XXH3-64 over host bytes (memory speed on one core)"),
     Checksum("crc32", crc32_checksum, False, "zlib CRC-32 over host bytes (~2 GB/s)"),
-    Checksum("fletcher", fletcher_checksum, True, "Fletcher-style sums mod 2^31-1, computed by torch on the bytes' device"),
+    Checksum("wsum64", wsum64_checksum, True, "weighted sum of 64-bit words mod 2^64, computed by torch on the "
+             "bytes' device"),
     Checksum("none", no_checksum, True, "no checksum: the transport's own integrity is trusted"),
 )}
 
 
 def resolve_checksum(name: str, device: torch.device) -> str:
     """Return the checksum to use for buckets living on `device`: "auto" is xxh3 on the host,
-    fletcher on a GPU (so GPU bytes are never copied to the host to be checked)."""
+    wsum64 on a GPU (so GPU bytes are never copied to the host to be checked)."""
     if name == "auto":
-        return "xxh3" if device.type == "cpu" else "fletcher"
+        return "xxh3" if device.type == "cpu" else "wsum64"
     if name not in CHECKSUMS:
         raise ValueError(f"checksum={name!r} is not valid; use 'auto' or one of {list(CHECKSUMS)}")
     return name

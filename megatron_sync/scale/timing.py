@@ -129,7 +129,7 @@ def _broadcast_gpu(summary: PlanSummary, profile: HardwareProfile, options: Sync
     unless some stage's production (its gather, mostly) is longer than the wires before it.
     """
     wire_rate = profile.nic_per_gpu  # the root is its node's only group member: one NIC (see hardware)
-    fletcher = profile.hbm.value / 2 if options.checksum else math.inf
+    device_checksum = profile.hbm.value / 2 if options.checksum else math.inf
     worst: dict[str, Phase] = {}
     wire_end, wires = 0.0, 0.0
     for sender in sorted(summary.senders, key=lambda s: summary.sender_stage[s.rank]):
@@ -138,7 +138,7 @@ def _broadcast_gpu(summary: PlanSummary, profile: HardwareProfile, options: Sync
         produce = {"gather": _gather_seconds(traffic, profile),
                    "convert": (traffic.converted if traffic else sender.bytes) / profile.device_copy,
                    "host copy": sender.bytes / profile.pcie.value,
-                   "checksum": sender.bytes / fletcher}
+                   "checksum": sender.bytes / device_checksum}
         for name, seconds in produce.items():
             if name not in worst or seconds > worst[name].seconds:
                 worst[name] = Phase(name, seconds, where)
@@ -153,8 +153,8 @@ def _broadcast_gpu(summary: PlanSummary, profile: HardwareProfile, options: Sync
     phases = list(worst.values()) + [
         Phase("wire", wires, f"{len(summary.senders)} stage sources in stage order, one NIC each, every byte to every "
                              "inference rank"),
-        Phase("verify+stage", receiver.bytes / fletcher + shard / profile.device_copy, "every inference rank")]
-    last_bucket = summary.extra["max_bucket"] / fletcher + shard / max(1, receiver.messages) / profile.device_copy
+        Phase("verify+stage", receiver.bytes / device_checksum + shard / profile.device_copy, "every inference rank")]
+    last_bucket = summary.extra["max_bucket"] / device_checksum + shard / max(1, receiver.messages) / profile.device_copy
     tail = _tail(summary, profile, 2, options)
     total = wire_end + last_bucket + sum(p.seconds for p in tail)
     slowest = max(worst.values(), key=lambda p: p.seconds)

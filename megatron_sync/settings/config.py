@@ -219,9 +219,9 @@ class WeightSyncConfig:
 
     checksum: str = "auto"
     """Integrity check of every bucket: "xxh3" (host bytes, memory speed), "crc32" (host bytes,
-    ~2 GB/s), "fletcher" (computed by torch where the bytes are, so on the GPU for NCCL buckets),
+    ~2 GB/s), "wsum64" (computed by torch where the bytes are, so on the GPU for device buckets),
     "none" (trust the transport: NCCL over NVLink/InfiniBand has link-level CRC), or "auto":
-    xxh3 for host buckets (gloo), fletcher for device buckets (NCCL). The sender computes it while
+    xxh3 for host bytes (gloo, host staging), wsum64 for device bytes (NCCL, device arenas). The sender computes it while
     the bucket is on the wire; a mismatch aborts the sync on every rank. All ranks must agree."""
 
     def __post_init__(self) -> None:
