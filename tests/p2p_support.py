@@ -135,3 +135,54 @@ def run_side_by_side(jobs, timeout: float) -> list[list]:
         if error is not None:
             raise error
     return [f.result() for f in futures]
+
+
+def trainer_grid(tp=1, dp=1, pp=1, ep=1, etp=1):
+    """Return the trainer ranks of a Megatron-like grid: dense tp-dp-pp, expert etp-ep-edp-pp."""
+    from megatron_sync.transports.p2p.holders import TrainerRank
+
+    per_stage = tp * dp
+    assert per_stage % (ep * etp) == 0
+    ranks = []
+    for rank in range(per_stage * pp):
+        pp_rank, local = divmod(rank, per_stage)
+        dp_rank, tp_rank = divmod(local, tp)
+        edp_rank, rest = divmod(local, ep * etp)
+        ep_rank, etp_rank = divmod(rest, etp)
+        ranks.append(TrainerRank(rank, pp=pp_rank, tp=tp_rank, dp=dp_rank, ep=ep_rank, etp=etp_rank, edp=edp_rank))
+    return ranks
+
+
+def units_of_specs(specs: Sequence[TensorSpec], *, pp: int = 1, ep: int = 1, tp: int = 1, etp: int = 1):
+    """Return one source unit per HF tensor: layers spread over `pp` stages, routed experts over `ep` owners,
+    gathered over TP (dense) or ETP (experts) when those are > 1."""
+    from megatron_sync.transports.p2p.holders import SourceUnit
+
+    layers = 1 + max((int(m.group(1)) for s in specs if (m := re.search(r"layers\.(\d+)\.", s.name))), default=0)
+    experts = 1 + max((s.expert for s in specs if s.expert is not None), default=0)
+    units = []
+    for s in specs:
+        m = re.search(r"layers\.(\d+)\.", s.name)
+        stage = int(m.group(1)) * pp // layers if m else (pp - 1 if "lm_head" in s.name or s.name == "model.norm.weight" else 0)
+        owner = None if s.expert is None else s.expert * ep // experts
+        gather = ("etp" if etp > 1 else None) if owner is not None else ("tp" if tp > 1 and len(s.shape) > 1 else None)
+        units.append(SourceUnit(f"u:{s.name}", stage, ((s.name, s.nbytes),), owner, gather))
+    return sorted(units, key=lambda u: u.stage)
+
+
+def schedule_of(family: str, engines: Sequence[Engine], grid: dict, *, kv: int = 2, units: dict | None = None,
+                **options):
+    """Return (specs, schedule) for a tiny model of `family`, engine layout factories and a trainer grid."""
+    from megatron_sync.convert import get_converter
+    from megatron_sync.transports.p2p.build import build_schedule
+    from megatron_sync.transports.p2p.schedule import InferenceRank, ScheduleOptions
+    from tests.support import models
+
+    cfg = models.hf_config(models.ModelSpec(family=family, num_kv_heads=kv))
+    specs = get_converter(family, cfg).tensor_specs()
+    receivers = tuple(InferenceRank(e, r, layout) for e, make in enumerate(engines)
+                      for r, layout in enumerate(make(specs, kv)))
+    ranks = trainer_grid(**grid)
+    unit_kw = {k: grid[k] for k in ("pp", "ep", "tp", "etp") if k in grid}
+    return specs, build_schedule(units_of_specs(specs, **{**unit_kw, **(units or {})}), ranks, specs, receivers,
+                                 ScheduleOptions(**options))

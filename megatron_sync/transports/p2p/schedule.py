@@ -1,0 +1,229 @@
+"""The P2P schedule: every byte an inference rank needs, written once, by one trainer rank or one engine.
+
+Pure data, computed once from metadata and identical on every rank (compare `digest()`):
+
+- Feeds. Engines whose rank layouts are identical form a chain in engine order: the trainer writes the
+  first engine of a chain (its head); rank r of every later engine receives, round by round, what rank r
+  of the engine before it received, written from that rank's receive window into its own at the same
+  offsets. The trainer's egress per version is one copy per distinct layout, whatever the number of
+  engines. With `forward` off every engine is a head.
+- Pieces. Every head placement is cut into runs of whole rows of at most `piece_bytes`; a piece is
+  contiguous at both ends (its sender copies those rows of its full tensor into its arena; they land at
+  `dst` of the receiver's staging set).
+- Senders (`balance`): a small tensor's pieces all go with one of its holders (one gather, one
+  conversion), a large tensor's one by one, so the busiest sender carries about the mean.
+- Order. Pieces are ordered by how far through its stage's walk their unit lies (`Piece.key`), so each
+  sender produces its pieces in schedule order and the stages' pieces interleave at every receiver.
+- Rounds. A head receiver cuts its pieces, in that order, into rounds that fit its receive window
+  (`window_bytes` of registered memory the bytes land in before they are copied into the staging set) or,
+  when the staging set itself is the window (`window_bytes` 0), into rounds of `round_bytes` that only pace
+  forwarding (0: one round). A round is reported, verified and forwarded as a whole; into a bounded
+  window, round r + 1 is written only once the receiver released round r. Since every sender writes in
+  key order and every round ends at a key, the oldest waiting write never waits on a younger one.
+- Arena. A sender stages its pieces in order at `arena` offsets of its registered arena, wrapping when
+  `arena_bytes` are used (its arena rounds: space is reused once the writes from it completed).
+- Messages. A sender's pieces to one receiver of one round and one arena round travel in batches of at
+  most `piece_bytes`, each posted as soon as its last piece is staged.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from megatron_sync.layout.rank import Placement, RankLayout
+from megatron_sync.layout.regions import Region, TensorSpec
+from megatron_sync.transports.p2p.balance import Balance, Item, balance
+from megatron_sync.transports.p2p.holders import Holders, SourceUnit, TrainerRank
+
+TRAINER = -1
+"""The feed of a head receiver: its bytes come from the trainer."""
+ALIGN = 64
+"""Bytes; every piece starts at a multiple in a window and in an arena (any dtype view, 8-byte words)."""
+
+
+@dataclass(frozen=True)
+class InferenceRank:
+    """Rank `rank` of engine `engine`, and the layout it published."""
+
+    engine: int
+    rank: int
+    layout: RankLayout
+
+
+def inference_ranks(layouts: Sequence[RankLayout], ranks_per_engine: int) -> tuple[InferenceRank, ...]:
+    """Return every inference rank in order; engines are runs of `ranks_per_engine` consecutive ranks."""
+    return tuple(InferenceRank(i // ranks_per_engine, i % ranks_per_engine, layout) for i, layout in enumerate(layouts))
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """The sizes a schedule is cut by (bytes; 0 where a bound is off)."""
+
+    piece_bytes: int
+    window_bytes: int = 0
+    round_bytes: int = 0
+    arena_bytes: int = 0
+    forward: bool = True
+
+    def __post_init__(self) -> None:
+        if self.piece_bytes <= 0:
+            raise ValueError(f"piece_bytes must be > 0 (weight_sync.bucket_size_mb), got {self.piece_bytes}")
+        for name in ("window_bytes", "arena_bytes"):
+            bound = getattr(self, name)
+            if bound and bound < self.piece_bytes:
+                raise ValueError(f"{name}={bound} is smaller than one piece ({self.piece_bytes} bytes, the bucket "
+                                 "size); raise the arena size or lower weight_sync.bucket_size_mb")
+
+    def to_wire(self) -> list:
+        return [self.piece_bytes, self.window_bytes, self.round_bytes, self.arena_bytes, self.forward]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [row, row + rows) of one region of HF tensor `name`, from trainer rank `sender` to head
+    receiver `receiver`: at `dst` of its staging set, `window` of its receive window in round `round`, and
+    `arena` of the sender's arena in the sender's arena round `arena_round`."""
+
+    index: int
+    sender: int
+    receiver: int
+    name: str
+    region: Region
+    row: int
+    rows: int
+    dst: int
+    nbytes: int
+    round: int
+    window: int
+    arena: int
+    arena_round: int
+
+    def source(self, full: torch.Tensor) -> torch.Tensor:
+        """Return this piece's bytes of the full tensor, contiguous (flat uint8)."""
+        return self.region.rows(self.row, self.rows).of(full).contiguous().view(-1).view(torch.uint8)
+
+    def to_wire(self) -> list:
+        return [self.index, self.sender, self.receiver, self.name, self.region.to_wire(), self.row, self.rows,
+                self.dst, self.nbytes, self.round, self.window, self.arena, self.arena_round]
+
+
+@dataclass(frozen=True)
+class Message:
+    """Pieces of one sender to one receiver (one round, one arena round) written in one batch."""
+
+    index: int
+    sender: int
+    receiver: int
+    round: int
+    pieces: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Every piece and message of a sync, the feeds, and what they were computed from (see the module doc)."""
+
+    options: ScheduleOptions
+    tensors: tuple[TensorSpec, ...]
+    units: tuple[SourceUnit, ...]
+    ranks: tuple[TrainerRank, ...]
+    receivers: tuple[InferenceRank, ...]
+    feeds: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+    messages: tuple[Message, ...]
+    rounds: tuple[int, ...]
+    balance: Balance
+
+    def head_of(self, receiver: int) -> int:
+        """Return the head receiver whose pieces `receiver` gets (itself for a head)."""
+        while self.feeds[receiver] != TRAINER:
+            receiver = self.feeds[receiver]
+        return receiver
+
+    def successor(self, receiver: int) -> int | None:
+        """Return the receiver `receiver` forwards to, or None."""
+        return next((i for i, feed in enumerate(self.feeds) if feed == receiver), None)
+
+    def round_pieces(self, receiver: int, round: int) -> list[Piece]:
+        """Return the pieces landing in `receiver`'s window in `round` (a forwarded one: its head's)."""
+        head = self.head_of(receiver)
+        return [p for p in self._incoming[head] if p.round == round]
+
+    def incoming(self, receiver: int) -> list[Piece]:
+        """Return every piece `receiver` gets, in order (a forwarded one: its head's)."""
+        return list(self._incoming[self.head_of(receiver)])
+
+    def sender_queue(self, sender: int) -> list[Piece]:
+        """Return `sender`'s pieces in the order it stages them."""
+        return list(self._queues.get(sender, ()))
+
+    def sender_messages(self, sender: int) -> list[Message]:
+        """Return `sender`'s messages in posting order."""
+        return [m for m in self.messages if m.sender == sender]
+
+    def senders_of(self, receiver: int, round: int) -> list[int]:
+        """Return the trainer ranks writing into head `receiver` in `round` (ascending)."""
+        return sorted({p.sender for p in self._incoming[receiver] if p.round == round})
+
+    def arena_bytes(self, sender: int) -> int:
+        """Return the size of `sender`'s arena (0 when it sends nothing)."""
+        return max((_aligned(p.arena + p.nbytes) for p in self._queues.get(sender, ())), default=0)
+
+    def window_bytes(self, receiver: int) -> int:
+        """Return the size of `receiver`'s receive window (its staging set's when the set is the window)."""
+        if not self.options.window_bytes:
+            return self.receivers[receiver].layout.nbytes
+        return max((_aligned(p.window + p.nbytes) for p in self.incoming(receiver)), default=0)
+
+    def bytes_from_sender(self) -> dict[int, int]:
+        """Return the bytes every trainer rank writes per version (0 when it writes none)."""
+        return dict(self.balance.load)
+
+    def trainer_egress(self) -> int:
+        """Return the bytes leaving the trainer per version."""
+        return sum(self.balance.load.values())
+
+    def bytes_to_receiver(self) -> dict[int, int]:
+        """Return the bytes every receiver gets per version (from the trainer or forwarded)."""
+        return {i: sum(p.nbytes for p in self.incoming(i)) for i in range(len(self.receivers))}
+
+    def forwarded_bytes(self) -> dict[int, int]:
+        """Return the bytes each receiver forwards per version (0 for the last of a chain)."""
+        return {i: 0 if self.successor(i) is None else sum(p.nbytes for p in self.incoming(i))
+                for i in range(len(self.receivers))}
+
+    def digest(self) -> str:
+        """Return the sha256 of a canonical encoding (compare across ranks before any byte moves)."""
+        canonical = [self.options.to_wire(), [t.to_wire() for t in self.tensors], [u.to_wire() for u in self.units],
+                     [r.to_wire() for r in self.ranks],
+                     [[r.engine, r.rank, r.layout.digest()] for r in self.receivers], list(self.feeds),
+                     [p.to_wire() for p in self.pieces],
+                     [[m.index, m.sender, m.receiver, m.round, list(m.pieces), m.nbytes] for m in self.messages]]
+        return hashlib.sha256(json.dumps(canonical, separators=(",", ":")).encode()).hexdigest()
+
+    @functools.cached_property
+    def _incoming(self) -> dict[int, tuple[Piece, ...]]:
+        return _grouped(self.pieces, "receiver")
+
+    @functools.cached_property
+    def _queues(self) -> dict[int, tuple[Piece, ...]]:
+        return _grouped(self.pieces, "sender")
+
+
+def _grouped(pieces: Sequence[Piece], by: str) -> dict[int, tuple[Piece, ...]]:
+    """Return `pieces` grouped by `by` ("sender" or "receiver"), each group in order."""
+    grouped: dict[int, list[Piece]] = {}
+    for p in pieces:
+        grouped.setdefault(getattr(p, by), []).append(p)
+    return {k: tuple(v) for k, v in grouped.items()}
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN

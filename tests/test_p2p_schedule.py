@@ -1,0 +1,155 @@
+"""The P2P schedule as tables of invariants (pure, no processes): every byte once, from a rank that holds it,
+balanced, one copy out of the trainer per layout, rounds and arenas that fit and never wait backwards."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_sync.transports.p2p.build import build_schedule, feeds_of
+from megatron_sync.transports.p2p.holders import Holders, group_of
+from megatron_sync.transports.p2p.schedule import TRAINER, InferenceRank, ScheduleOptions
+from tests.p2p_support import fusing, ref, schedule_of, trainer_grid, units_of_specs
+
+CASES = [
+    pytest.param("qwen3", [ref(1)], dict(tp=2), 4096, id="ref-tp1-from-tp2"),
+    pytest.param("llama", [ref(2)], dict(tp=2, dp=2), 4096, id="ref-tp2-replicated-kv"),
+    pytest.param("qwen3_moe", [ref(2), ref(2), ref(2)], dict(tp=2, dp=2, ep=2), 8192, id="three-engines-one-layout"),
+    pytest.param("qwen3_moe", [fusing(2, expert_parallel=True), ref(2), fusing(2, expert_parallel=True)],
+                 dict(dp=2, ep=2), 4096, id="two-layouts-chained"),
+    pytest.param("qwen3_moe", [fusing(4)], dict(tp=2, pp=2, ep=2), 4096, id="fusing-tp4-from-pp2"),
+    pytest.param("deepseek_v3", [fusing(2), ref(4)], dict(tp=2, dp=2), 4096, id="mla-two-engines"),
+]
+
+
+@pytest.mark.parametrize("family,engines,grid,piece", CASES)
+def test_every_receiver_gets_each_of_its_placements_exactly_once(family, engines, grid, piece):
+    _, s = schedule_of(family, engines, grid, piece_bytes=piece)
+    for index, receiver in enumerate(s.receivers):
+        offsets = receiver.layout.param_offsets
+        mine = sorted((p.dst, p.dst + p.nbytes, p.name) for p in s.incoming(index))
+        for (_, end, _), (start, _, _) in zip(mine, mine[1:]):
+            assert end <= start, "two pieces overlap in one receiver's staging"
+        merged = []
+        for start, end, name in mine:  # the pieces of one placement tile it with no gap
+            if merged and merged[-1][1] == start and merged[-1][2] == name:
+                merged[-1] = (merged[-1][0], end, name)
+            else:
+                merged.append((start, end, name))
+        want = sorted((offsets[p.param] + p.offset, offsets[p.param] + p.offset + p.nbytes, p.name)
+                      for p in receiver.layout.placements if p.nbytes)
+        assert merged == want
+        assert s.bytes_to_receiver()[index] == receiver.layout.shard_bytes
+
+
+@pytest.mark.parametrize("family,engines,grid,piece", CASES)
+def test_every_piece_is_written_by_a_rank_that_holds_its_tensor(family, engines, grid, piece):
+    _, s = schedule_of(family, engines, grid, piece_bytes=piece)
+    holders = Holders(s.ranks)
+    unit_of = {name: u for u in s.units for name, _ in u.hf}
+    by_rank = {r.rank: r for r in s.ranks}
+    for p in s.pieces:
+        unit = unit_of[p.name]
+        assert by_rank[p.sender] in holders.of(unit), (p.name, p.sender)
+        assert group_of(unit, by_rank[p.sender]) in s.balance.gathering[unit.name]
+
+
+@pytest.mark.parametrize("family,engines,grid,piece", CASES)
+def test_the_trainer_writes_one_copy_per_layout_and_engines_forward_the_rest(family, engines, grid, piece):
+    _, s = schedule_of(family, engines, grid, piece_bytes=piece)
+    heads = [i for i, feed in enumerate(s.feeds) if feed == TRAINER]
+    assert s.trainer_egress() == sum(s.receivers[i].layout.shard_bytes for i in heads)
+    assert {p.receiver for p in s.pieces} == set(heads)
+    for i, feed in enumerate(s.feeds):
+        if feed != TRAINER:  # same rank of the engine before it, with the same layout
+            assert s.receivers[feed].rank == s.receivers[i].rank
+            assert s.receivers[feed].engine < s.receivers[i].engine
+            assert s.receivers[feed].layout.digest() == s.receivers[i].layout.digest()
+            assert s.forwarded_bytes()[feed] == s.receivers[i].layout.shard_bytes
+
+
+def test_three_engines_of_one_layout_form_a_chain_and_without_forwarding_all_are_heads():
+    _, s = schedule_of("qwen3", [ref(2), ref(2), ref(2)], dict(tp=2), piece_bytes=4096)
+    assert s.feeds == (TRAINER, TRAINER, 0, 1, 2, 3)
+    assert s.successor(0) == 2 and s.successor(2) == 4 and s.successor(4) is None
+    _, flat = schedule_of("qwen3", [ref(2), ref(2), ref(2)], dict(tp=2), piece_bytes=4096, forward=False)
+    assert flat.feeds == (TRAINER,) * 6
+    assert flat.trainer_egress() == 3 * s.trainer_egress()
+
+
+def test_the_busiest_sender_carries_about_the_mean():
+    # Dense only, data-parallel replicas: every rank of the stage holds every tensor after its gather.
+    _, s = schedule_of("qwen3", [ref(2)], dict(tp=2, dp=2), piece_bytes=2048)
+    assert s.balance.busiest_over_mean() <= 1.1, s.balance.load
+    # A large replicated tensor (the embedding, whole on every reference rank) is spread by rows.
+    embed = [p for p in s.pieces if p.name == "model.embed_tokens.weight"]
+    assert len({p.sender for p in embed}) > 1
+
+
+@pytest.mark.parametrize("window", [6000, 20000])
+def test_bounded_windows_hold_each_round_and_senders_never_wait_backwards(window):
+    _, s = schedule_of("qwen3_moe", [ref(2), ref(2)], dict(tp=2, ep=2), piece_bytes=4096, window_bytes=window)
+    for receiver in range(len(s.receivers)):
+        assert s.window_bytes(receiver) <= window
+        for round_ in range(s.rounds[receiver]):
+            spans = sorted((p.window, p.window + p.nbytes) for p in s.round_pieces(receiver, round_))
+            assert spans and spans[-1][1] <= window
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "two pieces overlap in a window"
+    for sender in {p.sender for p in s.pieces}:  # every sender's pieces to a receiver come in round order
+        last: dict[int, int] = {}
+        for p in s.sender_queue(sender):
+            assert p.round >= last.get(p.receiver, 0)
+            last[p.receiver] = p.round
+    assert max(s.rounds) > 1
+
+
+def test_an_unbounded_window_is_the_staging_set_cut_into_rounds_that_pace_forwarding():
+    _, s = schedule_of("qwen3", [ref(2), ref(2)], dict(tp=2), piece_bytes=2048, round_bytes=16384)
+    assert all(p.window == p.dst for p in s.pieces)
+    assert s.window_bytes(0) == s.receivers[0].layout.nbytes
+    assert s.rounds[0] > 1 and s.rounds[2] == s.rounds[0]
+    assert [p.index for p in s.incoming(2)] == [p.index for p in s.incoming(0)]
+
+
+@pytest.mark.parametrize("arena", [0, 8192])
+def test_arenas_hold_each_arena_round_and_messages_batch_what_lies_in_one(arena):
+    _, s = schedule_of("qwen3_moe", [ref(2)], dict(tp=2, ep=2), piece_bytes=4096, arena_bytes=arena)
+    for sender in {p.sender for p in s.pieces}:
+        queue = s.sender_queue(sender)
+        assert [p.arena_round for p in queue] == sorted(p.arena_round for p in queue)
+        for round_ in {p.arena_round for p in queue}:
+            spans = sorted((p.arena, p.arena + p.nbytes) for p in queue if p.arena_round == round_)
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+            assert not arena or spans[-1][1] <= arena
+        assert s.arena_bytes(sender) <= (arena or sum(p.nbytes for p in queue) + 64 * len(queue))
+    covered = sorted(i for m in s.messages for i in m.pieces)
+    assert covered == list(range(len(s.pieces)))
+    for m in s.messages:
+        pieces = [s.pieces[i] for i in m.pieces]
+        assert {(p.sender, p.receiver, p.round, p.arena_round) for p in pieces} == {
+            (m.sender, m.receiver, m.round, pieces[0].arena_round)}
+        assert m.nbytes == sum(p.nbytes for p in pieces) and (m.nbytes <= 4096 or len(pieces) == 1)
+
+
+def test_equal_inputs_give_equal_digests_and_an_option_changes_it():
+    _, a = schedule_of("qwen3", [ref(2)], dict(tp=2), piece_bytes=4096)
+    _, b = schedule_of("qwen3", [ref(2)], dict(tp=2), piece_bytes=4096)
+    _, c = schedule_of("qwen3", [ref(2)], dict(tp=2), piece_bytes=4096, window_bytes=8192)
+    assert a.digest() == b.digest() != c.digest()
+
+
+def test_a_tensor_no_trainer_rank_produces_is_named():
+    specs, s = schedule_of("qwen3", [ref(1)], dict(tp=1), piece_bytes=4096)
+    units = [u for u in units_of_specs(specs) if "lm_head" not in u.hf[0][0]]
+    with pytest.raises(ValueError, match=r"needs lm_head.weight, but no trainer rank converts it"):
+        build_schedule(units, trainer_grid(), specs, s.receivers, ScheduleOptions(piece_bytes=4096))
+
+
+def test_options_refuse_an_arena_smaller_than_a_piece():
+    with pytest.raises(ValueError, match="arena_bytes=100 is smaller than one piece"):
+        ScheduleOptions(piece_bytes=4096, arena_bytes=100)
+
+
+def test_feeds_chain_engines_by_layout_in_engine_order():
+    _, s = schedule_of("qwen3_moe", [ref(2), fusing(2), ref(2), fusing(2)], dict(tp=2), piece_bytes=4096)
+    receivers = [InferenceRank(r.engine, r.rank, r.layout) for r in s.receivers]
+    assert feeds_of(receivers, True) == (TRAINER, TRAINER, TRAINER, TRAINER, 0, 1, 2, 3)
