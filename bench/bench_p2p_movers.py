@@ -37,7 +37,7 @@ def _plan(mib: int, senders: int, receivers: int, bucket: int):
 
 def _worker(rank, world, port, planned, senders, backends, repeats):
     from megatron_sync.transports.p2p.execute import receive_shards, send_share
-    from megatron_sync.transports.p2p.movers import MooncakeMover, TorchP2PMover
+    from megatron_sync.transports.p2p.old_movers import MooncakeMover, TorchP2PMover
     from megatron_sync.session.group import init_transport_group
 
     specs, holders, plan = planned

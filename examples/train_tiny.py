@@ -59,6 +59,8 @@ class Verifier:
 
     def __init__(self, job: JobConfig, sync: TrainerWeightSync, chunks: list, store):
         self.job, self.sync, self.chunks, self.store = job, sync, chunks, store
+        if job.verify.dump_dir:  # the dumps are what was sent (p2p keeps it only when asked)
+            sync.sender.keep_sent = True
         self.vocab_size = job.model_spec().vocab_size
         self.failures: list[str] = []
         self.rows = []
@@ -119,7 +121,7 @@ class Verifier:
         sent = self.sync.sender.sent_tensors()
         if sent is None:
             raise ValueError(f"verify.dump_dir: transport {self.job.weight_sync.transport!r} keeps no copy of what "
-                             "it sent; unset verify.dump_dir or use transport broadcast or p2p")
+                             "it sent; unset verify.dump_dir or use transport broadcast, p2p or ipc")
         if not sent:
             return
         folder = os.path.join(self.job.verify.dump_dir, f"v{version}")

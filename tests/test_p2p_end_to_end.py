@@ -32,7 +32,7 @@ def _fleet(case, specs):
 
 
 def _mover(backend, group, trainers, receivers):
-    from megatron_sync.transports.p2p.movers import MooncakeMover, TorchP2PMover
+    from megatron_sync.transports.p2p.old_movers import MooncakeMover, TorchP2PMover
 
     if backend == "mooncake":
         return MooncakeMover(group.board, protocol="tcp", timeout_s=group.timeout_s)

@@ -1,136 +1,121 @@
-"""Byte movers on loopback with real processes: the bytes that arrive are the bytes that were sent.
+"""The P2P data path on loopback with real processes, below the drivers: the bytes that arrive are the bytes sent.
 
-Two senders hold the full tensors of a tiny model; three receivers (a reference engine at
-TP=1 and an engine fusing its params at TP=2, as vLLM does) start from a staging buffer filled with a sentinel
-byte. Each backend moves one version; every receiver then checks its shards against the
-full tensors, that no byte outside its placements changed, and the bytes counted at the
-transport against its shard bytes.
+Two trainer ranks hold the seeded full tensors of a tiny MoE model and write their scheduled pieces from
+their arenas (`ShareWriter`); five inference ranks (a reference engine at TP=1, and two engines fusing their
+params at TP=2 as vLLM does, the second chained behind the first) receive round by round (`RoundReceiver`)
+into staging filled with a sentinel byte. Each backend (NIXL over UCX's TCP transport, Mooncake over TCP,
+torch.distributed over gloo) moves one version; every receiver then checks its shards against the full
+tensors, that no byte outside its placements changed, and the bytes counted against its shard bytes; the
+trainer ranks' egress is one copy per layout. Once with the staging set as the window, once with bounded
+windows and arenas (rounds, releases, arena reuse). Faults: a corrupted piece, a sender failing mid-walk, a
+sender that stays silent: every receiver waiting for it raises a clear error within its bound.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import os
 
 import pytest
 import torch
 
+from tests.p2p_support import SENTINEL, fusing, misplaced, ref, schedule_of, seeded_full, untouched_outside_placements
 from tests.support.dist import free_port, run_distributed
 from tests.support.timing import bounded
-from tests.p2p_support import SENTINEL, fusing, misplaced, ref, seeded_full, synthetic_plan, untouched_outside_placements
 
 SENDERS = 2
+ENGINES = [ref(1), fusing(2), fusing(2)]
+BACKENDS = ("nixl", "mooncake", "torch")
 RECEIVE_TIMEOUT_S = 5
-BACKENDS = ("torch", "mooncake")
+UCX_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}  # NIXL over real sockets, not shared memory
 
 
-def _plan(bucket=4096):
-    return synthetic_plan("qwen3_moe", [ref(1), fusing(2)], SENDERS, bucket)
+def _schedule(**options):
+    return schedule_of("qwen3_moe", ENGINES, dict(tp=SENDERS), piece_bytes=4096, **options)
 
 
-def _mover(backend, group, plan):
-    from megatron_sync.transports.p2p.movers import MooncakeMover, TorchP2PMover
+def _mover(backend, group, world):
+    from megatron_sync.transports.p2p.notices import receiver, trainer
 
+    if backend == "nixl":
+        from megatron_sync.transports.p2p.movers.nixl import NixlMover
+        return NixlMover(group.board, timeout_s=group.timeout_s, device=group.device)
     if backend == "mooncake":
-        return MooncakeMover(group.board, protocol="tcp", timeout_s=group.timeout_s)
-    peers = {("sender", s): s for s in range(SENDERS)}
-    peers.update({("receiver", i): SENDERS + i for i in range(len(plan.receivers))})
-    return TorchP2PMover(group, peers)
+        from megatron_sync.transports.p2p.movers.mooncake import MooncakeMover
+        return MooncakeMover(group.board, protocol="tcp", timeout_s=group.timeout_s, device=group.device)
+    from megatron_sync.transports.p2p.movers.torch_p2p import TorchMover
+    names = {trainer(s): s for s in range(SENDERS)}
+    names.update({receiver(i): SENDERS + i for i in range(world - SENDERS)})
+    return TorchMover(group, names)
 
 
-def _open_group(rank, world, port, timeout):
+def _open_group(rank, world, port):
     from megatron_sync.session.group import init_transport_group
 
-    return init_transport_group("127.0.0.1", port, world, rank, timeout=timeout, group_name="p2p_test")
+    return init_transport_group("127.0.0.1", port, world, rank, timeout=60, group_name="p2p_path")
 
 
-def _sync_once(rank, plan, specs, holders, mover, group, version, *, sender_fault=None, timeout_s=None):
-    """One version over one mover; returns the receiver's findings, or the sender's stats."""
-    from megatron_sync.transports.p2p.execute import receive_shards, send_share
+def _send(rank, planned, mover, notices, fault=None):
+    from megatron_sync.transports.p2p.writer import ShareWriter
 
-    if rank < SENDERS:
-        replica = {s.name: seeded_full(s) for s in specs if holders[s.name] == rank}
-        if sender_fault == "missing" and rank == 0:
-            replica.pop(next(iter(replica)))
-        if sender_fault == "silent" and rank == 0:
-            return {"silent": True}
-        stats = send_share(plan, rank, replica, mover, group.board, version=version)
-        return {"sent": stats.nbytes}
-    index = rank - SENDERS
-    layout = plan.receivers[index].layout
-    staging = torch.full((layout.nbytes,), SENTINEL, dtype=torch.uint8)
-    mover.expose(index, staging)
-    stats = receive_shards(plan, index, staging, mover, group.board, version=version,
-                           timeout_s=timeout_s or group.timeout_s)
+    specs, schedule = planned
+    arena = mover.alloc(max(schedule.arena_bytes(rank), 1))
+    writer = ShareWriter(schedule, rank, mover, arena, algorithm="xxh3", timeout_s=RECEIVE_TIMEOUT_S)
+    names = list(dict.fromkeys(p.name for p in writer.queue))  # walk order
+    by_name = {s.name: s for s in specs}
+
+    def tensors():
+        for k, name in enumerate(names):
+            if fault == "failing" and k == len(names) // 2:
+                raise KeyError(f"injected: {name} was not converted")
+            yield name, seeded_full(by_name[name])
+
+    if fault == "silent":
+        return {"silent": True}
+    if fault == "corrupt":
+        writer.mover = _Corrupting(mover)
+    return {"sent": writer.write_version(tensors(), notices, {}).nbytes}
+
+
+def _receive(index, planned, mover, notices):
+    from megatron_sync.transports.p2p.notices import receiver
+    from megatron_sync.transports.p2p.rounds import RoundReceiver
+
+    specs, schedule = planned
+    layout = schedule.receivers[index].layout
+    staging = mover.alloc(layout.nbytes)
+    staging.fill_(SENTINEL)
+    bounded_window = bool(schedule.options.window_bytes)
+    window = mover.alloc(schedule.window_bytes(index)) if bounded_window else staging
+    mover.expose(receiver(index), window)
+    rounds = RoundReceiver(schedule, index, mover, window, algorithm="xxh3", timeout_s=RECEIVE_TIMEOUT_S)
+    notices.board.post(f"exposed/{notices.version}/{index}", b"1")  # every window is up before anyone writes
+    stats = rounds.receive_version(notices, staging, 0, 0)
     return {"wrong": misplaced(layout, staging, specs), "clean": untouched_outside_placements(layout, staging),
-            "received": stats.nbytes, "shard_bytes": layout.shard_bytes, "ranges": stats.ranges}
+            "received": stats.nbytes, "forwarded": stats.forwarded, "shard_bytes": layout.shard_bytes}
 
 
-def _both_backends(rank, world, port, planned):
-    specs, _, holders, plan = planned
-    group = _open_group(rank, world, port, timeout=60)
-    out = {}
-    for version, backend in enumerate(BACKENDS, start=1):
-        mover = _mover(backend, group, plan)
-        out[backend] = _sync_once(rank, plan, specs, holders, mover, group, version)
-        group.all_gather_json(rank)  # stands in for the all-ranks agreement; rank 0 hosts the store
+def _one_version(rank, world, planned, backend, group, version, fault=None):
+    from megatron_sync.transports.p2p.notices import Notices
+
+    mover = _mover(backend, group, world)
+    notices = Notices(group.board, version, 1)
+    try:
+        if rank < SENDERS:
+            for index in range(world - SENDERS):
+                group.board.fetch(f"exposed/{version}/{index}", 60)
+            return _send(rank, planned, mover, notices, fault if rank == 0 else None)
+        return _receive(rank - SENDERS, planned, mover, notices)
+    finally:
+        _store_barrier(group, rank, world, f"end/{version}")  # nobody closes a window someone still writes
         mover.close()
-    group.close()
+
+
+def _every_backend(rank, world, port, planned):
+    group = _open_group(rank, world, port)
+    out = {b: _one_version(rank, world, planned, b, group, v) for v, b in enumerate(BACKENDS, start=1)}
+    _leave(group, rank, world)
     return out
-
-
-@pytest.mark.multiproc
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("bucket", [4096, 1 << 20])
-def test_every_receiver_gets_exactly_its_shards_over_both_backends(bucket):
-    import mooncake.engine  # noqa: F401 — a requirement (requirements-cpu.txt): missing is a failure
-    planned = _plan(bucket)  # pure; workers get it pickled and skip importing transformers
-    world = SENDERS + len(planned[1])
-    results = run_distributed(_both_backends, world, free_port(), planned, timeout=240)
-    for backend in BACKENDS:
-        sent = sum(results[s][backend]["sent"] for s in range(SENDERS))
-        receivers = [r[backend] for r in results[SENDERS:]]
-        for index, got in enumerate(receivers):
-            assert got["wrong"] == [], f"{backend} receiver {index}: wrong shards {got['wrong'][:5]}"
-            assert got["clean"], f"{backend} receiver {index}: bytes outside its shards were written"
-            assert got["received"] == got["shard_bytes"], (backend, index, got["received"], got["shard_bytes"])
-        assert sent == sum(r["shard_bytes"] for r in receivers)
-
-
-FAULTS = {  # fault -> (error every waiting receiver raises, words in it); silent goes last: it breaks gloo pairs
-    "corrupt": ("CorruptBucketError", "does not match its checksum"),
-    "missing": ("SenderFailedError", "trainer rank 0: KeyError"),  # the sender fails; its error reaches them
-    "silent": ("PeerFailureError", "within"),  # the sender never sends: a bounded wait
-}
-
-
-def _faulty_sender(rank, world, port, planned, backend):
-    """One version per fault, in FAULTS order, on one group; trainer rank 0 misbehaves."""
-    from megatron_sync.core.errors import SyncError
-
-    specs, _, holders, plan = planned
-    group = _open_group(rank, world, port, timeout=60)
-    waiting = {SENDERS + m.receiver for m in plan.messages if m.sender == 0}
-    results = {}
-    for version, fault in enumerate(FAULTS, start=1):
-        mover = _mover(backend, group, plan)
-        if fault == "corrupt" and rank == 0:
-            mover = _Corrupting(mover)
-        # a receiver waiting for trainer rank 0 gives up within its receive timeout (+3 s), else it fails
-        bound = (bounded(RECEIVE_TIMEOUT_S + 3, f"{fault}: receiver {rank - SENDERS} waiting for trainer rank 0")
-                 if rank in waiting else contextlib.nullcontext())
-        with bound:
-            try:
-                results[fault] = _sync_once(rank, plan, specs, holders, mover, group, version, sender_fault=fault,
-                                            timeout_s=RECEIVE_TIMEOUT_S)
-            except (SyncError, KeyError) as e:
-                results[fault] = {"error": type(e).__name__, "message": str(e)}
-        _store_barrier(group, rank, world, f"end/{version}")  # a gloo op that timed out closes its pair
-    if rank:
-        group.board.post(f"left/{rank}", b"1")
-    else:  # rank 0 hosts the store: it leaves last
-        _store_barrier(group, rank, world, "left", ranks=range(1, world))
-    return results
 
 
 def _store_barrier(group, rank, world, key, ranks=None):
@@ -140,8 +125,46 @@ def _store_barrier(group, rank, world, key, ranks=None):
         group.board.fetch(f"{key}/{other}", 60)
 
 
+def _leave(group, rank, world):
+    if rank:
+        group.board.post(f"left/{rank}", b"1")
+    else:  # rank 0 hosts the store: it leaves last
+        _store_barrier(group, rank, world, "left", ranks=range(1, world))
+    group.close()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("options", [{}, {"window_bytes": 6000, "arena_bytes": 8192}], ids=["staging-window", "bounded"])
+def test_every_receiver_gets_exactly_its_shards_over_every_backend(options):
+    planned = _schedule(**options)  # pure; workers get it pickled
+    schedule = planned[1]
+    world = SENDERS + len(schedule.receivers)
+    results = run_distributed(_every_backend, world, free_port(), planned, timeout=300, env=UCX_TCP)
+    for backend in BACKENDS:
+        receivers = [r[backend] for r in results[SENDERS:]]
+        for index, got in enumerate(receivers):
+            assert got["wrong"] == [], f"{backend} receiver {index}: wrong shards {got['wrong'][:5]}"
+            assert got["clean"], f"{backend} receiver {index}: bytes outside its shards were written"
+            assert got["received"] == got["shard_bytes"], (backend, index, got["received"], got["shard_bytes"])
+        sent = [results[s][backend]["sent"] for s in range(SENDERS)]
+        assert sent == [schedule.bytes_from_sender()[s] for s in range(SENDERS)]
+        assert sum(sent) == schedule.trainer_egress() < sum(r["shard_bytes"] for r in receivers)
+        assert [r["forwarded"] for r in receivers] == [schedule.forwarded_bytes()[i] for i in range(len(receivers))]
+    if options:
+        assert max(schedule.rounds) > 1 and max(len({p.arena_round for p in schedule.sender_queue(s)})
+                                                for s in range(SENDERS)) > 1
+
+
+FAULTS = {  # fault -> (error every waiting receiver raises, words in it); silent goes last: it breaks gloo pairs
+    "corrupt": ("CorruptBucketError", "does not match its checksum"),
+    "failing": ("SenderFailedError", "injected: "),  # the sender fails mid-walk; its error reaches them
+    "silent": ("PeerFailureError", "within"),  # the sender never writes: a bounded wait
+}
+
+
 class _Corrupting:
-    """A mover that flips one byte of every payload after its checksums were taken."""
+    """A mover that flips the first byte it writes of every batch, after its checksum was taken."""
 
     def __init__(self, mover):
         self._mover = mover
@@ -149,98 +172,118 @@ class _Corrupting:
     def __getattr__(self, name):
         return getattr(self._mover, name)
 
-    def write(self, message, ranges, payload, set_offset=0):
-        payload[0] ^= 0xFF
-        self._mover.write(message, ranges, payload, set_offset)
+    def write(self, target, memory, spans):
+        memory[spans[0].src] ^= 0xFF
+        return self._mover.write(target, memory, spans)
+
+
+def _faulty_sender(rank, world, port, planned, backend):
+    """One version per fault, in FAULTS order; trainer rank 0 misbehaves."""
+    from megatron_sync.core.errors import SyncError
+
+    schedule = planned[1]
+    group = _open_group(rank, world, port)
+    waiting = _waiting_on_rank0(schedule)
+    results = {}
+    for version, fault in enumerate(FAULTS, start=1):
+        # a receiver waiting for trainer rank 0 gives up within its receive timeout (+3 s), else it fails
+        bound = (bounded(RECEIVE_TIMEOUT_S + 3, f"{fault}: receiver {rank - SENDERS} waiting for trainer rank 0")
+                 if rank - SENDERS in waiting else contextlib.nullcontext())
+        with bound:
+            try:
+                results[fault] = _one_version(rank, world, planned, backend, group, version, fault)
+            except (SyncError, KeyError) as e:
+                results[fault] = {"error": type(e).__name__, "message": str(e)}
+    _leave(group, rank, world)
+    return results
+
+
+def _waiting_on_rank0(schedule):
+    """Return the receivers that wait for trainer rank 0 (directly, or chained behind one that does)."""
+    heads = {p.receiver for p in schedule.pieces if p.sender == 0}
+    return {i for i in range(len(schedule.receivers)) if schedule.head_of(i) in heads}
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sender_faults_reach_every_waiting_receiver_as_clear_errors(backend):
-    if backend == "mooncake":
-        import mooncake.engine  # noqa: F401 — a requirement (requirements-cpu.txt): missing is a failure
-    planned = _plan()
-    plan = planned[3]
-    results = run_distributed(_faulty_sender, SENDERS + len(plan.receivers), free_port(), planned, backend,
-                              timeout=200)
-    waiting = {m.receiver for m in plan.messages if m.sender == 0}
-    assert waiting
+    planned = _schedule()
+    schedule = planned[1]
+    results = run_distributed(_faulty_sender, SENDERS + len(schedule.receivers), free_port(), planned, backend,
+                              timeout=200, env=UCX_TCP)
+    waiting = _waiting_on_rank0(schedule)
+    assert waiting and any(schedule.feeds[i] != -1 for i in waiting), "a chained receiver must wait on rank 0 too"
     for fault, (error, words) in FAULTS.items():
-        for index in waiting:
+        for index in waiting:  # a chained receiver gets the error of the rank before it, quoted
             got = results[SENDERS + index][fault]
-            assert got.get("error") == error and words in got["message"], (fault, index, got)
+            want = {error} if schedule.feeds[index] == -1 else {"SenderFailedError"}
+            if fault == "silent" and schedule.feeds[index] != -1:  # both wait as long: either may time out first
+                want.add("PeerFailureError")
+            assert got.get("error") in want and words in got["message"], (fault, index, got)
 
 
 def test_mooncake_refuses_rdma_without_a_device_and_unregistered_sources():
-    import mooncake.engine  # noqa: F401 — a requirement (requirements-cpu.txt): missing is a failure
-    from megatron_sync.transports.p2p.movers import MooncakeMover
+    from megatron_sync.transports.p2p.movers import Span
+    from megatron_sync.transports.p2p.movers.mooncake import MooncakeMover
 
     class Posts(dict):
+        timeout_s = 5
+
         def post(self, key, value):
             self[key] = value
 
         def fetch(self, key, timeout_s=None):
             return self[key]
 
-        def delete(self, key):
-            del self[key]
-
     with pytest.raises(RuntimeError, match="no RDMA device"):
         MooncakeMover(Posts(), protocol="rdma")
-    _, _, _, plan = _plan()
     mover = MooncakeMover(Posts(), protocol="tcp")
-    staging = torch.zeros(plan.receivers[0].layout.nbytes, dtype=torch.uint8)
-    mover.expose(0, staging)
-    message = next(m for m in plan.messages if m.receiver == 0)
-    unregistered = torch.zeros(message.nbytes, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="not in a registered buffer"):
-        mover.write(message, plan.ranges, unregistered)
-    payload = mover.send_buffer(message.nbytes)[:message.nbytes]
-    payload.fill_(7)
-    mover.write(message, plan.ranges, payload)  # registered: lands in our own staging over TCP
-    first = plan.ranges[message.ranges[0]]
-    assert bool((staging[first.dst:first.dst + first.nbytes] == 7).all())
-    assert mover.bytes_written == {0: message.nbytes}
+    window = mover.alloc(4096)
+    window.zero_()
+    mover.expose("receiver/0", window)
+    with pytest.raises(ValueError, match="is not registered"):
+        mover.write("receiver/0", torch.zeros(64, dtype=torch.uint8), [Span(0, 0, 64)])
+    with pytest.raises(ValueError, match="land outside the peer's 4096-byte window"):
+        mover.write("receiver/0", mover.alloc(64), [Span(0, 4090, 64)])
+    source = mover.alloc(64)
+    source.fill_(7)
+    mover.write("receiver/0", source, [Span(0, 100, 32), Span(32, 132, 32)]).wait(5)  # lands in our own window
+    assert bool((window[100:164] == 7).all()) and int(window[:100].sum()) == 0
+    assert mover.bytes_written == {"receiver/0": 64}
     mover.close()
 
 
-@pytest.mark.parametrize("topology,count", [
-    ("", 0),
-    (json.dumps({"cpu:0": [[], []]}), 0),
-    (json.dumps({"cpu:0": [["mlx5_0"], ["mlx5_1"]], "cuda:0": [["mlx5_0"], []]}), 2),
-])
+@pytest.mark.parametrize("topology,count", [("", 0), ('{"cpu:0": [[], []]}', 0),
+                                            ('{"cpu:0": [["mlx5_0"], ["mlx5_1"]], "cuda:0": [["mlx5_0"], []]}', 2)])
 def test_count_hcas(topology, count):
-    from megatron_sync.transports.p2p.movers import count_hcas
+    from megatron_sync.transports.p2p.movers.mooncake import count_hcas
 
     assert count_hcas(topology) == count
 
 
-def _nccl_worker(rank, world, port, planned):
-    from megatron_sync.transports.p2p.execute import receive_shards, send_share
-    from megatron_sync.transports.p2p.movers import TorchP2PMover
+def _nccl_and_vram(rank, world, port, planned, backend):
+    torch.cuda.set_device(rank % torch.cuda.device_count())
     from megatron_sync.session.group import init_transport_group
 
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    specs, _, holders, plan = planned
-    group = init_transport_group("127.0.0.1", port, world, rank, backend="nccl", timeout=60, group_name="p2p_nccl")
-    peers = {("sender", s): s for s in range(SENDERS)}
-    peers.update({("receiver", i): SENDERS + i for i in range(len(plan.receivers))})
-    mover = TorchP2PMover(group, peers)
-    if rank < SENDERS:
-        replica = {s.name: seeded_full(s).cuda() for s in specs if holders[s.name] == rank}
-        return send_share(plan, rank, replica, mover, group.board, version=1).nbytes
-    layout = plan.receivers[rank - SENDERS].layout
-    staging = torch.zeros(layout.nbytes, dtype=torch.uint8, device="cuda")
-    stats = receive_shards(plan, rank - SENDERS, staging, mover, group.board, version=1, timeout_s=60)
-    return not misplaced(layout, staging, specs) and stats.nbytes == layout.shard_bytes
+    backend_group = "nccl" if backend == "torch" else "gloo"
+    group = init_transport_group("127.0.0.1", port, world, rank, backend=backend_group, timeout=60,
+                                 group_name="p2p_gpu")
+    if backend == "nixl":  # device memory on both sides: NIXL registers VRAM
+        group.device = torch.device("cuda", torch.cuda.current_device())
+    out = _one_version(rank, world, planned, backend, group, 1)
+    _leave(group, rank, world)
+    return out
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
-def test_nccl_point_to_point_moves_the_same_bytes():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    planned = _plan()
-    results = run_distributed(_nccl_worker, SENDERS + len(planned[1]), free_port(), planned, timeout=240)
-    assert all(results[SENDERS:])
+@pytest.mark.parametrize("backend", ["torch", "nixl"])
+def test_device_memory_moves_the_same_bytes(backend):
+    """On CUDA: NCCL point-to-point, or NIXL from a GPU arena into GPU windows (VRAM registration)."""
+    planned = _schedule()
+    world = SENDERS + len(planned[1].receivers)
+    results = run_distributed(_nccl_and_vram, world, free_port(), planned, backend, timeout=240,
+                              env={**UCX_TCP, "UCX_TLS": os.environ.get("UCX_TLS", "all")})
+    for got in results[SENDERS:]:
+        assert got["wrong"] == [] and got["received"] == got["shard_bytes"]

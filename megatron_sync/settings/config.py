@@ -22,7 +22,7 @@ BACKENDS = ("gloo", "nccl", "auto")
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 INFLIGHT_POLICIES = ("abort", "wait", "recompute", "keep")
 DRAFT_CHOICES = ("sync", "skip")
-P2P_BACKENDS = ("torch", "mooncake")  # megatron_sync.transports.p2p.transport.MOVERS
+P2P_BACKENDS = ("nixl", "mooncake", "torch")  # megatron_sync.transports.p2p.transport.MOVERS
 P2P_PROTOCOLS = ("tcp", "rdma")
 CHECKSUM_CHOICES = ("auto", *CHECKSUMS)
 DEFAULT_GATHER_BUDGET_MB = 1024.0
@@ -200,10 +200,12 @@ class WeightSyncConfig:
     # ---- transport "p2p" (every trainer rank sends its share; see the README's "P2P transport") ----
 
     p2p_backend: str = "torch"
-    """transport "p2p" only: what moves the bytes. "torch": point-to-point on the transport group
-    (gloo on CPU, NCCL on GPU, as `backend` says); "mooncake": Mooncake Transfer Engine writes into
-    each inference rank's registered staging memory (install mooncake-transfer-engine, or the
-    -non-cuda build for TCP on CPU hosts, and the system library libibverbs1)."""
+    """transport "p2p" only: what moves the bytes. "nixl": NIXL (UCX) writes from each trainer rank's
+    registered arena into each inference rank's registered window, GPU memory to GPU memory over RDMA where
+    the NICs allow (install nixl-cu12; on a host without RDMA set UCX_TLS=tcp); "mooncake": Mooncake
+    Transfer Engine's one-sided writes between the same buffers (install mooncake-transfer-engine, or the
+    -non-cuda build for TCP on CPU hosts, and the system library libibverbs1); "torch": point-to-point on
+    the transport group (gloo on CPU, NCCL on GPU, as `backend` says)."""
 
     p2p_protocol: str = "tcp"
     """p2p_backend "mooncake" only: "tcp", or "rdma" (refused when no RDMA device is visible,
@@ -216,6 +218,21 @@ class WeightSyncConfig:
     p2p_local_hostname: Optional[str] = None
     """p2p_backend "mooncake": the address this process's transfer engine advertises to its peers;
     None: this host's name (socket.gethostname()). Use "127.0.0.1" when every rank runs on one host."""
+
+    p2p_arena_mb: float = 0.0
+    """transport "p2p": the size of each trainer rank's registered arena its pieces are staged in (MiB);
+    0: the rank's whole share of a version (registered once, reused by every version). A smaller arena is
+    reused in rounds (a NIC that cannot register that much memory); it must hold one bucket."""
+
+    p2p_window_mb: float = 0.0
+    """transport "p2p": the size of each inference rank's registered receive window (MiB); 0: its staging
+    set is the window (nothing is copied). A smaller window is written round by round, each round copied
+    into the staging set before the next may land; it must hold one bucket. The trainer's value is used."""
+
+    p2p_forward: bool = True
+    """transport "p2p": engines whose rank layouts are identical form a chain: the trainer writes the first,
+    each engine rank forwards every round to the same rank of the next, so the trainer sends one copy per
+    layout however many engines there are. False: the trainer writes every engine. The trainer's value is used."""
 
     checksum: str = "auto"
     """Integrity check of every bucket: "xxh3" (host bytes, memory speed), "crc32" (host bytes,
@@ -285,6 +302,12 @@ class WeightSyncConfig:
                              f"SGLang's update API does not run (engines {sglang}); use transport 'sglang' for "
                              "SGLang, or 'ipc' with megatron-sync inference ranks and vLLM servers")
         _check_choice("p2p_backend", self.p2p_backend, P2P_BACKENDS)
+        for name in ("p2p_arena_mb", "p2p_window_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a number of MiB >= 0 (0: unbounded), got {value!r}")
+        _check_bool("p2p_forward", self.p2p_forward)
+
         _check_choice("p2p_protocol", self.p2p_protocol, P2P_PROTOCOLS)
         if not isinstance(self.p2p_device_name, str):
             raise ValueError("p2p_device_name must be a string of RDMA device names, e.g. 'mlx5_0,mlx5_1' (or '')")

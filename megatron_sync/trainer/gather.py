@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -204,6 +204,47 @@ def _batches(units: list[GatherUnit], budget_bytes: int, etp: int = 1, tp: int =
         yield batch
 
 
+def gather_in_pieces(unit: GatherUnit, group: Any, size: int, rank: int, *, budget_bytes: int,
+                     tracker: GatherMemoryTracker, everyone: bool = False) -> torch.Tensor | None:
+    """Return `unit`'s full tensor gathered over `group` straight into it, piece by piece: on group rank 0
+    (None elsewhere), or on every rank of the group with `everyone` (an all-gather).
+
+    Pieces run along a dim other than the partition dim, so each piece of every shard is a slab of the
+    full tensor; the shards of a piece plus their merge stay within half the budget each.
+    """
+    local, sharding = unit.local, unit.sharding
+    receiving = everyone or rank == 0
+    full = torch.empty(unit.full_shape, dtype=unit.dtype, device=unit.device) if receiving else None
+    if receiving:
+        tracker.add(unit.nbytes)
+    along = 0 if sharding.dim != 0 else 1
+    if local.dim() < 2:
+        pieces, along = [(0, local.shape[0])], 0
+    else:
+        bytes_per_slab = max(1, local.numel() // local.shape[along]) * unit.dtype.itemsize * size
+        slabs = max(1, (budget_bytes // 2) // bytes_per_slab)
+        pieces = [(a, min(slabs, local.shape[along] - a)) for a in range(0, local.shape[along], slabs)]
+    for start, length in pieces:
+        piece = (local if len(pieces) == 1 else local.narrow(along, start, length)).to(unit.dtype).contiguous()
+        piece_bytes = piece.numel() * unit.dtype.itemsize * size
+        if receiving:
+            tracker.add(2 * piece_bytes)  # the shards and their merge
+        shards = _all_gathered(piece, group, size) if everyone else gather_to_first(piece, group, size, rank)
+        if receiving:
+            merged = merge_strided_shards(shards, sharding.dim, sharding.stride)
+            target = full if len(pieces) == 1 and local.dim() < 2 else full.narrow(along, start, length)
+            target.copy_(merged)
+            del shards, merged
+            tracker.release(2 * piece_bytes)
+    return full
+
+
+def _all_gathered(piece: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:
+    shards = [torch.empty_like(piece) for _ in range(size)]
+    dist.all_gather(shards, piece, group=group)
+    return shards
+
+
 class ShardGatherer:
     """Produces full Megatron tensors on the stage source, walking `GatherUnit`s in lockstep.
 
@@ -327,39 +368,7 @@ class ShardGatherer:
                 self.tracker.release(local_bytes * layout.tp)
 
     def _gather_in_pieces(self, unit: GatherUnit, group, size: int, rank: int) -> torch.Tensor | None:
-        """Gather one tensor to group rank 0 straight into its full tensor, piece by piece.
-
-        Pieces run along a dim other than the partition dim, so each piece of
-        every shard is a slab of the full tensor; shards plus their merge stay
-        within half the budget each.
-        """
-        local, sharding = unit.local, unit.sharding
-        receiving = rank == 0
-        full = torch.empty(unit.full_shape, dtype=unit.dtype, device=unit.device) if receiving else None
-        if receiving:
-            self.tracker.add(unit.nbytes)
-        along = 0 if sharding.dim != 0 else 1
-        if local.dim() < 2:
-            pieces = [(0, local.shape[0])]
-            along = 0
-        else:
-            bytes_per_slab = max(1, local.numel() // local.shape[along]) * unit.dtype.itemsize * size
-            slabs = max(1, (self.budget_bytes // 2) // bytes_per_slab)
-            pieces = [(a, min(slabs, local.shape[along] - a)) for a in range(0, local.shape[along], slabs)]
-        for start, length in pieces:
-            piece = local if len(pieces) == 1 else local.narrow(along, start, length)
-            piece = piece.to(unit.dtype).contiguous()
-            piece_bytes = piece.numel() * unit.dtype.itemsize * size
-            if receiving:
-                self.tracker.add(2 * piece_bytes)  # the shards and their merge
-            shards = gather_to_first(piece, group, size, rank)
-            if receiving:
-                merged = merge_strided_shards(shards, sharding.dim, sharding.stride)
-                target = full if len(pieces) == 1 and local.dim() < 2 else full.narrow(along, start, length)
-                target.copy_(merged)
-                del shards, merged
-                self.tracker.release(2 * piece_bytes)
-        return full
+        return gather_in_pieces(unit, group, size, rank, budget_bytes=self.budget_bytes, tracker=self.tracker)
 
     def _gather_expert_batch(self, batch: list[GatherUnit]):
         """Routed experts of one owner, whole on it: one message from the owner to EP rank 0.

@@ -54,6 +54,10 @@ class Waitable(Protocol):
 class Sender(abc.ABC):
     """The trainer half of one sync, on one trainer rank."""
 
+    keep_sent: bool = False
+    """Checks and dumps: keep the HF tensors each sync sent, for `sent_tensors` (a transport that keeps a copy
+    for its own use, such as the bucket sender's host replica, returns that whatever this says)."""
+
     @abc.abstractmethod
     def sync(self, version: int) -> SyncMetrics:
         """Send `version`; return once every rank committed it (raise `SyncError` on every rank otherwise)."""
@@ -61,8 +65,9 @@ class Sender(abc.ABC):
     def sent_tensors(self) -> Optional[Mapping[str, torch.Tensor]]:
         """Return the HF tensors this rank sent in its last sync (views of what it keeps, by HF name).
 
-        Empty on a rank that sends nothing; None where the transport keeps no copy after sending
-        (disk_delta hands its buffer to the writer). For checks and debugging, not the data path.
+        Empty on a rank that sends nothing; None where the transport keeps no copy after sending (disk_delta
+        hands its buffer to the writer; p2p unless `keep_sent` was set before the sync). For checks and
+        debugging, not the data path.
         """
         return None
 

@@ -104,7 +104,7 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     """Train and sync; return {"sent": [{name: tensor} per version] (leader), "logits": [...]}."""
     from megatron_sync.drivers.callback import WeightSyncCallback
     from megatron_sync.engines.handoff import TrainerMemory
-    from megatron_sync.transports.p2p.replica import DistributedReplica
+    from megatron_sync.transports.p2p.sender import P2PSender
     from tests.support import models
     from tests.support.train import train_step
 
@@ -114,6 +114,8 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     with WeightSyncCallback.from_config(sync_config(case), ddp, hf_config=case_hf_config(case),
                                         layout=layout, memory=memory) as callback:
         syncer = callback.syncer
+        if isinstance(syncer.sender, P2PSender):  # P2P keeps no full tensors unless asked (the tests compare them)
+            syncer.sender.keep_sent = case.get("keep_tensors", True)
         for version in range(1, case["versions"] + 1):
             if version > 1:
                 tokens = torch.randint(0, spec.vocab_size, (2, 12), generator=torch.Generator().manual_seed(version))
@@ -145,7 +147,7 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
                 unquantized.append(_unquantized_hf_tensors(chunks, layout, case))
             if case.get("receiver_metrics") and syncer.is_leader:
                 received.append([m.to_json() for m in syncer.receiver_metrics(syncer.version)])
-        replica = getattr(syncer.sender, "replica", None)
+        sender = syncer.sender
         if memory is not None:  # one more turn without a sync: the engines reload the version they hold
             handoffs.append({"to_training": [r.to_json() for r in callback.to_training()]})
             callback.after_optimizer_step(False)
@@ -153,8 +155,10 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     out = {"sent": sent, "logits": logits, "unquantized": unquantized, "metrics": metrics, "received": received,
            "failures": failures, "draft_logits": draft_logits, "handoffs": handoffs,
            "transport": syncer.config.transport, "bucket_size_mb": syncer.config.bucket_size_mb}
-    if isinstance(replica, DistributedReplica):  # P2P: this rank's share of the replica
-        out["replica"] = {"held": replica.held_bytes, "assigned": replica.assignment.bytes_per_rank()[replica.me.rank]}
+    if isinstance(sender, P2PSender):  # P2P: what this rank writes per version, and its arena
+        out["share"] = {"arena": sender.arena.numel(), "scheduled": sender.schedule.bytes_from_sender()[rank],
+                        "egress": sender.schedule.trainer_egress(), "busiest_over_mean":
+                        sender.schedule.balance.busiest_over_mean()}
     return out
 
 
@@ -166,12 +170,13 @@ def _aborted(error: Exception) -> bool:
 
 
 def _sent_here(syncer) -> dict[str, torch.Tensor]:
-    """Return what this rank sent in the last sync: its P2P share, or (broadcast leader) its stage's buckets."""
-    from megatron_sync.transports.p2p.replica import DistributedReplica
+    """Return what this rank sent in the last sync: the full tensors of its P2P pieces, or (broadcast leader)
+    its stage's buckets."""
+    from megatron_sync.transports.p2p.sender import P2PSender
 
+    if isinstance(syncer.sender, P2PSender):
+        return {name: t.clone() for name, t in (syncer.sender.sent_tensors() or {}).items()}
     replica = syncer.sender.replica
-    if isinstance(replica, DistributedReplica):
-        return {name: t.clone() for name, t in replica.tensors.items()}
     if not syncer.is_leader:
         return {}
     return {e.name: replica.view(e.name).clone() for b in replica.buckets for e in b.entries}

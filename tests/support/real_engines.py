@@ -464,6 +464,7 @@ def _trainer_main(conn, spec: ModelSpec, port: int) -> None:
             elif command == "connect":
                 sync = TrainerWeightSync(WeightSyncConfig.from_dict(args[0]), chunks, layout=layout,
                                          hf_config=tiny_hf_config(spec))
+                sync.sender.keep_sent = True  # the tests compare the engine with what was sent
                 result = None
             elif command == "sync":
                 result = sync.sync().version
@@ -540,6 +541,7 @@ def megatron_job_syncs(rank: int, world: int, spec: ModelSpec, parallel: dict, u
     dtype = getattr(torch, config.dtype)
     hf = tiny_hf_config(spec, dtype=dtype, quantization_config=quantization_config)
     sync = TrainerWeightSync(config, model, layout=layout, hf_config=hf)
+    sync.sender.keep_sent = True  # the engine's tokens are checked against what was sent
     reports = []
     try:
         for step in range(versions):

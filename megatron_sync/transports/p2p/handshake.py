@@ -1,18 +1,18 @@
-"""The P2P start-up handshake: engines publish their layouts, the trainer its replica, all one plan.
+"""The P2P start-up handshake: engines publish their layouts, the trainer its ranks and units, all one schedule.
 
-Three all-gathers on the transport group, in the same order on every rank; each carries
-errors too, so a rank that fails makes every rank fail at the same step:
+Two all-gathers on the transport group, in the same order on every rank; each carries errors too, so a
+rank that fails makes every rank fail at the same step:
 
-1. every inference rank publishes its rank layout (`EngineAdapter.rank_layout()`: its
-   params and which region of which HF tensor lands where in them);
-2. the trainer ranks build the distributed replica (its assignment balances the bytes each
-   HF tensor is sent to the ranks those layouts describe) and trainer rank 0 publishes the
-   plan inputs: every HF tensor with its shard role, and the trainer rank holding it;
-3. every rank checks every layout against those tensors (a region outside a tensor, a
-   dtype that differs, a name the trainer does not produce fails every rank naming it),
-   builds the transfer plan and compares digests (and each inference rank checks that the
-   plan carries exactly the tensors its engine loads): any difference fails every rank
-   with PlanMismatchError.
+1. every inference rank publishes its rank layout (`EngineAdapter.rank_layout()`: its params and which
+   region of which HF tensor lands where in them);
+2. every trainer rank publishes its coordinates; each stage's source rank its stage's units in walk order
+   (the HF tensors each converts to); trainer rank 0 the HF tensor specs and the schedule options (the
+   trainer's settings: the inference job adopts them).
+
+Then every rank checks every layout against the specs (a region outside a tensor, a dtype that differs, a
+name the trainer does not produce fails every rank naming it), builds the schedule and compares digests
+(each inference rank also checks the schedule carries exactly the tensors its engine loads): any difference
+fails every rank with PlanMismatchError.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_sync.core.agreement import describe, failures_of
 from megatron_sync.core.errors import AgreedFailure
+from megatron_sync.core.meta import TensorMeta
 from megatron_sync.layout.rank import RankLayout, specs_from_wire, specs_to_wire
 from megatron_sync.layout.regions import TensorSpec
-from megatron_sync.core.meta import TensorMeta
-from megatron_sync.transports.p2p.plan import TransferPlan, build_transfer_plan, fleet_receivers
 from megatron_sync.plan.buckets import coverage_problem
 from megatron_sync.transports.buckets.plan_agreement import agree_on_plan
+from megatron_sync.transports.p2p.build import build_schedule
+from megatron_sync.transports.p2p.holders import SourceUnit, TrainerRank
+from megatron_sync.transports.p2p.schedule import Schedule, ScheduleOptions, inference_ranks
 
 if TYPE_CHECKING:
     from megatron_sync.transports.base import Transport
@@ -50,48 +52,52 @@ def exchange(transport: "Transport", what: str, produce: Callable[[], Any]) -> l
 
 
 @dataclass(frozen=True)
-class PlanInputs:
-    """What trainer rank 0 publishes in step 2: the HF tensors and the trainer rank holding each."""
+class TrainerSide:
+    """What one trainer rank publishes in step 2 (units: its stage's, on the stage's source; specs and
+    options: on trainer rank 0)."""
 
-    specs: list[TensorSpec]
-    holders: dict[str, int]
+    rank: TrainerRank
+    units: Optional[list[SourceUnit]] = None
+    specs: Optional[list[TensorSpec]] = None
+    options: Optional[ScheduleOptions] = None
 
     def to_wire(self) -> dict:
-        return {"specs": specs_to_wire(self.specs), "holders": self.holders}
+        return {"rank": self.rank.to_wire(), "units": None if self.units is None else [u.to_wire() for u in self.units],
+                "specs": None if self.specs is None else specs_to_wire(self.specs),
+                "options": None if self.options is None else self.options.to_wire()}
 
     @classmethod
-    def from_wire(cls, wire: dict) -> "PlanInputs":
-        return cls(specs_from_wire(wire["specs"]), {name: int(rank) for name, rank in wire["holders"].items()})
+    def from_wire(cls, wire: dict) -> "TrainerSide":
+        return cls(TrainerRank.from_wire(wire["rank"]),
+                   None if wire["units"] is None else [SourceUnit.from_wire(u) for u in wire["units"]],
+                   None if wire["specs"] is None else specs_from_wire(wire["specs"]),
+                   None if wire["options"] is None else ScheduleOptions(*wire["options"]))
 
 
-def handshake(transport: "Transport", *, num_trainer_ranks: int, engine_tp_size: int, bucket_bytes: int,
+def handshake(transport: "Transport", *, num_trainer_ranks: int, engine_tp_size: int,
               layout: Optional[Callable[[], RankLayout]] = None,
-              replica: Optional[Callable[[list[RankLayout]], Optional[PlanInputs]]] = None,
-              expected: Optional[list[TensorMeta]] = None) -> TransferPlan:
-    """Run the three steps; return the transfer plan every rank agreed on.
+              trainer: Optional[Callable[[], TrainerSide]] = None,
+              expected: Optional[list[TensorMeta]] = None) -> Schedule:
+    """Run both steps; return the schedule every rank agreed on.
 
-    Inference ranks pass `layout` (their rank's) and `expected` (what their engine loads);
-    trainer ranks pass `replica(rank layouts)`, which builds this rank's replica (collective
-    over the trainer job) and returns the plan inputs on trainer rank 0 (None elsewhere).
-    `engine_tp_size` groups inference ranks into engines (labels in the plan only).
+    Inference ranks pass `layout` (their rank's) and `expected` (what their engine loads); trainer ranks
+    pass `trainer()`, what they publish. `engine_tp_size` groups inference ranks into engines.
     """
     published = exchange(transport, "publishing the engines' layouts",
                          lambda: layout().to_wire() if layout is not None else None)
     layouts = [RankLayout.from_wire(wire) for wire in published[num_trainer_ranks:]]
-    inputs = exchange(transport, "building the trainer's distributed replica",
-                      lambda: _wire(replica(layouts)) if replica is not None else None)[0]
-    if inputs is None:
-        raise AgreedFailure("P2P start-up: building the trainer's distributed replica",
-                            [(0, "trainer rank 0 published no plan inputs")])
-    plan_inputs = PlanInputs.from_wire(inputs)
-    specs = {s.name: s for s in plan_inputs.specs}
+    sides = [TrainerSide.from_wire(w) for w in exchange(
+        transport, "publishing the trainer's ranks and units",
+        lambda: trainer().to_wire() if trainer is not None else None)[:num_trainer_ranks]]
+    first = sides[0]
+    if first.specs is None or first.options is None:
+        raise AgreedFailure("P2P start-up: publishing the trainer's ranks and units",
+                            [(0, "trainer rank 0 published no tensor specs or schedule options")])
+    specs = {s.name: s for s in first.specs}
     for index, rank_layout in enumerate(layouts):  # the same check, and error, on every rank
         rank_layout.check_against(specs, who=f"inference rank {index}")
-    plan = build_transfer_plan(plan_inputs.specs, plan_inputs.holders,
-                               fleet_receivers(layouts, engine_tp_size), bucket_bytes)
-    agree_on_plan(transport, plan.digest(), coverage_problem(list(plan.tensors), expected) if expected else None)
-    return plan
-
-
-def _wire(inputs: Optional[PlanInputs]) -> Optional[dict]:
-    return None if inputs is None else inputs.to_wire()
+    units = [u for side in sorted(sides, key=lambda s: s.rank.pp) if side.units for u in side.units]
+    schedule = build_schedule(units, [s.rank for s in sides], first.specs, inference_ranks(layouts, engine_tp_size),
+                              first.options)
+    agree_on_plan(transport, schedule.digest(), coverage_problem(list(schedule.tensors), expected) if expected else None)
+    return schedule

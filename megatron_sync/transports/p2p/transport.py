@@ -6,11 +6,13 @@ rank = its rank in the trainer job (torch.distributed's default group); the N in
 ranks come after them. Both jobs meet at the drivers' sync session (its join handshake);
 the inference side, which knows only its own size, reads the trainer's from the session.
 
-Bytes move with a `ByteMover` chosen by `weight_sync.p2p_backend`: "torch" (point-to-point on
-this transport's group, gloo or NCCL as `backend` says) or "mooncake" (Mooncake Transfer
-Engine writes into the receivers' registered staging memory; `p2p_protocol` tcp or rdma).
-Agreement and control (sync v, stop, metrics reports) run on the group and its store,
-as for broadcast. The start-up handshake, the sender and the receiver are in `megatron_sync.transports.p2p`.
+Bytes move with a `ByteMover` chosen by `weight_sync.p2p_backend`: "nixl" (NIXL agents over UCX write
+from each trainer rank's registered arena into each receiver's registered window, device memory to device
+memory where the NICs allow), "mooncake" (Mooncake Transfer Engine's one-sided writes; `p2p_protocol` tcp or
+rdma) or "torch" (point-to-point on this transport's group, gloo or NCCL as `backend` says). Agreement and
+control (sync v, stop, reports of rounds, window releases) run on the group and its store, as for
+broadcast. The schedule (`schedule`, `build`, `balance`, `holders`), the start-up handshake, the sender
+(`sender`, `walk`, `writer`) and the receiver (`receiver`, `rounds`) are in this package.
 
 Failure: a rank that fails but lives (a conversion error, a corrupt range, a failed load)
 makes every rank raise SyncAbortedError; the engines keep the previous version and the next
@@ -29,8 +31,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_sync.transports.p2p.endpoints import P2PReceiver, P2PSender
-from megatron_sync.transports.p2p.movers import ByteMover, MooncakeMover, TorchP2PMover
+from megatron_sync.transports.p2p.movers import ByteMover
+from megatron_sync.transports.p2p.notices import receiver, trainer
+from megatron_sync.transports.p2p.receiver import P2PReceiver
+from megatron_sync.transports.p2p.sender import P2PSender
 from megatron_sync.trainer.stream import MegatronWeightStream
 from megatron_sync.transports.base import Commit, Receiver, Sender, Transport
 from megatron_sync.session.control import StoreControlChannel
@@ -48,21 +52,32 @@ GROUP_NAME = "megatron_sync_p2p"
 
 
 def _torch_mover(transport: "P2PTransport", config: "WeightSyncConfig") -> ByteMover:
+    from megatron_sync.transports.p2p.movers.torch_p2p import TorchMover
+
     trainers = transport.num_trainer_ranks
-    peers = {("sender", s): s for s in range(trainers)}
-    peers.update({("receiver", i): trainers + i for i in range(transport.world_size - trainers)})
-    return TorchP2PMover(transport.group, peers)
+    ranks = {trainer(s): s for s in range(trainers)}
+    ranks.update({receiver(i): trainers + i for i in range(transport.world_size - trainers)})
+    return TorchMover(transport.group, ranks)
 
 
 def _mooncake_mover(transport: "P2PTransport", config: "WeightSyncConfig") -> ByteMover:
+    from megatron_sync.transports.p2p.movers.mooncake import MooncakeMover
+
     return MooncakeMover(transport.group.board, hostname=config.p2p_local_hostname or socket.gethostname(),
                          protocol=config.p2p_protocol, device_name=config.p2p_device_name,
-                         timeout_s=config.timeout_s)
+                         timeout_s=config.timeout_s, device=transport.group.device)
+
+
+def _nixl_mover(transport: "P2PTransport", config: "WeightSyncConfig") -> ByteMover:
+    from megatron_sync.transports.p2p.movers.nixl import NixlMover
+
+    return NixlMover(transport.group.board, timeout_s=config.timeout_s, device=transport.group.device)
 
 
 MOVERS: dict[str, Callable[["P2PTransport", "WeightSyncConfig"], ByteMover]] = {
-    "torch": _torch_mover,
+    "nixl": _nixl_mover,
     "mooncake": _mooncake_mover,
+    "torch": _torch_mover,
 }
 """Byte movers by `weight_sync.p2p_backend`."""
 
@@ -106,7 +121,7 @@ class P2PTransport(Transport):
     """One endpoint of the P2P transport: a trainer rank (any) or an inference rank."""
 
     name = "p2p"
-    shares = ("checksum", "p2p_backend", "p2p_protocol")  # every range is checked; one mover (and protocol)
+    shares = ("checksum", "p2p_backend", "p2p_protocol")  # every piece is checked; one mover (and protocol)
 
     @classmethod
     def trainer_joins(cls, layout: "ParallelLayout") -> bool:
@@ -147,14 +162,14 @@ class P2PTransport(Transport):
         return self.group.all_gather_json(obj)
 
     def alloc(self, nbytes: int) -> torch.Tensor:
-        return self.mover.staging_buffer(nbytes)
+        return self.mover.alloc(nbytes)
 
     @classmethod
     def make_sender(cls, transport: Optional["Transport"], stream: "HFWeightStream",
                     config: "WeightSyncConfig", keep_together: "KeepTogether") -> Sender:
         """Return this trainer rank's P2P sender (collective: the start-up handshake).
 
-        keep_together does not apply: no bucket holds more than one sender's ranges.
+        keep_together does not apply: every piece of every tensor is written by itself.
         """
         if not isinstance(stream, MegatronWeightStream):
             raise TypeError(f"transport 'p2p' gathers each rank's share from the Megatron chunks itself; it needs "
@@ -169,7 +184,7 @@ class P2PTransport(Transport):
         return P2PReceiver(self, engine, config, commit)
 
     def stop_transfers(self) -> None:
-        self.group.close_backend()  # the torch mover's sends and receives; Mooncake receivers wait on reports
+        self.group.close_backend()  # the torch mover's sends and receives; one-sided receivers wait on reports
 
     def close(self) -> None:
         if self.mover is not None:

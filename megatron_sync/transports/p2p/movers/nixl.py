@@ -1,0 +1,114 @@
+"""NIXL over UCX: one-sided writes from registered memory, host (DRAM) or GPU (VRAM) alike.
+
+Each process runs one NIXL agent. A window is published as the agent's name and metadata (base64) with
+the window's address, memory type and device; a writer adds the remote agent once, then each write is one
+NIXL transfer of (address, bytes) descriptor lists that it polls (`check_xfer_state`) until done. From a
+GPU arena into a GPU window UCX uses GPUDirect RDMA where the NIC offers it; on a CPU host the same calls
+run over UCX's TCP transport (set `UCX_TLS=tcp` and `UCX_NET_DEVICES=lo` for loopback) or shared memory.
+"""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from typing import Any
+
+import torch
+
+from megatron_sync.core.errors import PeerFailureError
+from megatron_sync.core.wait import poll
+from megatron_sync.transports.p2p.movers import Pending
+from megatron_sync.transports.p2p.movers.one_sided import Board, OneSidedMover
+
+
+def _agent_class():
+    try:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as e:
+            raise ImportError(f"the NIXL backend needs NIXL ({e}); install nixl-cu12 (or nixl) and, on a host "
+                              "without RDMA, run UCX over TCP (UCX_TLS=tcp)") from e
+    return nixl_agent, nixl_agent_config
+
+
+def _memory_type(device: torch.device) -> tuple[str, int]:
+    return ("VRAM", device.index or 0) if device.type == "cuda" else ("DRAM", 0)
+
+
+class _Transfer:
+    """One NIXL write in flight; its handle is released once it ended."""
+
+    def __init__(self, mover: "NixlMover", handle: Any, what: str) -> None:
+        self._mover, self._handle, self._what, self._state = mover, handle, what, "PROC"
+
+    def done(self) -> bool:
+        if self._handle is not None:
+            self._state = self._mover.agent.check_xfer_state(self._handle)
+            if self._state in ("DONE", "ERR"):
+                self._mover.agent.release_xfer_handle(self._handle)
+                self._handle = None
+        if self._state == "ERR":
+            raise PeerFailureError(f"{self._what} failed in NIXL; the peer is gone or its window is not registered")
+        return self._state == "DONE"
+
+    def wait(self, timeout_s: float) -> None:
+        poll(self.done, within=timeout_s, what=self._what, max_pause_s=0.01,
+             timeout=lambda waited: PeerFailureError(f"{self._what} did not complete within {waited:.3g}s"))
+
+
+class NixlMover(OneSidedMover):
+    """One-sided writes through a NIXL agent (see the module doc)."""
+
+    name = "nixl"
+
+    def __init__(self, board: Board, *, timeout_s: float = 300.0, prefix: str = "p2p/nixl",
+                 device: torch.device = torch.device("cpu"), backends: tuple[str, ...] = ("UCX",)) -> None:
+        super().__init__(board, prefix=prefix, timeout_s=timeout_s)
+        agent_cls, config_cls = _agent_class()
+        self.agent_name = f"megatron-sync-{uuid.uuid4().hex[:12]}"
+        self.agent = agent_cls(self.agent_name, config_cls(backends=list(backends)))
+        self.device = device
+        self._memory_type = _memory_type(device)
+        self._remote: dict[str, str] = {}  # agent name -> the name NIXL gave it here
+
+    def _register(self, memory: torch.Tensor) -> Any:
+        kind, device = self._memory_type
+        return self.agent.register_memory([(memory.data_ptr(), memory.numel(), device, "")], kind)
+
+    def _unregister(self, handle: Any) -> None:
+        self.agent.deregister_memory(handle)
+
+    def _whoami(self, memory: torch.Tensor) -> dict:
+        kind, device = self._memory_type
+        return {"agent": self.agent_name, "meta": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+                "mem": kind, "dev": device}
+
+    def _remote_agent(self, peer: dict) -> str:
+        if peer["agent"] not in self._remote:
+            self._remote[peer["agent"]] = self.agent.add_remote_agent(base64.b64decode(peer["meta"]))
+        return self._remote[peer["agent"]]
+
+    def _start_write(self, peer, sources, destinations, lengths, memory, target) -> Pending:
+        kind, device = self._memory_type
+        local = self.agent.get_xfer_descs([(a, n, device) for a, n in zip(sources, lengths)], kind)
+        remote = self.agent.get_xfer_descs([(a, n, peer["dev"]) for a, n in zip(destinations, lengths)], peer["mem"])
+        what = f"NIXL write of {sum(lengths)} bytes to {target}"
+        try:
+            handle = self.agent.initialize_xfer("WRITE", local, remote, self._remote_agent(peer))
+            state = self.agent.transfer(handle)
+        except Exception as e:  # noqa: BLE001 — NIXL raises its own types; re-raised as the peer failing
+            raise PeerFailureError(f"{what} could not start: {type(e).__name__}: {e}") from e
+        if state == "ERR":
+            raise PeerFailureError(f"{what} could not start")
+        return _Transfer(self, handle, what)
+
+    def close(self) -> None:
+        for name in self._remote.values():
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001 — the peer may be gone; nothing else to release for it
+                pass
+        self._remote = {}
+        super().close()

@@ -1,0 +1,96 @@
+"""What P2P endpoints tell each other beside the bytes: reports of a round's pieces, and window releases.
+
+On the control board (the transport group's store), under keys that carry the version and the attempt
+(a version that failed is sent again under the same number and must not read the old notices):
+
+- a report, from a writer to a receiver once its writes of one round landed: the checksum of every piece
+  and the bytes its mover wrote, or the error that stopped it (the receiver then aborts at once instead of
+  waiting out `timeout_s`); a forwarder relays the trainer's checksums in its own report;
+- a release, from a receiver with a bounded window once a round was verified, copied out and forwarded:
+  writers may then write the next round into that window; `abort` tells them the receiver gave up.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+ABORT = b"abort"
+
+
+class Board(Protocol):
+    """The control board notices travel on (`session.group.StoreBoard`)."""
+
+    timeout_s: float
+
+    def post(self, key: str, value: bytes) -> None: ...
+
+    def fetch(self, key: str, timeout_s: Optional[float] = None) -> bytes: ...
+
+    def delete(self, key: str) -> None: ...
+
+
+def trainer(rank: int) -> str:
+    """Return the endpoint name of trainer rank `rank`."""
+    return f"trainer/{rank}"
+
+
+def receiver(index: int) -> str:
+    """Return the endpoint name of inference rank `index` (where writes to it land)."""
+    return f"receiver/{index}"
+
+
+@dataclass
+class Report:
+    """What a writer tells a receiver about one round: checksums by piece index, bytes moved, or an error."""
+
+    checksums: dict[int, int] = field(default_factory=dict)
+    nbytes: int = 0
+    error: Optional[str] = None
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"checksums": sorted(self.checksums.items()), "bytes": self.nbytes,
+                           "error": self.error}).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> "Report":
+        d = json.loads(raw)
+        return cls({int(i): int(s) for i, s in d["checksums"]}, int(d["bytes"]), d["error"])
+
+
+@dataclass(frozen=True)
+class Notices:
+    """The keys of one sync attempt of `version` on `board`."""
+
+    board: Board
+    version: int
+    attempt: int
+
+    def _key(self, *parts: object) -> str:
+        return "/".join(["p2p", f"v{self.version}.{self.attempt}", *map(str, parts)])
+
+    def report(self, source: str, to: int, round_: int, report: Report) -> None:
+        """Post `source`'s report of `round_` to receiver `to`."""
+        self.board.post(self._key("report", to, round_, source), report.to_bytes())
+
+    def take_report(self, source: str, to: int, round_: int, timeout_s: float) -> Report:
+        """Return (and delete) `source`'s report of `round_` to receiver `to`, waiting up to `timeout_s`."""
+        key = self._key("report", to, round_, source)
+        report = Report.from_bytes(self.board.fetch(key, timeout_s))
+        self.board.delete(key)
+        return report
+
+    def release(self, index: int, round_: int, value: bytes = b"ok") -> None:
+        """Post that receiver `index` is done with `round_` of its window (`ABORT`: it gave up)."""
+        self.board.post(self._key("release", index, round_), value)
+
+    def released(self, index: int, round_: int, timeout_s: float) -> bool:
+        """Wait until receiver `index` released `round_`; return False when it gave up instead."""
+        return self.board.fetch(self._key("release", index, round_), timeout_s) != ABORT
+
+    def forget_releases(self, index: int, rounds: int) -> None:
+        """Delete receiver `index`'s releases of this attempt (every writer is past them once the ranks
+        agreed on the version), so they do not pile up in the store."""
+        for round_ in range(rounds):
+            self.board.delete(self._key("release", index, round_))

@@ -1,0 +1,169 @@
+"""An inference rank's receive of one version, round by round: land, verify, forward, copy out, release.
+
+The bytes land in this rank's registered window: the target staging set itself (the default: nothing is
+copied), or a bounded window (a NIC that cannot register a whole shard) whose rounds are copied into the
+target set one by one. For each round the rank waits for the reports of everyone writing into it (the
+trainer ranks holding its pieces, or the engine rank it is chained behind), checks every piece's checksum
+where the bytes lie (on the GPU with `wsum64`), forwards the round from its window to the engine rank
+chained behind it (relaying the trainer's checksums, so the end of the chain checks against the source),
+copies a bounded window's round out and releases it. Verifying round r overlaps round r + 1 arriving.
+
+A sender's error report or a piece that does not match raises a SyncError (the version is then aborted on
+every rank, nothing applied); before raising, this rank tells whoever waits on it: the rank behind it gets
+the error as its report, writers into a bounded window get `abort` as its release. A writer that stays
+silent past `timeout_s` raises PeerFailureError.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from megatron_sync.core.checksum import checksum
+from megatron_sync.core.errors import CorruptBucketError, PeerFailureError, SenderFailedError, SyncError
+from megatron_sync.transports.p2p.movers import ByteMover, Span
+from megatron_sync.transports.p2p.notices import ABORT, Notices, Report, receiver, trainer
+from megatron_sync.transports.p2p.schedule import TRAINER, Piece, Schedule
+
+
+@dataclass
+class ReceiveStats:
+    """What one rank received (and forwarded) in one version."""
+
+    bytes_per_peer: dict[str, int] = field(default_factory=dict)
+    forwarded: int = 0
+    pieces: int = 0
+    checksum_seconds: float = 0.0
+    copy_seconds: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        """Return the bytes received from every writer together."""
+        return sum(self.bytes_per_peer.values())
+
+
+class RoundReceiver:
+    """Inference rank `index`'s part of every version of `schedule` (see the module doc).
+
+    `window` is the registered memory writes land in: both staging sets (an unbounded window; a version's
+    pieces land in its target set, `base` bytes in) or a separate bounded window.
+    """
+
+    def __init__(self, schedule: Schedule, index: int, mover: ByteMover, window: torch.Tensor, *,
+                 algorithm: str, timeout_s: float) -> None:
+        self.schedule, self.index, self.mover, self.window = schedule, index, mover, window
+        self.algorithm, self.timeout_s = algorithm, timeout_s
+        self.bounded = bool(schedule.options.window_bytes)
+        self.feed, self.next = schedule.feeds[index], schedule.successor(index)
+        self.rounds = schedule.rounds[index]
+        self._pieces = [schedule.round_pieces(index, r) for r in range(self.rounds)]
+
+    def receive_version(self, notices: Notices, target: torch.Tensor, base: int,
+                        next_base: Optional[int] = None) -> ReceiveStats:
+        """Receive every round into `target` (this version's staging set, `base` bytes into an unbounded
+        window); `next_base`: where the same set starts in the window of the rank chained behind."""
+        stats = ReceiveStats()
+        at = 0 if self.bounded else base
+        # A two-sided mover's receives are posted for the whole version at once; every one is matched, by the
+        # bytes or a failed writer's filler. (In a bounded window rounds share places: a writer sends round
+        # r + 1 only after round r was released, so the bytes still land in order.)
+        posted = {r: self._expect(r, at) for r in range(self.rounds)} if self.mover.two_sided else {}
+        round_ = 0
+        try:
+            for round_ in range(self.rounds):
+                self._round(round_, notices, target, at, next_base, stats, posted.pop(round_, []))
+        except SyncError as e:
+            self._give_up(notices, round_, f"inference rank {self.index}: {type(e).__name__}: {e}", next_base,
+                          [p for rest in posted.values() for p in rest])
+            raise
+        return stats
+
+    def _expect(self, round_: int, at: int) -> list:
+        return [self.mover.expect(source, self.window, [Span(0, at + p.window, p.nbytes) for p in mine])
+                for source, mine in self._sources(round_).items()]
+
+    def _round(self, round_: int, notices: Notices, target: torch.Tensor, at: int, next_base: Optional[int],
+               stats: ReceiveStats, posted: list) -> None:
+        pieces = self._pieces[round_]
+        sums: dict[int, int] = {}
+        failed = []
+        for source in self._sources(round_):
+            report = notices.take_report(source, self.index, round_, self.timeout_s)
+            if report.error is not None:
+                failed.append(f"{source} failed while sending version {notices.version}: {report.error}")
+            sums.update(report.checksums)
+            stats.bytes_per_peer[source] = stats.bytes_per_peer.get(source, 0) + report.nbytes
+        for pending in posted:  # the bytes, or a failed writer's filler
+            pending.wait(self.timeout_s)
+        if failed:
+            raise SenderFailedError("; ".join(failed))
+        started = time.perf_counter()
+        self._verify(pieces, sums, at)
+        stats.checksum_seconds += time.perf_counter() - started
+        stats.pieces += len(pieces)
+        if self.next is not None:
+            stats.forwarded += self._forward(round_, notices, pieces, sums, at, next_base)
+        if self.bounded:
+            started = time.perf_counter()
+            for p in pieces:
+                target[p.dst:p.dst + p.nbytes].copy_(self.window[p.window:p.window + p.nbytes])
+            stats.copy_seconds += time.perf_counter() - started
+            notices.release(self.index, round_)
+
+    def _sources(self, round_: int) -> dict[str, list[Piece]]:
+        """Return who writes into this round, with their pieces in the order they write them."""
+        if self.feed != TRAINER:
+            return {receiver(self.feed): self._pieces[round_]}
+        by_sender: dict[str, list[Piece]] = {}
+        for p in self._pieces[round_]:
+            by_sender.setdefault(trainer(p.sender), []).append(p)
+        return by_sender
+
+    def _verify(self, pieces: list[Piece], sums: dict[int, int], at: int) -> None:
+        if self.algorithm == "none":
+            return
+        for p in pieces:
+            if p.index not in sums:
+                raise CorruptBucketError(f"inference rank {self.index}: no checksum was reported for piece {p.index}"
+                                         f" of {p.name}; nothing is applied")
+            if checksum(self.window[at + p.window:at + p.window + p.nbytes], self.algorithm) != sums[p.index]:
+                raise CorruptBucketError(
+                    f"inference rank {self.index}: piece {p.index} of {p.name} (rows {p.row}..{p.row + p.rows - 1}, "
+                    f"{p.nbytes} bytes from trainer rank {p.sender}) does not match its checksum; nothing is applied")
+
+    def _forward(self, round_: int, notices: Notices, pieces: list[Piece], sums: dict[int, int], at: int,
+                 next_base: Optional[int]) -> int:
+        """Write this round from the window into the next rank's window; report it with the trainer's sums."""
+        if self.bounded and round_ > 0 and not notices.released(self.next, round_ - 1, self.timeout_s):
+            raise SenderFailedError(f"inference rank {self.next}, chained behind this one, gave up on version "
+                                    f"{notices.version}")
+        there = 0 if self.bounded else (next_base or 0)
+        spans = [Span(at + p.window, there + p.window, p.nbytes) for p in pieces]
+        before = self.mover.bytes_written.get(receiver(self.next), 0)
+        self.mover.write(receiver(self.next), self.window, spans).wait(self.timeout_s)
+        moved = self.mover.bytes_written.get(receiver(self.next), 0) - before
+        notices.report(receiver(self.index), self.next, round_, Report(sums, moved))
+        return moved
+
+    def _give_up(self, notices: Notices, failed_round: int, error: str, next_base: Optional[int],
+                 posted: list) -> None:
+        """Tell whoever waits on this rank that it stopped: the rank behind it (filler for its posted receives
+        of a two-sided mover, and the error for every round left), a bounded window's writers (`abort`); then
+        take what the writers still send into this version's receives."""
+        try:
+            if self.next is not None:
+                there = 0 if self.bounded else (next_base or 0)
+                for round_ in range(failed_round, self.rounds):
+                    spans = [Span(p.window, there + p.window, p.nbytes) for p in self._pieces[round_]]
+                    self.mover.abandon(receiver(self.next), self.window, spans).wait(self.timeout_s)
+                    notices.report(receiver(self.index), self.next, round_, Report(error=error))
+            if self.bounded:
+                for round_ in range(failed_round, self.rounds):
+                    notices.release(self.index, round_, ABORT)
+            for pending in posted:
+                pending.wait(self.timeout_s)
+        except PeerFailureError:
+            pass  # a peer or the store is gone: everyone waiting fails on it by itself

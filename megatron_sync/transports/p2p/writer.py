@@ -1,0 +1,200 @@
+"""A trainer rank's writes of one version: stage each piece in the arena, checksum it there, write it out.
+
+As the walk hands over each converted tensor, its pieces are copied into this rank's registered arena
+(the one copy on the sending side; on a GPU a device copy), checksummed where they lie, and every message
+whose last piece is staged is posted at once, so conversion, staging and checksums overlap the wire. Once
+all writes of one (receiver, round) landed, its report goes out (checksums and bytes), so the receiver can
+verify and forward that round while later ones travel. Before reusing arena space, and before writing a
+bounded window's next round, the writer waits for its earlier writes (posting the reports they complete) and
+then for the receiver's release: every wait is on something earlier in schedule order, so none is circular.
+
+A failure that leaves the transport usable (a conversion error, a write refused) is reported to every
+receiver still expecting this rank's pieces, so they abort at once; a peer that is gone raises
+PeerFailureError.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional
+
+import torch
+
+from megatron_sync.core.checksum import checksum
+from megatron_sync.core.errors import PeerFailureError, SenderFailedError
+from megatron_sync.transports.p2p.movers import ByteMover, Pending, Span
+from megatron_sync.transports.p2p.notices import Notices, Report, receiver, trainer
+from megatron_sync.transports.p2p.schedule import Message, Piece, Schedule
+
+Group = tuple[int, int]  # (receiver, round)
+
+
+@dataclass
+class WriteStats:
+    """What one rank wrote in one version: bytes per receiver, pieces, seconds spent checksumming."""
+
+    bytes_per_peer: dict[int, int] = field(default_factory=dict)
+    pieces: int = 0
+    checksum_seconds: float = 0.0
+    stage_seconds: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        """Return the bytes written to every receiver together."""
+        return sum(self.bytes_per_peer.values())
+
+
+class ShareWriter:
+    """Trainer rank `rank`'s part of every version of `schedule`, through `mover` from `arena`."""
+
+    def __init__(self, schedule: Schedule, rank: int, mover: ByteMover, arena: torch.Tensor, *,
+                 algorithm: str, timeout_s: float) -> None:
+        self.schedule, self.rank, self.mover, self.arena = schedule, rank, mover, arena
+        self.algorithm, self.timeout_s = algorithm, timeout_s
+        self.bounded = bool(schedule.options.window_bytes)
+        self.queue = schedule.sender_queue(rank)
+        self.by_name: dict[str, list[Piece]] = {}
+        for p in self.queue:
+            self.by_name.setdefault(p.name, []).append(p)
+        self.ending: dict[int, Message] = {m.pieces[-1]: m for m in schedule.sender_messages(rank)}
+        self.group_size: dict[Group, int] = {}
+        for m in schedule.sender_messages(rank):
+            self.group_size[(m.receiver, m.round)] = self.group_size.get((m.receiver, m.round), 0) + 1
+
+    @property
+    def names(self) -> set[str]:
+        """Return the HF tensors this rank sends pieces of."""
+        return set(self.by_name)
+
+    def write_version(self, tensors: Iterable[tuple[str, torch.Tensor]], notices: Notices,
+                      set_offsets: Mapping[int, int]) -> WriteStats:
+        """Stage, checksum and write every piece of this rank as `tensors` yields them; report each round."""
+        run = _Run(self, notices, set_offsets)
+        try:
+            for name, full in tensors:
+                for piece in self.by_name.get(name, ()):
+                    run.stage(piece, full)
+            run.finish()
+        except PeerFailureError:
+            raise
+        except Exception as e:  # noqa: BLE001 — every receiver waiting on this rank is told, then it is raised
+            run.give_up(f"trainer rank {self.rank}: {type(e).__name__}: {e}")
+            raise
+        return run.stats
+
+    def fail_version(self, notices: Notices, error: str) -> None:
+        """Tell every receiver of this rank that it sends nothing of this version (`error` says why)."""
+        _Run(self, notices, {}).give_up(error)
+
+
+class _Run:
+    """The state of one version's writes on one rank."""
+
+    def __init__(self, writer: ShareWriter, notices: Notices, set_offsets: Mapping[int, int]) -> None:
+        self.w, self.notices, self.set_offsets = writer, notices, set_offsets
+        self.stats = WriteStats()
+        self.sums: dict[Group, dict[int, int]] = {}
+        self.moved: dict[Group, int] = {}
+        self.pending: list[tuple[Message, Pending]] = []
+        self.completed: dict[Group, int] = {}
+        self.reported: set[Group] = set()
+        self.arena_round = 0
+        self.window_round: dict[int, int] = {}  # receiver -> the round last released for our writes
+        self.aborted: set[int] = set()  # receivers that gave up on this version
+        self.posted: set[int] = set()  # messages written
+
+    def stage(self, piece: Piece, full: torch.Tensor) -> None:
+        """Copy `piece` into the arena, checksum it, and post its message if it is the last piece of one."""
+        if piece.arena_round != self.arena_round:
+            self.settle(wait=True)  # the arena space is reused: every write from it must have landed
+            self.arena_round = piece.arena_round
+        slot = self.w.arena[piece.arena:piece.arena + piece.nbytes]
+        started = time.perf_counter()
+        slot.copy_(piece.source(full))
+        staged = time.perf_counter()
+        group = (piece.receiver, piece.round)
+        self.sums.setdefault(group, {})[piece.index] = checksum(slot, self.w.algorithm)
+        self.stats.stage_seconds += staged - started
+        self.stats.checksum_seconds += time.perf_counter() - staged
+        self.stats.pieces += 1
+        message = self.w.ending.get(piece.index)
+        if message is not None:
+            self.post(message)
+        self.settle(wait=False)
+
+    def post(self, message: Message) -> None:
+        """Write `message` (after the receiver released the previous round of a bounded window)."""
+        to = message.receiver
+        if to in self.aborted or not self._window_free(to, message.round):
+            return
+        self.pending.append((message, self.w.mover.write(receiver(to), self.w.arena, self._spans(message))))
+        self.posted.add(message.index)
+
+    def _spans(self, message: Message) -> list[Span]:
+        base = 0 if self.w.bounded else self.set_offsets.get(message.receiver, 0)
+        return [Span(p.arena, base + p.window, p.nbytes) for p in (self.w.schedule.pieces[i] for i in message.pieces)]
+
+    def _window_free(self, to: int, round_: int) -> bool:
+        if not self.w.bounded or round_ == 0 or self.window_round.get(to, -1) >= round_ - 1:
+            return True
+        self.settle(wait=True)  # our reports of the earlier rounds must be out before we wait on them
+        if not self.notices.released(to, round_ - 1, self.w.timeout_s):
+            self.aborted.add(to)
+            return False
+        self.window_round[to] = round_ - 1
+        return True
+
+    def settle(self, *, wait: bool) -> None:
+        """Take the writes that landed (in posting order; all of them with `wait`), and post every report
+        whose round's writes all landed."""
+        while self.pending:
+            message, pending = self.pending[0]
+            if wait:
+                pending.wait(self.w.timeout_s)
+            elif not pending.done():
+                break
+            self.pending.pop(0)
+            group = (message.receiver, message.round)
+            self.completed[group] = self.completed.get(group, 0) + 1
+            self.moved[group] = self.moved.get(group, 0) + message.nbytes
+            if self.completed[group] == self.w.group_size[group]:
+                self._report(group)
+
+    def _report(self, group: Group) -> None:
+        to, round_ = group
+        self.notices.report(trainer(self.w.rank), to, round_, Report(self.sums.get(group, {}), self.moved[group]))
+        self.reported.add(group)
+        self.stats.bytes_per_peer[to] = self.stats.bytes_per_peer.get(to, 0) + self.moved[group]
+
+    def finish(self) -> None:
+        """Wait for every write; fail when a receiver gave up (its abort is agreed on by every rank)."""
+        self.settle(wait=True)
+        if self.aborted:
+            raise SenderFailedError(f"trainer rank {self.w.rank}: inference ranks {sorted(self.aborted)} gave up "
+                                    "on this version")
+        missing = set(self.w.group_size) - self.reported
+        if missing:
+            raise AssertionError(f"trainer rank {self.w.rank} never reported {sorted(missing)}")
+
+    def give_up(self, error: str) -> None:
+        """Send filler for every message not written (a two-sided receiver posted its receives), then report
+        `error` for every round of every receiver not reported yet."""
+        gone: set[int] = set()
+        for message in self.w.schedule.sender_messages(self.w.rank):
+            if message.index not in self.posted and message.receiver not in gone | self.aborted:
+                try:
+                    self.pending.append((message, self.w.mover.abandon(receiver(message.receiver), self.w.arena,
+                                                                       self._spans(message))))
+                except PeerFailureError:
+                    gone.add(message.receiver)  # that receiver is gone; the others still get filler
+        for message, pending in self.pending:
+            try:
+                pending.wait(self.w.timeout_s)
+            except PeerFailureError:
+                pass  # that receiver is gone; the others still get the error below
+        self.pending = []
+        for group in sorted(set(self.w.group_size) - self.reported):
+            to, round_ = group
+            self.notices.report(trainer(self.w.rank), to, round_, Report(error=error))
+            self.reported.add(group)
