@@ -115,12 +115,22 @@ def _shard_bytes(shards: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in shards.values())
 
 
+UCX_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}  # NIXL over real sockets on loopback
+
 CASES = [
+    pytest.param("nixl", dict(spec={"family": "qwen3"}, layout={"tp": 2}, engine_tp=1, versions=2, env=UCX_TCP),
+                 id="tp2-into-tp1-nixl"),
     pytest.param("torch", dict(spec={"family": "qwen3_moe", "num_kv_heads": 1}, layout={"ep": 2}, engine_tp=2,
                                versions=2), id="ep2-into-tp2-replicated-kv-torch"),
     # One version: a CPU training step of MoE under TP>1 needs sequence parallelism (TE norms).
     pytest.param("mooncake", dict(spec={"family": "qwen3_moe"}, layout={"tp": 2, "ep": 2}, engines=2, engine_tp=1,
-                                  versions=1), id="tp2-ep2-into-two-engines-mooncake"),
+                                  versions=1), id="tp2-ep2-into-two-chained-engines-mooncake"),
+    pytest.param("nixl", dict(spec={"family": "llama", "num_kv_heads": 1}, layout={"pp": 2}, engines=3, engine_tp=2,
+                              versions=2, env=UCX_TCP), id="pp2-into-three-chained-engines-replicated-kv-nixl"),
+    # Registered memory smaller than a shard: the arena and the window are reused round by round.
+    pytest.param("nixl", dict(spec={"family": "qwen3_moe"}, layout={"ep": 2}, engine_tp=2, versions=2, env=UCX_TCP,
+                              weight_sync={"p2p_arena_mb": 0.03, "p2p_window_mb": 0.025}),
+                 id="ep2-bounded-arena-and-window-nixl"),
 ]
 
 
@@ -182,6 +192,8 @@ def test_p2p_syncs_exact_shards_and_only_shard_bytes_through_the_drivers(backend
     # The schedule: every trainer rank writes a part, none everything, the busiest about the mean.
     scheduled = [t["share"]["scheduled"] for t in trainers]
     assert sum(scheduled) == trainers[0]["share"]["egress"] and all(0 < b < sum(scheduled) for b in scheduled)
+    for t in trainers:  # gathered bytes alive at once: the gather budget plus the largest tensor, at most
+        assert t["share"]["gather_peak"] <= t["share"]["gather_budget"] + t["share"]["largest"], t["share"]
     print(f"\n[{case['layout']} -> {case.get('engines', 1)} engine(s) TP={case['engine_tp']}, {backend}] "
           f"bytes written per trainer rank {scheduled} (busiest {trainers[0]['share']['busiest_over_mean']:.3f} x "
           f"the mean); received per inference rank {[json.loads(m)['bytes'] for m in trainers[0]['received'][0]]}"

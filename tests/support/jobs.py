@@ -55,6 +55,7 @@ def sync_config(case: dict):
 
 
 def _setup(case: dict) -> None:
+    os.environ.update(case.get("env", {}))  # e.g. UCX_TLS for NIXL, read when its agent starts
     for module in case.get("imports", ()):
         importlib.import_module(module)
 
@@ -158,7 +159,9 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     if isinstance(sender, P2PSender):  # P2P: what this rank writes per version, and its arena
         out["share"] = {"arena": sender.arena.numel(), "scheduled": sender.schedule.bytes_from_sender()[rank],
                         "egress": sender.schedule.trainer_egress(), "busiest_over_mean":
-                        sender.schedule.balance.busiest_over_mean()}
+                        sender.schedule.balance.busiest_over_mean(), "gather_peak": sender.stream.tracker.peak,
+                        "largest": sender.stream.tracker.largest_tensor,
+                        "gather_budget": sender.stream.gather_budget_bytes}
     return out
 
 
