@@ -200,13 +200,83 @@ def nccl_row(device: str) -> Row:
                done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "")
 
 
+class _StoreBoard:
+    """A control board over a TCPStore, for the two processes of the NIXL check."""
+
+    timeout_s = 60.0
+
+    def __init__(self, port: int, host: bool) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore("127.0.0.1", port, None, host, timeout=datetime.timedelta(seconds=60),
+                                   wait_for_workers=False)
+
+    def post(self, key: str, value: bytes) -> None:
+        self.store.set(key, value)
+
+    def fetch(self, key: str, timeout_s: Optional[float] = None) -> bytes:
+        self.store.wait([key])
+        return self.store.get(key)
+
+
+NIXL_BYTES = 1 << 28  # a 256 MiB arena written into a 256 MiB window, in 64 spans
+
+
+def _nixl_receiver(port: int, device: str, done) -> None:
+    import torch
+
+    from megatron_sync.core.checksum import wsum64_checksum
+    from megatron_sync.transports.p2p.movers.nixl import NixlMover
+
+    board = _StoreBoard(port, host=False)
+    mover = NixlMover(board, timeout_s=60, device=torch.device(device))
+    window = mover.alloc(NIXL_BYTES)
+    window.zero_()
+    mover.expose("receiver/0", window)
+    board.fetch("written")
+    done.put(wsum64_checksum(window))  # computed on the window's device
+    mover.close()
+
+
 def nixl_row(device: str) -> Row:
-    """NIXL registers device memory and writes device to device between two agents."""
+    """NIXL registers device memory on both sides and writes a device arena into a device window: exact bytes
+    (wsum64 computed on the receiving device against the sender's) and the rate."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from megatron_sync.core.checksum import wsum64_checksum
+    from megatron_sync.transports.p2p.movers import Span
     try:
-        from megatron_sync.transports.p2p import devicecheck
+        from megatron_sync.transports.p2p.movers.nixl import NixlMover, _agent_class
+        _agent_class()
     except ImportError as e:
         return Row("P2P arena (NIXL, device memory)", f"skipped: {e}")
-    return devicecheck.nixl_device_write(device)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    board = _StoreBoard(port, host=True)
+    ctx = mp.get_context("spawn")
+    done = ctx.Queue()
+    reader = ctx.Process(target=_nixl_receiver, args=(port, device, done), daemon=True)
+    reader.start()
+    mover = NixlMover(board, timeout_s=60, device=torch.device(device))
+    arena = mover.alloc(NIXL_BYTES)
+    arena.copy_(torch.randint(0, 256, (NIXL_BYTES,), dtype=torch.uint8))
+    step = NIXL_BYTES // 64
+    spans = [Span(i * step, NIXL_BYTES - (i + 1) * step, step) for i in range(64)]  # reversed order at the peer
+    seconds = timed(lambda: mover.write("receiver/0", arena, spans).wait(60), repeat=2)
+    board.post("written", b"1")
+    expected = wsum64_checksum(torch.cat([arena[s.src:s.src + s.nbytes] for s in reversed(spans)]))
+    got = done.get(timeout=120)
+    reader.join(30)
+    mover.close()
+    kind = "VRAM" if device != "cpu" else "DRAM"
+    return Row("P2P arena (NIXL, device memory)", "ok" if got == expected else "FAILED",
+               f"{NIXL_BYTES / seconds / GB:.1f} GB/s", f"{kind} to {kind}, 256 MiB in 64 spans, wsum64 equal")
 
 
 def gather_memory_row(device: str) -> Row:

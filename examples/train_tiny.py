@@ -59,8 +59,6 @@ class Verifier:
 
     def __init__(self, job: JobConfig, sync: TrainerWeightSync, chunks: list, store):
         self.job, self.sync, self.chunks, self.store = job, sync, chunks, store
-        if job.verify.dump_dir:  # the dumps are what was sent (p2p keeps it only when asked)
-            sync.sender.keep_sent = True
         self.vocab_size = job.model_spec().vocab_size
         self.failures: list[str] = []
         self.rows = []
@@ -160,8 +158,8 @@ def fault_during(sync: TrainerWeightSync, version: int, fault: str) -> None:
         sent = send(*args)
         if at_transfer and sync.version + 1 == version and not done:  # sync.version: the last version synced
             done.append(True)
-            if sent is not None:
-                sent.wait()  # every engine rank received this bucket: they are inside the sync
+            if sent is not None:  # every engine rank received this bucket (this P2P message): they are in the sync
+                sent.wait(*(() if hasattr(transport, "send_bucket") else (sync.config.timeout_s,)))
             print(f"[trainer] fault injection: {words} while sending version {version}", flush=True)
             inject()
         return sent
@@ -207,7 +205,9 @@ def run(job: JobConfig, harness_port: int, pause_version: int = 0, faults: dict[
     optimizer = make_optimizer(model, job.train.lr)
     # Collective; with sync_on_start (the demo's default) the engines get the initial weights as version 1.
     # Leaving the block, also on SIGTERM / SIGINT, tells the engines to stop.
-    with WeightSyncCallback.from_config(job.weight_sync, model, hf_config=hf_config, layout=layout) as callback:
+    # The dumps are what was sent: a transport that keeps no copy (p2p) keeps one when asked.
+    with WeightSyncCallback.from_config(job.weight_sync, model, hf_config=hf_config, layout=layout,
+                                        keep_sent=bool(job.verify.dump_dir)) as callback:
         sync = callback.syncer
         for fault, version in (faults or {}).items():
             fault_during(sync, version, fault)

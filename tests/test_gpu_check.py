@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import gpu_check
 from bench.gpu_check import Row, exit_status, table, rows_of_report
 
@@ -51,6 +53,7 @@ def test_the_checksum_check_compares_real_bytes_and_a_raising_check_is_a_failed_
     assert failed.failed and "planted" in failed.detail
 
 
+@pytest.mark.multiproc  # the NIXL check writes from this process into a window another process exposes
 def test_without_cuda_the_script_refuses_unless_allowed_and_writes_its_table(tmp_path, capsys):
     assert gpu_check.main(["--skip-tests", "--out", str(tmp_path)]) == 2
     assert "no CUDA device" in capsys.readouterr().out
@@ -59,3 +62,5 @@ def test_without_cuda_the_script_refuses_unless_allowed_and_writes_its_table(tmp
     assert "device checksum = host checksum" in out and "skipped: no CUDA" in out
     rows = json.loads((tmp_path / "gpu-check.json").read_text())
     assert {r["check"] for r in rows} >= {"device checksum = host checksum", "CUDA IPC", "NCCL broadcast"}
+    nixl = next(r for r in rows if r["check"] == "P2P arena (NIXL, device memory)")
+    assert nixl["status"] == "ok" and "DRAM to DRAM" in nixl["detail"], nixl  # host memory here: the same path

@@ -307,7 +307,10 @@ def test_an_engine_rank_killed_mid_apply_fails_the_trainer_within_timeout_and_th
     assert log[1][1:4] == ("PeerFailureError", 1, True), log[1]
     messages.append(log[1][4])
     assert any("transport rank 3 (pid" in m and "died while this rank waited" in m for m in messages), messages
-    assert all("transport rank 3 (pid" in m or "Connection was likely closed" in m for m in messages), messages
+    # the others name the dead rank too, or the connection it (or a rank that left after it) closed, whichever
+    # their wait noticed first under load
+    assert all("transport rank 3 (pid" in m or "Connection was likely closed" in m or "Connection reset by peer" in m
+               for m in messages), messages
 
 
 @pytest.mark.gpu

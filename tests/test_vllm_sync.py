@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
 WORKERS = 2  # the server's own tensor parallelism
 PROMPTS = [[5, 17, 42, 99, 7], [3, 3, 8], [200, 1, 64, 128, 9, 31]]
 LONG_PROMPT = [(7 * i + 3) % 250 for i in range(300)]  # > one CPU KV block (128): exercises the prefix cache
+UCX_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}  # NIXL over real sockets, in the trainer and the workers
 MAX_MODEL_LEN = 8192  # the module server's context: room for generations a sync must interrupt
 LONG_GENERATION = 1000  # tokens the "wait" policy lets finish before its sync
 # Tokens of a generation a sync must land in ("abort", "recompute"): the sync follows the first streamed tokens
@@ -50,7 +51,7 @@ def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("vllm_tp2")
     faults = str(folder / "faults.json")
     # One core per worker: with unbound OpenMP threads two TP workers on 2 cores decode ~50x slower.
-    env = {"MEGATRON_SYNC_TEST_FAULTS": faults, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    env = {"MEGATRON_SYNC_TEST_FAULTS": faults, "VLLM_CPU_OMP_THREADS_BIND": "0|1", **UCX_TCP}
     with serving(str(folder), QWEN3, "--tensor-parallel-size", str(WORKERS), "--max-model-len", str(MAX_MODEL_LEN),
                  env=env) as (server, _):
         yield Served(server, faults)
@@ -78,6 +79,7 @@ RUNS = [
     pytest.param({"tp": 2}, {"transport": "p2p", "p2p_backend": "torch"}, id="megatron-tp2-p2p-torch"),
     pytest.param({"pp": 2}, {"transport": "p2p", "p2p_backend": "mooncake", "p2p_local_hostname": "127.0.0.1"},
                  id="megatron-pp2-p2p-mooncake"),
+    pytest.param({"tp": 2}, {"transport": "p2p", "p2p_backend": "nixl"}, id="megatron-tp2-p2p-nixl"),
 ]
 
 
@@ -89,7 +91,7 @@ def test_megatron_trainer_syncs_three_versions_exactly(served, parallel, transpo
     broadcast it copies only its shard out of every bucket; it holds two staging sets of its shard."""
     greedy_completion(served.url, LONG_PROMPT, 4)  # the previous weights' KV for this prefix is now cached
     reports = run_distributed(megatron_job_syncs, 2, QWEN3, parallel, served.url,
-                              settings(served.url, **transport), [*PROMPTS, LONG_PROMPT], timeout=360)[0]
+                              settings(served.url, **transport), [*PROMPTS, LONG_PROMPT], timeout=360, env=UCX_TCP)[0]
     for r in reports:
         print(f"[{parallel} {transport.get('transport', 'broadcast')}] version {r['version']}: sync {r['sync_s']:.2f}s, "
               f"tokens {r['tokens']}, workers {[(m['bytes'], m['shard_bytes'], m['held_bytes']) for m in r['receivers']]}")

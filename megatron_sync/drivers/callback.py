@@ -86,7 +86,7 @@ class WeightSyncCallback:
         With `enabled: false` nothing is connected and the callback only counts updates.
         With `sync_on_start: true` the current weights are synced once before this returns
         (version 1; its metrics in `initial_metrics`). `sync_kwargs` go to `TrainerWeightSync`
-        (converter or hf_config, layout, trainer_group, engine_clients).
+        (converter or hf_config, layout, trainer_group, engine_clients, keep_sent).
         """
         memory = sync_kwargs.pop("memory", None)
         syncer = TrainerWeightSync(config, chunks, **sync_kwargs) if config.enabled else None

@@ -29,6 +29,7 @@ from megatron_sync.engines.serving import GenerationServer
 from megatron_sync.core.errors import (AgreedFailure, PeerFailureError, RendezvousError, StoreSilentError,
                                   SyncAbortedError, SyncStoppedError, TrainerGoneError)
 from megatron_sync.fleet.engine import Relays, await_link, hello
+from megatron_sync.fleet.p2p import P2PFleetDriver
 from megatron_sync.fleet.trainer import FleetDriver, link_config
 from megatron_sync.engines.handoff import EngineHandoff
 from megatron_sync.trainer.megatron_config import check_model_config
@@ -39,6 +40,7 @@ from megatron_sync.core.grid import ParallelLayout
 from megatron_sync.trainer.stream import MegatronWeightStream, all_stage_metadata, check_model_complete
 from megatron_sync.transports import get_transport
 from megatron_sync.session.control import ControlMessage, ControlOp, Report
+from megatron_sync.session.group import StoreBoard
 from megatron_sync.session.rendezvous import Identity, disagreements, expectations
 from megatron_sync.session.session import DIAGNOSE_S, SyncSession, new_session_id
 
@@ -87,6 +89,9 @@ class TrainerWeightSync:
     same plan. Any failure is raised on every trainer rank and posted to the
     session, so the engines fail at once quoting it.
 
+    `keep_sent`: for checks and dumps, the sender keeps what each sync sent (`sender.sent_tensors()`), also
+    for transports that keep no copy otherwise (p2p).
+
     Engines driven over their own API (vLLM, SGLang): `engine_clients`
     (pass the same list on every trainer rank; default: built from
     `config.engines`). The leader starts their workers joining the transport
@@ -104,6 +109,7 @@ class TrainerWeightSync:
         hf_config: Any = None,
         trainer_group: Any = None,
         engine_clients: Optional[Sequence[EngineClient]] = None,
+        keep_sent: bool = False,
     ):
         if not config.enabled:
             raise ValueError("weight_sync.enabled is false; build no TrainerWeightSync (WeightSyncCallback.from_config skips it)")
@@ -130,6 +136,7 @@ class TrainerWeightSync:
             if transport_cls.meets_at_store:
                 self._open_session(transport_cls, hf_config)
             self._start(transport_cls, chunks, converter, hf_config, trainer_group, engine_clients)
+            self.sender.keep_sent = keep_sent  # checks and dumps: keep what each sync sent (`sent_tensors`)
         except BaseException as e:
             self._close_after_failed_start(e)
             raise
@@ -192,7 +199,8 @@ class TrainerWeightSync:
             if self.session is not None:
                 self.session.wait_ready()
             with self.engines.joined():  # driven engines' workers join as their links open
-                self.fleet = FleetDriver(self.config, self.layout, session=self.session, transport_cls=transport_cls,
+                driver = P2PFleetDriver if self.config.transport == "p2p" else FleetDriver
+                self.fleet = driver(self.config, self.layout, session=self.session, transport_cls=transport_cls,
                                          stream=self.stream, keep_together=converter.keep_together,
                                          gather=self._gather, clients=self.engines.clients)
                 self.fleet.start()
@@ -497,6 +505,10 @@ class InferenceWeightSync:
             self.receiver = self.transport.make_receiver(engine, settings, keep_together, commit=self.server.commit)
             if config.fleet:
                 hello(self.transport, self.receiver, relays=not driven)
+                if hasattr(self.receiver, "join_fleet") and not driven:  # p2p: engines chain across links
+                    self.receiver.join_fleet(StoreBoard(self.session.store, prefix="", rank=inference_rank,
+                                                        timeout_s=config.timeout_s),
+                                             config.engine_id, self.session.generation)
                 self.relays = None if driven else Relays(self.session, self.receiver, self.transport, config, rank=inference_rank,
                                      ranks=config.engine_tp_size)
             self.handoff = EngineHandoff(engine, self.transport.rank, self.receiver.live_shards, config.metrics_path)
@@ -530,7 +542,8 @@ class InferenceWeightSync:
             raise TrainerGoneError(f"{what}; no sync was running, the engine holds version {self.engine.version}"
                                    ) from e
 
-    def apply(self, version: int, relay: Optional[ControlMessage] = None) -> Optional[SyncMetrics]:
+    def apply(self, version: int, relay: Optional[ControlMessage] = None,
+              route: Optional[dict] = None) -> Optional[SyncMetrics]:
         """Receive `version`; return metrics, or None if the sync was aborted on every rank.
 
         An aborted sync leaves the engine on its previous version and the
@@ -545,7 +558,10 @@ class InferenceWeightSync:
         try:
             with self.handoff.around_sync(version, report=lambda row: self._report_handoff(
                     Report.RESTORED, self.handoff.handoff, row, None)):  # a released engine takes its memory back
-                metrics = self.relays.receive(relay) if relay is not None else self.receiver.receive(version)
+                if relay is not None:
+                    metrics = self.relays.receive(relay)
+                else:
+                    metrics = self.receiver.receive(version, route) if route else self.receiver.receive(version)
         except SyncAbortedError as e:
             log.error("%s", e)
             why = "; ".join(f"[transport rank {rank}] {message.splitlines()[0]}" for rank, message in e.failures)
@@ -609,7 +625,7 @@ class InferenceWeightSync:
             self._acknowledged = True
             return False
         if message.op is ControlOp.SYNC:
-            self.apply(message.version)
+            self.apply(message.version, route=message.payload.get("route"))
             return True
         if message.op is ControlOp.RELAY_RECEIVE:  # a fleet: the version comes from another engine
             self.apply(message.version, relay=message)

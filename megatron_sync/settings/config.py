@@ -335,9 +335,13 @@ class WeightSyncConfig:
                 raise ValueError(f"{changed} apply to a fleet of engines only; set fleet: true (each engine its "
                                  "own job with its engine_id), or drop them")
             return
-        if self.transport != "broadcast":
-            raise ValueError(f"fleet: true runs over transport 'broadcast' (one link per engine, rebuilt as "
-                             f"engines come and go); transport {self.transport!r} is not elastic yet")
+        if self.transport not in ("broadcast", "p2p"):
+            raise ValueError(f"fleet: true runs over transport 'broadcast' or 'p2p' (one link per engine, rebuilt "
+                             f"as engines come and go); transport {self.transport!r} is not elastic yet")
+        if self.transport == "p2p" and (self.relay or self.max_staleness):
+            raise ValueError("a fleet over p2p chains the engines of one layout within each wave (p2p_forward) "
+                             "instead of relaying after commits, and runs every wave before sync() returns: drop "
+                             "relay and max_staleness")
         if self.min_engines > self.num_engines and not self.engines:
             raise ValueError(f"min_engines={self.min_engines} is more than the initial fleet of {self.num_engines} "
                              f"engine(s) (num_inference_ranks / engine_tp_size); lower min_engines")

@@ -33,8 +33,8 @@ def fleet_trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
 
     spec, chunks, layout, ddp, optimizer = megatron_trainer(case)
     sent, logits, rows = [], [], []
-    with WeightSyncCallback.from_config(sync_config(case), ddp, hf_config=case_hf_config(case),
-                                        layout=layout) as callback:
+    with WeightSyncCallback.from_config(sync_config(case), ddp, hf_config=case_hf_config(case), layout=layout,
+                                        keep_sent=True) as callback:  # the tests compare engines with what was sent
         syncer = callback.syncer
         for version in range(1, case["versions"] + 1):
             if version > 1:
@@ -46,8 +46,17 @@ def fleet_trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
             metrics = syncer.sync()
             rows.append(metrics.fleet)
             logits.append(models.megatron_logits(chunks, EVAL_TOKENS))
-            sent.append(_sent_here(syncer))
+            sent.append(_everyones(_sent_here(syncer)))
     return {"sent": sent, "logits": logits, "fleet": rows}
+
+
+def _everyones(mine: dict) -> dict:
+    """Return what every trainer rank sent, merged (a P2P rank sends pieces of some tensors only)."""
+    import torch.distributed as dist
+
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {name: tensor for part in everyone for name, tensor in part.items()}
 
 
 def await_admitted(session: Any, engines: dict[int, int], timeout_s: float) -> None:
@@ -95,7 +104,10 @@ def fleet_engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
 
 
 def _inject_faults(engine: Any, rank: int, case: dict) -> None:
-    """`case["die_during"] = (version, rank)`: that rank exits after staging 2 tensors of `version`."""
+    """`case["die_during"] = (version, rank)`: that rank exits after staging 2 tensors of `version`;
+    `case["die_forwarding"] = version`: every rank exits right after forwarding its first round of it (p2p)."""
+    if case.get("die_forwarding") is not None:
+        _die_forwarding(engine, case["die_forwarding"])
     if case.get("die_during") is None:
         return
     from tests.support.fakes import FaultyLayout
@@ -113,6 +125,20 @@ def _inject_faults(engine: Any, rank: int, case: dict) -> None:
 
     faulty = FaultyLayout.wrap(engine.rank_layout(), before_write)
     engine.rank_layout = lambda: faulty
+
+
+def _die_forwarding(engine: Any, version: int) -> None:
+    from megatron_sync.transports.p2p.rounds import RoundReceiver
+
+    forward = RoundReceiver._forward
+
+    def dying(self, round_, route, pieces, sums, at):
+        moved = forward(self, round_, route, pieces, sums, at)
+        if engine.version + 1 == version:
+            os._exit(KILLED)  # the rank behind this one got round 0 and waits for the rest
+        return moved
+
+    RoundReceiver._forward = dying
 
 
 def reference_fleet_engine(rank: int, world_size: int, settings: dict, spec: Any, engine_id: int) -> dict:

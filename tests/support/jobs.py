@@ -112,11 +112,9 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     spec, chunks, layout, ddp, optimizer = megatron_trainer(case)
     sent, logits, unquantized, metrics, received, failures, draft_logits, handoffs = [], [], [], [], [], [], [], []
     memory = TrainerMemory(ddp, optimizer, rank=rank) if case.get("handoff") else None
-    with WeightSyncCallback.from_config(sync_config(case), ddp, hf_config=case_hf_config(case),
-                                        layout=layout, memory=memory) as callback:
+    with WeightSyncCallback.from_config(sync_config(case), ddp, hf_config=case_hf_config(case), layout=layout,
+                                        memory=memory, keep_sent=case.get("keep_tensors", True)) as callback:
         syncer = callback.syncer
-        if isinstance(syncer.sender, P2PSender):  # P2P keeps no full tensors unless asked (the tests compare them)
-            syncer.sender.keep_sent = case.get("keep_tensors", True)
         for version in range(1, case["versions"] + 1):
             if version > 1:
                 tokens = torch.randint(0, spec.vocab_size, (2, 12), generator=torch.Generator().manual_seed(version))
@@ -175,11 +173,9 @@ def _aborted(error: Exception) -> bool:
 def _sent_here(syncer) -> dict[str, torch.Tensor]:
     """Return what this rank sent in the last sync: the full tensors of its P2P pieces, or (broadcast leader)
     its stage's buckets."""
-    from megatron_sync.transports.p2p.sender import P2PSender
-
-    if isinstance(syncer.sender, P2PSender):
+    replica = getattr(syncer.sender, "replica", None)
+    if replica is None:  # P2P (one link or a fleet): the full tensors of the pieces this rank wrote
         return {name: t.clone() for name, t in (syncer.sender.sent_tensors() or {}).items()}
-    replica = syncer.sender.replica
     if not syncer.is_leader:
         return {}
     return {e.name: replica.view(e.name).clone() for b in replica.buckets for e in b.entries}

@@ -463,8 +463,7 @@ def _trainer_main(conn, spec: ModelSpec, port: int) -> None:
                 result = None
             elif command == "connect":
                 sync = TrainerWeightSync(WeightSyncConfig.from_dict(args[0]), chunks, layout=layout,
-                                         hf_config=tiny_hf_config(spec))
-                sync.sender.keep_sent = True  # the tests compare the engine with what was sent
+                                         hf_config=tiny_hf_config(spec), keep_sent=True)  # the tests compare
                 result = None
             elif command == "sync":
                 result = sync.sync().version
@@ -540,8 +539,7 @@ def megatron_job_syncs(rank: int, world: int, spec: ModelSpec, parallel: dict, u
     config = WeightSyncConfig.from_dict(values)
     dtype = getattr(torch, config.dtype)
     hf = tiny_hf_config(spec, dtype=dtype, quantization_config=quantization_config)
-    sync = TrainerWeightSync(config, model, layout=layout, hf_config=hf)
-    sync.sender.keep_sent = True  # the engine's tokens are checked against what was sent
+    sync = TrainerWeightSync(config, model, layout=layout, hf_config=hf, keep_sent=True)  # tokens vs what was sent
     reports = []
     try:
         for step in range(versions):

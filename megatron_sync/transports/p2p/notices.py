@@ -65,7 +65,7 @@ class Notices:
 
     board: Board
     version: int
-    attempt: int
+    attempt: int | str
 
     def _key(self, *parts: object) -> str:
         return "/".join(["p2p", f"v{self.version}.{self.attempt}", *map(str, parts)])
@@ -89,8 +89,18 @@ class Notices:
         """Wait until receiver `index` released `round_`; return False when it gave up instead."""
         return self.board.fetch(self._key("release", index, round_), timeout_s) != ABORT
 
-    def forget_releases(self, index: int, rounds: int) -> None:
-        """Delete receiver `index`'s releases of this attempt (every writer is past them once the ranks
-        agreed on the version), so they do not pile up in the store."""
+    def post_base(self, index: int, base: int) -> None:
+        """Post where receiver `index`'s target set starts in its window this version (what a rank forwarding
+        into it writes at: engines of a fleet flip their staging sets on their own commits)."""
+        self.board.post(self._key("base", index), str(base).encode())
+
+    def base(self, index: int, timeout_s: float) -> int:
+        """Return receiver `index`'s posted `post_base`, waiting up to `timeout_s`."""
+        return int(self.board.fetch(self._key("base", index), timeout_s))
+
+    def forget(self, index: int, rounds: int) -> None:
+        """Delete receiver `index`'s releases and base of this attempt (every writer is past them once the
+        ranks agreed on the version), so they do not pile up in the store."""
         for round_ in range(rounds):
             self.board.delete(self._key("release", index, round_))
+        self.board.delete(self._key("base", index))

@@ -19,20 +19,20 @@ from megatron_sync.core.metrics import PhaseTimer, SyncMetrics
 from megatron_sync.layout.staging import StagingSets
 from megatron_sync.session.commit import AgreedCommit
 from megatron_sync.transports.base import Commit, Receiver
+from megatron_sync.transports.p2p.endpoint import P2PEndpoint
 from megatron_sync.transports.p2p.handshake import handshake
-from megatron_sync.transports.p2p.notices import Notices, receiver
-from megatron_sync.transports.p2p.rounds import RoundReceiver
+from megatron_sync.transports.p2p.notices import Board, Notices, receiver
+from megatron_sync.transports.p2p.rounds import Route, RoundReceiver
 
 if TYPE_CHECKING:
     from megatron_sync.engines.base import EngineAdapter
     from megatron_sync.settings.config import WeightSyncConfig
-    from megatron_sync.transports.p2p.transport import P2PTransport
 
 
 class P2PReceiver(Receiver):
     """One inference rank's P2P receiver (see the module doc)."""
 
-    def __init__(self, transport: "P2PTransport", engine: "EngineAdapter", config: "WeightSyncConfig",
+    def __init__(self, transport: P2PEndpoint, engine: "EngineAdapter", config: "WeightSyncConfig",
                  commit: Optional[Commit] = None) -> None:
         self.transport, self.engine = transport, engine
         self.index = transport.rank - transport.num_trainer_ranks
@@ -49,6 +49,7 @@ class P2PReceiver(Receiver):
                                     algorithm=resolve_checksum(config.checksum, mover.device),
                                     timeout_s=config.timeout_s)
         self._agreed = AgreedCommit.over(transport, engine, commit, live_shards=self.staging.live_params)
+        self.fleet: Optional[FleetPlace] = None  # set by a fleet engine: where engines chain across links
         self.metrics_path = config.metrics_path
         self.history: list[SyncMetrics] = []
         self._attempt = 0  # syncs so far; trainer and engines count them in step
@@ -56,10 +57,19 @@ class P2PReceiver(Receiver):
     def live_shards(self, version: int):
         return self.staging.live_params(version)
 
-    def receive(self, version: int) -> SyncMetrics:
-        """Receive, verify (and forward) this rank's params of `version`; commit them once every rank agrees."""
+    def join_fleet(self, board: Board, engine: int, generation: int) -> None:
+        """Expose this rank's window to the fleet's other engines too (on the session's root `board`), so an
+        engine chained before this one can forward into it."""
+        self.fleet = FleetPlace(board, engine, generation, self.index)
+        self.transport.mover.route(FLEET, board)
+        self.transport.mover.expose(self.fleet.name(engine, generation), self.window)
+
+    def receive(self, version: int, route: Optional[dict] = None) -> SyncMetrics:
+        """Receive, verify (and forward) this rank's params of `version` along `route` (a fleet's: the engines
+        before and after this one, and the sync's number); commit them once every rank agrees."""
         self._attempt += 1
         notices = Notices(self.transport.group.board, version, self._attempt)
+        path = self.fleet.route(version, route) if route and self.fleet is not None else None
         metrics = SyncMetrics(version, role="receiver", rank=self.transport.rank,
                               shard_bytes=self.layout.shard_bytes, held_bytes=self.staging.nbytes)
         with PhaseTimer(metrics, "total"):
@@ -68,7 +78,7 @@ class P2PReceiver(Receiver):
             base = target * self.staging.set_bytes
             try:
                 with PhaseTimer(metrics, "transfer"):
-                    stats = self.rounds.receive_version(notices, self.staging.buffer(target), base, base)
+                    stats = self.rounds.receive_version(notices, self.staging.buffer(target), base, path)
                 metrics.bytes, metrics.num_buckets = stats.nbytes, self.schedule.rounds[self.index]
                 metrics.add("checksum", stats.checksum_seconds)
                 metrics.add("pack", stats.copy_seconds)
@@ -79,8 +89,38 @@ class P2PReceiver(Receiver):
                 error = f"[inference rank {self.index}] {type(e).__name__}: {e}"
             self._agreed(version, error, staged, metrics)
             self.staging.committed(version)
-            if self.schedule.options.window_bytes:
-                notices.forget_releases(self.index, self.schedule.rounds[self.index])
+            rounds = self.schedule.rounds[self.index]
+            notices.forget(self.index, rounds)
+            if path is not None and path.feed is not None:
+                path.feed_notices.forget(path.me, rounds)
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
         return metrics
+
+
+FLEET = "fleet/"
+"""Endpoints of a fleet's engines, addressed across their links through the session's root store."""
+
+
+class FleetPlace:
+    """Where one engine rank sits in a fleet: its engine, generation and rank, and the root board chained
+    engines meet on."""
+
+    def __init__(self, board: Board, engine: int, generation: int, rank: int) -> None:
+        self.board, self.engine, self.generation, self.rank = board, engine, generation, rank
+
+    def name(self, engine: int, generation: int) -> str:
+        """Return the endpoint of rank `rank` of `engine`'s `generation` in the fleet."""
+        return f"{FLEET}e{engine}g{generation}/r{self.rank}"
+
+    def route(self, version: int, wire: dict) -> Route:
+        """Return this rank's route of `version` from the leader's announcement (feed and next as [engine,
+        generation], and the fleet's sync number the keys are named by)."""
+        def notices(engine: int) -> Notices:  # the keys of the rounds written into `engine`
+            return Notices(self.board, version, f"{wire['sync']}.e{engine}")
+
+        feed, after = wire.get("feed"), wire.get("next")
+        return Route(self.name(self.engine, self.generation), self.rank,
+                     feed=None if feed is None else self.name(*feed), feed_notices=notices(self.engine),
+                     next=None if after is None else self.name(*after), next_index=self.rank,
+                     next_notices=None if after is None else notices(after[0]))

@@ -8,6 +8,9 @@ where the bytes lie (on the GPU with `wsum64`), forwards the round from its wind
 chained behind it (relaying the trainer's checksums, so the end of the chain checks against the source),
 copies a bounded window's round out and releases it. Verifying round r overlaps round r + 1 arriving.
 
+Who feeds a rank and whom it forwards to is its `Route`: by default the schedule's own chains (engines of
+one session); a fleet, whose engines each have their own link, passes the route of each version.
+
 A sender's error report or a piece that does not match raises a SyncError (the version is then aborted on
 every rank, nothing applied); before raising, this rank tells whoever waits on it: the rank behind it gets
 the error as its report, writers into a bounded window get `abort` as its release. A writer that stays
@@ -45,6 +48,25 @@ class ReceiveStats:
         return sum(self.bytes_per_peer.values())
 
 
+@dataclass(frozen=True)
+class Route:
+    """Where one rank's bytes of a version come from and go to.
+
+    `name` is this rank's endpoint as its feed and successor address it; `feed` the endpoint writing into it
+    (None: the schedule's trainer ranks, reporting on the version's own notices), reporting on `feed_notices`
+    to index `me`; `next` the endpoint this rank forwards into (None: nobody), addressed as `next_index` on
+    `next_notices`.
+    """
+
+    name: str
+    me: int
+    feed: Optional[str] = None
+    feed_notices: Optional[Notices] = None
+    next: Optional[str] = None
+    next_index: int = 0
+    next_notices: Optional[Notices] = None
+
+
 class RoundReceiver:
     """Inference rank `index`'s part of every version of `schedule` (see the module doc).
 
@@ -57,41 +79,67 @@ class RoundReceiver:
         self.schedule, self.index, self.mover, self.window = schedule, index, mover, window
         self.algorithm, self.timeout_s = algorithm, timeout_s
         self.bounded = bool(schedule.options.window_bytes)
-        self.feed, self.next = schedule.feeds[index], schedule.successor(index)
         self.rounds = schedule.rounds[index]
         self._pieces = [schedule.round_pieces(index, r) for r in range(self.rounds)]
 
+    def own_route(self, notices: Notices) -> Route:
+        """Return the route the schedule gives this rank (its chain inside one session)."""
+        feed, after = self.schedule.feeds[self.index], self.schedule.successor(self.index)
+        return Route(receiver(self.index), self.index,
+                     feed=None if feed == TRAINER else receiver(feed), feed_notices=notices,
+                     next=None if after is None else receiver(after), next_index=after or 0, next_notices=notices)
+
     def receive_version(self, notices: Notices, target: torch.Tensor, base: int,
-                        next_base: Optional[int] = None) -> ReceiveStats:
+                        route: Optional[Route] = None) -> ReceiveStats:
         """Receive every round into `target` (this version's staging set, `base` bytes into an unbounded
-        window); `next_base`: where the same set starts in the window of the rank chained behind."""
+        window) along `route` (default: the schedule's)."""
+        route = route or self.own_route(notices)
         stats = ReceiveStats()
         at = 0 if self.bounded else base
+        if route.feed is not None:  # the rank forwarding to us writes at our window's offsets
+            route.feed_notices.post_base(route.me, at)
         # A two-sided mover's receives are posted for the whole version at once; every one is matched, by the
         # bytes or a failed writer's filler. (In a bounded window rounds share places: a writer sends round
         # r + 1 only after round r was released, so the bytes still land in order.)
-        posted = {r: self._expect(r, at) for r in range(self.rounds)} if self.mover.two_sided else {}
+        posted = {r: self._expect(r, at, route) for r in range(self.rounds)} if self.mover.two_sided else {}
         round_ = 0
         try:
             for round_ in range(self.rounds):
-                self._round(round_, notices, target, at, next_base, stats, posted.pop(round_, []))
+                self._round(round_, notices, route, target, at, stats, posted.pop(round_, []))
         except SyncError as e:
-            self._give_up(notices, round_, f"inference rank {self.index}: {type(e).__name__}: {e}", next_base,
+            self._give_up(notices, route, round_, f"inference rank {self.index}: {type(e).__name__}: {e}",
                           [p for rest in posted.values() for p in rest])
             raise
         return stats
 
-    def _expect(self, round_: int, at: int) -> list:
+    def _expect(self, round_: int, at: int, route: Route) -> list:
         return [self.mover.expect(source, self.window, [Span(0, at + p.window, p.nbytes) for p in mine])
-                for source, mine in self._sources(round_).items()]
+                for source, mine in self._sources(round_, route).items()]
 
-    def _round(self, round_: int, notices: Notices, target: torch.Tensor, at: int, next_base: Optional[int],
+    def _sources(self, round_: int, route: Route) -> dict[str, list[Piece]]:
+        """Return who writes into this round, with their pieces in the order they write them."""
+        if route.feed is not None:
+            return {route.feed: self._pieces[round_]}
+        by_sender: dict[str, list[Piece]] = {}
+        for p in self._pieces[round_]:
+            by_sender.setdefault(trainer(p.sender), []).append(p)
+        return by_sender
+
+    def _round(self, round_: int, notices: Notices, route: Route, target: torch.Tensor, at: int,
                stats: ReceiveStats, posted: list) -> None:
         pieces = self._pieces[round_]
+        reports_on, me = (route.feed_notices, route.me) if route.feed is not None else (notices, self.index)
         sums: dict[int, int] = {}
         failed = []
-        for source in self._sources(round_):
-            report = notices.take_report(source, self.index, round_, self.timeout_s)
+        for source in self._sources(round_, route):
+            try:
+                report = reports_on.take_report(source, me, round_, self.timeout_s)
+            except PeerFailureError as e:
+                if route.feed is None:
+                    raise  # a trainer rank is silent: this transport is broken
+                # the engine forwarding to us is gone or stuck; our own link is fine: abort this version only
+                raise SenderFailedError(f"{source}, which forwards version {notices.version} to this rank, sent "
+                                        f"nothing of round {round_} within {self.timeout_s:g}s: {e}") from e
             if report.error is not None:
                 failed.append(f"{source} failed while sending version {notices.version}: {report.error}")
             sums.update(report.checksums)
@@ -104,23 +152,14 @@ class RoundReceiver:
         self._verify(pieces, sums, at)
         stats.checksum_seconds += time.perf_counter() - started
         stats.pieces += len(pieces)
-        if self.next is not None:
-            stats.forwarded += self._forward(round_, notices, pieces, sums, at, next_base)
+        if route.next is not None:
+            stats.forwarded += self._forward(round_, route, pieces, sums, at)
         if self.bounded:
             started = time.perf_counter()
             for p in pieces:
                 target[p.dst:p.dst + p.nbytes].copy_(self.window[p.window:p.window + p.nbytes])
             stats.copy_seconds += time.perf_counter() - started
-            notices.release(self.index, round_)
-
-    def _sources(self, round_: int) -> dict[str, list[Piece]]:
-        """Return who writes into this round, with their pieces in the order they write them."""
-        if self.feed != TRAINER:
-            return {receiver(self.feed): self._pieces[round_]}
-        by_sender: dict[str, list[Piece]] = {}
-        for p in self._pieces[round_]:
-            by_sender.setdefault(trainer(p.sender), []).append(p)
-        return by_sender
+            reports_on.release(me, round_)
 
     def _verify(self, pieces: list[Piece], sums: dict[int, int], at: int) -> None:
         if self.algorithm == "none":
@@ -134,35 +173,34 @@ class RoundReceiver:
                     f"inference rank {self.index}: piece {p.index} of {p.name} (rows {p.row}..{p.row + p.rows - 1}, "
                     f"{p.nbytes} bytes from trainer rank {p.sender}) does not match its checksum; nothing is applied")
 
-    def _forward(self, round_: int, notices: Notices, pieces: list[Piece], sums: dict[int, int], at: int,
-                 next_base: Optional[int]) -> int:
+    def _forward(self, round_: int, route: Route, pieces: list[Piece], sums: dict[int, int], at: int) -> int:
         """Write this round from the window into the next rank's window; report it with the trainer's sums."""
-        if self.bounded and round_ > 0 and not notices.released(self.next, round_ - 1, self.timeout_s):
-            raise SenderFailedError(f"inference rank {self.next}, chained behind this one, gave up on version "
-                                    f"{notices.version}")
-        there = 0 if self.bounded else (next_base or 0)
+        notices = route.next_notices
+        if self.bounded and round_ > 0 and not notices.released(route.next_index, round_ - 1, self.timeout_s):
+            raise SenderFailedError(f"{route.next}, chained behind this rank, gave up on version {notices.version}")
+        there = notices.base(route.next_index, self.timeout_s)
         spans = [Span(at + p.window, there + p.window, p.nbytes) for p in pieces]
-        before = self.mover.bytes_written.get(receiver(self.next), 0)
-        self.mover.write(receiver(self.next), self.window, spans).wait(self.timeout_s)
-        moved = self.mover.bytes_written.get(receiver(self.next), 0) - before
-        notices.report(receiver(self.index), self.next, round_, Report(sums, moved))
+        before = self.mover.bytes_written.get(route.next, 0)
+        self.mover.write(route.next, self.window, spans).wait(self.timeout_s)
+        moved = self.mover.bytes_written.get(route.next, 0) - before
+        notices.report(route.name, route.next_index, round_, Report(sums, moved))
         return moved
 
-    def _give_up(self, notices: Notices, failed_round: int, error: str, next_base: Optional[int],
-                 posted: list) -> None:
+    def _give_up(self, notices: Notices, route: Route, failed_round: int, error: str, posted: list) -> None:
         """Tell whoever waits on this rank that it stopped: the rank behind it (filler for its posted receives
         of a two-sided mover, and the error for every round left), a bounded window's writers (`abort`); then
         take what the writers still send into this version's receives."""
         try:
-            if self.next is not None:
-                there = 0 if self.bounded else (next_base or 0)
+            if route.next is not None:
                 for round_ in range(failed_round, self.rounds):
-                    spans = [Span(p.window, there + p.window, p.nbytes) for p in self._pieces[round_]]
-                    self.mover.abandon(receiver(self.next), self.window, spans).wait(self.timeout_s)
-                    notices.report(receiver(self.index), self.next, round_, Report(error=error))
+                    spans = [Span(p.window, p.window, p.nbytes) for p in self._pieces[round_]]
+                    if self.mover.two_sided:
+                        self.mover.abandon(route.next, self.window, spans).wait(self.timeout_s)
+                    route.next_notices.report(route.name, route.next_index, round_, Report(error=error))
             if self.bounded:
+                releases, me = (route.feed_notices, route.me) if route.feed is not None else (notices, self.index)
                 for round_ in range(failed_round, self.rounds):
-                    notices.release(self.index, round_, ABORT)
+                    releases.release(me, round_, ABORT)
             for pending in posted:
                 pending.wait(self.timeout_s)
         except PeerFailureError:

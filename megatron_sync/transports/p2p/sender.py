@@ -20,6 +20,7 @@ from megatron_sync.core.errors import PeerFailureError
 from megatron_sync.core.metrics import PhaseTimer, SyncMetrics
 from megatron_sync.session.commit import sender_rounds
 from megatron_sync.transports.base import Sender
+from megatron_sync.transports.p2p.endpoint import P2PEndpoint
 from megatron_sync.transports.p2p.handshake import TrainerSide, handshake
 from megatron_sync.transports.p2p.holders import SourceUnit, TrainerRank, source_units
 from megatron_sync.transports.p2p.notices import Notices
@@ -30,7 +31,6 @@ from megatron_sync.transports.p2p.writer import ShareWriter
 if TYPE_CHECKING:
     from megatron_sync.settings.config import WeightSyncConfig
     from megatron_sync.trainer.stream import MegatronWeightStream
-    from megatron_sync.transports.p2p.transport import P2PTransport
 
 log = logging.getLogger("megatron_sync")
 MiB = 2**20
@@ -47,7 +47,7 @@ def schedule_options(config: "WeightSyncConfig") -> ScheduleOptions:
 class P2PSender(Sender):
     """One trainer rank's P2P sender (transport rank == its rank in the trainer job)."""
 
-    def __init__(self, transport: "P2PTransport", stream: "MegatronWeightStream", schedule: Schedule,
+    def __init__(self, transport: P2PEndpoint, stream: "MegatronWeightStream", schedule: Schedule,
                  units: list[SourceUnit], config: "WeightSyncConfig") -> None:
         self.transport, self.stream, self.schedule = transport, stream, schedule
         mover, rank = transport.mover, transport.rank
@@ -69,7 +69,7 @@ class P2PSender(Sender):
         self._target = 0  # the staging set every receiver takes the next version into
 
     @classmethod
-    def connect(cls, transport: "P2PTransport", stream: "MegatronWeightStream",
+    def connect(cls, transport: P2PEndpoint, stream: "MegatronWeightStream",
                 config: "WeightSyncConfig") -> "P2PSender":
         """Return the sender after the start-up handshake (collective over the transport)."""
         layout, rank = stream.layout, transport.rank
@@ -96,6 +96,13 @@ class P2PSender(Sender):
             if self.keep_sent:
                 self._sent[name] = full.clone()
             yield name, full
+
+    def agree_only(self, version: int) -> None:
+        """Take part in `version`'s agreement rounds without writing (an engine fed by another engine: a
+        fleet's chain); keeps the attempt and staging-set counters in step with the receivers."""
+        self._attempt += 1
+        sender_rounds(self.transport, version, None)
+        self._target = 1 - self._target
 
     def sync(self, version: int) -> SyncMetrics:
         """Walk, stage and write this rank's pieces of `version`, then agree; raise on failure."""

@@ -8,9 +8,10 @@ verify and forward that round while later ones travel. Before reusing arena spac
 bounded window's next round, the writer waits for its earlier writes (posting the reports they complete) and
 then for the receiver's release: every wait is on something earlier in schedule order, so none is circular.
 
-A failure that leaves the transport usable (a conversion error, a write refused) is reported to every
-receiver still expecting this rank's pieces, so they abort at once; a peer that is gone raises
-PeerFailureError.
+A failure is reported to every receiver still expecting this rank's pieces, so they abort at once (one
+that is gone is skipped), and the walk is run to its end without writing: its gathers are collectives of
+this rank's TP or ETP group, whose other ranks must not be left waiting. A peer that is gone raises
+PeerFailureError once that is done.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Iterable, Mapping, Optional
 import torch
 
 from megatron_sync.core.checksum import checksum
-from megatron_sync.core.errors import PeerFailureError, SenderFailedError
+from megatron_sync.core.errors import PeerFailureError
 from megatron_sync.transports.p2p.movers import ByteMover, Pending, Span
 from megatron_sync.transports.p2p.notices import Notices, Report, receiver, trainer
 from megatron_sync.transports.p2p.schedule import Message, Piece, Schedule
@@ -71,15 +72,16 @@ class ShareWriter:
                       set_offsets: Mapping[int, int]) -> WriteStats:
         """Stage, checksum and write every piece of this rank as `tensors` yields them; report each round."""
         run = _Run(self, notices, set_offsets)
+        walk = iter(tensors)
         try:
-            for name, full in tensors:
+            for name, full in walk:
                 for piece in self.by_name.get(name, ()):
                     run.stage(piece, full)
             run.finish()
-        except PeerFailureError:
-            raise
-        except Exception as e:  # noqa: BLE001 — every receiver waiting on this rank is told, then it is raised
+        except Exception as e:  # noqa: BLE001 — every receiver still waiting on this rank is told, then it is raised
             run.give_up(f"trainer rank {self.rank}: {type(e).__name__}: {e}")
+            for _ in walk:  # the walk's gathers are collectives: this rank's group peers are in them too
+                pass
             raise
         return run.stats
 
@@ -168,12 +170,9 @@ class _Run:
         self.stats.bytes_per_peer[to] = self.stats.bytes_per_peer.get(to, 0) + self.moved[group]
 
     def finish(self) -> None:
-        """Wait for every write; fail when a receiver gave up (its abort is agreed on by every rank)."""
+        """Wait for every write. A receiver that gave up (`aborted`) fails the version itself, in the agreement."""
         self.settle(wait=True)
-        if self.aborted:
-            raise SenderFailedError(f"trainer rank {self.w.rank}: inference ranks {sorted(self.aborted)} gave up "
-                                    "on this version")
-        missing = set(self.w.group_size) - self.reported
+        missing = set(self.w.group_size) - self.reported - {g for g in self.w.group_size if g[0] in self.aborted}
         if missing:
             raise AssertionError(f"trainer rank {self.w.rank} never reported {sorted(missing)}")
 

@@ -81,6 +81,12 @@ class ByteMover(abc.ABC):
     def write(self, target: str, memory: torch.Tensor, spans: Sequence[Span]) -> Pending:
         """Start writing `spans` of registered `memory` into endpoint `target`'s exposed memory."""
 
+    def route(self, prefix: str, board: object) -> None:
+        """Publish and look up endpoints named `prefix...` on `board` (a fleet's engines meet across their
+        links on the session's root store); only one-sided movers can write across links."""
+        raise ValueError(f"the {self.name} backend cannot write into another link's memory: chaining a fleet's "
+                         "engines needs p2p_backend 'nixl' or 'mooncake' (or p2p_forward false)")
+
     def expect(self, source: str, memory: torch.Tensor, spans: Sequence[Span]) -> Pending:
         """Receiving side: get ready for `source`'s writes of `spans` into `memory` (each span's `dst`);
         two-sided movers post their receives here, one-sided movers have nothing to do."""

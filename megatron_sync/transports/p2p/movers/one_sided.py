@@ -33,6 +33,7 @@ class OneSidedMover(ByteMover):
 
     def __init__(self, board: Board, *, prefix: str, timeout_s: float) -> None:
         self._board, self._prefix, self.timeout_s = board, prefix, timeout_s
+        self._boards: dict[str, Board] = {}  # endpoint name prefix -> the board such endpoints meet on
         self._registered: list[tuple[int, int, Any]] = []  # (address, bytes, the backend's handle)
         self._peers: dict[str, dict] = {}
         self._written: dict[str, int] = {}
@@ -66,14 +67,21 @@ class OneSidedMover(ByteMover):
             return
         self._registered.append((address, memory.numel(), self._register(memory)))
 
+    def route(self, prefix: str, board: Board) -> None:
+        self._boards[prefix] = board
+
+    def _board_of(self, name: str) -> Board:
+        return next((board for prefix, board in self._boards.items() if name.startswith(prefix)), self._board)
+
     def expose(self, name: str, memory: torch.Tensor) -> None:
         self.register(memory)
         desc = {**self._whoami(memory), "addr": memory.data_ptr(), "nbytes": memory.numel()}
-        self._board.post(f"{self._prefix}/{name}", json.dumps(desc).encode())
+        self._board_of(name).post(f"{self._prefix}/{name}", json.dumps(desc).encode())
 
     def _peer(self, target: str) -> dict:
         if target not in self._peers:
-            self._peers[target] = json.loads(self._board.fetch(f"{self._prefix}/{target}", self.timeout_s))
+            raw = self._board_of(target).fetch(f"{self._prefix}/{target}", self.timeout_s)
+            self._peers[target] = json.loads(raw)
         return self._peers[target]
 
     def forget(self, target: str) -> None:
