@@ -8,9 +8,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-PHASES = ("gather", "convert", "pack", "checksum", "transfer", "apply", "commit", "release", "restore", "total")
-"""Seconds per phase of a sync; "release" / "restore" time the memory handoff of colocated jobs
-(`megatron_sync.engines.handoff`, rows of roles "engine-handoff" and "trainer-handoff")."""
+PHASES = ("gather", "convert", "pack", "checksum", "transfer", "apply", "verify", "commit", "release", "restore",
+          "total")
+"""Seconds per phase of a sync; "verify" checks what the engine holds once loaded (`layout.loaded`) and scores
+the canary; "release" / "restore" time the memory handoff of colocated jobs (`megatron_sync.engines.handoff`,
+rows of roles "engine-handoff" and "trainer-handoff")."""
 HANDOFF_PHASES = ("release", "restore")
 
 TIMELINE_PHASES = ("gather", "convert", "pack", "checksum", "wire", "verify", "stage", "load", "commit")
@@ -87,6 +89,11 @@ class SyncMetrics:
     staleness: int = 0
     """A fleet trainer: how many versions the furthest-behind engine still serving was behind when sync()
     returned (0 unless max_staleness lets later waves run on while training goes on)."""
+    canary: list = field(default_factory=list)
+    """An engine's first rank: its per-token log-probabilities of the canary sequence once it loaded the version."""
+    drift: dict = field(default_factory=dict)
+    """The trainer's leader: per engine ("0", "1", ...) the largest and the mean |Δ log-probability| between the
+    engine's canary scores and the trainer's own forward ({"max": .., "mean": ..})."""
 
     def add(self, phase: str, seconds: float) -> None:
         """Add `seconds` to `phase`."""
@@ -117,6 +124,8 @@ class SyncMetrics:
             **({"source": self.source} if self.source else {}),
             **({"fleet": self.fleet, "staleness": self.staleness} if self.fleet else {}),
             **({"media_bytes": self.media_bytes} if self.media_bytes else {}),
+            **({"canary": self.canary} if self.canary else {}),
+            **({"drift": self.drift} if self.drift else {}),
         }, sort_keys=True)
 
     @classmethod
@@ -131,7 +140,7 @@ class SyncMetrics:
             shard_bytes=d.get("shard_bytes", 0), copied_bytes=d.get("copied_bytes", 0),
             held_bytes=d.get("held_bytes", 0), started_at=d.get("started_at", 0.0), ended_at=d.get("ended_at", 0.0),
             source=d.get("source", ""), fleet=d.get("fleet", []), staleness=d.get("staleness", 0),
-            media_bytes=dict(d.get("media_bytes", {})),
+            media_bytes=dict(d.get("media_bytes", {})), canary=list(d.get("canary", [])), drift=dict(d.get("drift", {})),
         )
 
     def append_to(self, path: Optional[str]) -> None:
@@ -175,6 +184,13 @@ def format_table(rows: Iterable[SyncMetrics]) -> str:
     release / restore only when some row has them)."""
     rows = list(rows)
     phases = [p for p in PHASES if p not in HANDOFF_PHASES or any(m.phases[p] for m in rows)]
-    header = ["version", "role", "rank", *phases, "overlap", "MB", "GB/s"]
+    drift = any(m.drift for m in rows)
+    header = ["version", "role", "rank", *phases, "overlap", "MB", "GB/s", *(["max |dlogp|"] if drift else [])]
     return align(header, ([str(m.version), m.role, str(m.rank), *(f"{m.phases[p]:.4f}" for p in phases),
-                           f"{m.overlap_s:.4f}", f"{m.bytes / 2**20:.2f}", f"{m.gbps:.3f}"] for m in rows))
+                           f"{m.overlap_s:.4f}", f"{m.bytes / 2**20:.2f}", f"{m.gbps:.3f}",
+                           *([_worst_drift(m)] if drift else [])] for m in rows))
+
+
+def _worst_drift(m: SyncMetrics) -> str:
+    worst = max((d["max"] for d in m.drift.values()), default=None)
+    return "-" if worst is None else f"{worst:.2e}"

@@ -4,9 +4,10 @@ Round 1, "all intact": every transport rank says whether it holds the whole vers
 (a sender: whether it sent all of it). Only if every rank does, each inference rank keeps
 its live shards for a rollback (the caller's own copy of them when it holds one, such as the
 bucket receiver's other staging set; else `engine.snapshot()`) and commits the staged ones.
-Round 2, "all loaded": every rank says whether its commit worked; if any failed, the ranks
-that committed load their previous shards back, so no engine serves a mix of versions. Any failure raises the same
-`SyncAbortedError` on every rank. Every transport's sender and receiver run these rounds.
+Round 2, "all loaded": every rank says whether its commit worked, and (with a `check`) whether what the
+engine now holds is what was sent (`layout.loaded`); if any failed, the ranks that committed load their
+previous shards back, so no engine serves a mix of versions. Any failure raises the same `SyncAbortedError`
+on every rank. Every transport's sender and receiver run these rounds.
 """
 
 from __future__ import annotations
@@ -72,10 +73,12 @@ class AgreedCommit:
 
     def __init__(self, agree: Agree, rank: int, engine: "EngineAdapter", commit: Optional[Commit] = None, *,
                  rollback: bool = True,
-                 live_shards: Optional[Callable[[int], Optional[Mapping[str, torch.Tensor]]]] = None) -> None:
+                 live_shards: Optional[Callable[[int], Optional[Mapping[str, torch.Tensor]]]] = None,
+                 check: Optional[Callable[[int], Optional[str]]] = None) -> None:
         self.agree, self.rank, self.engine, self.rollback = agree, rank, engine, rollback
         self.commit = commit if commit is not None else engine.load_shards
         self.live_shards = live_shards
+        self.check = check  # check(version): what the loaded engine holds that it should not, or None
         self.snapshots_taken = 0  # engine.snapshot() copies made
 
     @classmethod
@@ -105,6 +108,8 @@ class AgreedCommit:
             load_error = f"keeping the live shards for a rollback failed: {describe(e, limit=3)}"
         if load_error is None:
             load_error = self._load(dict(staged), version if as_version is None else as_version, metrics)
+            if load_error is None and self.check is not None:
+                load_error = self._checked(version, snapshot, old_version, metrics)
         try:
             with PhaseTimer(metrics, "commit", ("commit", -1)):
                 self.agree(version, load_error)
@@ -134,6 +139,20 @@ class AgreedCommit:
             return (f"commit failed: {describe(e, limit=3)} (ranks that loaded the new version "
                     "roll back to the previous one)")
         return None
+
+    def _checked(self, version: int, snapshot: Optional[Mapping[str, torch.Tensor]], old_version: int,
+                 metrics: SyncMetrics) -> Optional[str]:
+        """Run the post-load check; when it fails, go back to the previous version here at once (this rank then
+        takes part in round 2 as one that did not load) and return what failed."""
+        with PhaseTimer(metrics, "verify"):
+            try:
+                problem = self.check(version)
+            except Exception as e:  # noqa: BLE001 — a check that cannot run fails the version, agreed on
+                problem = f"checking the loaded weights failed: {describe(e, limit=3)}"
+        if problem is None:
+            return None
+        undone = self._roll_back(snapshot, old_version)
+        return problem + ("" if undone is None else f"; {undone}")
 
     def _roll_back(self, snapshot: Optional[Mapping[str, torch.Tensor]], old_version: int) -> Optional[str]:
         """Load the snapshot back; return what went wrong (None when this rank is back on `old_version`)."""

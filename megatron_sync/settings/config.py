@@ -234,6 +234,12 @@ class WeightSyncConfig:
     each engine rank forwards every round to the same rank of the next, so the trainer sends one copy per
     layout however many engines there are. False: the trainer writes every engine. The trainer's value is used."""
 
+    verify_every: int = 1
+    """After an engine rank loaded a version, check that its params hold exactly what was sent, region by
+    region (digests recorded from the verified bytes; drafts included): every version (1), every Nth (the
+    first, then every N), or never (0). A mismatch fails the version on every rank of the engine, which stays
+    on the previous one, naming the rank, param and region. Needs a checksum (not "none")."""
+
     checksum: str = "auto"
     """Integrity check of every bucket: "xxh3" (host bytes, memory speed), "crc32" (host bytes,
     ~2 GB/s), "wsum64" (computed by torch where the bytes are, so on the GPU for device buckets),
@@ -307,6 +313,7 @@ class WeightSyncConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name} must be a number of MiB >= 0 (0: unbounded), got {value!r}")
         _check_bool("p2p_forward", self.p2p_forward)
+        _check_int("verify_every", self.verify_every, minimum=0)
 
         _check_choice("p2p_protocol", self.p2p_protocol, P2P_PROTOCOLS)
         if not isinstance(self.p2p_device_name, str):

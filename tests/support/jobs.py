@@ -206,6 +206,27 @@ def _failed_in_time(case: dict, limit: Optional[Deadline], job: str, error: Base
                             f"longer timeout): {type(error).__name__}: {error}") from error
 
 
+def _plant_after_load(engine: Any, rank: int, case: dict) -> None:
+    """`case["corrupt_after_load"] = (version, rank, name)`: right after that rank loaded `version`, one byte of
+    its live copy of HF tensor `name` changes (a fault no wire checksum can see: a load or post-processing bug)."""
+    if case.get("corrupt_after_load") is None:
+        return
+    version, bad_rank, name = case["corrupt_after_load"]
+    if rank != bad_rank:
+        return
+    load, planted = engine.load_shards, []
+
+    def load_then_corrupt(shards, loaded_version):
+        load(shards, loaded_version)
+        if loaded_version == version and not planted:  # once: the next sync of that version loads cleanly
+            planted.append(True)
+            live = engine.loaded_params()[name]
+            with torch.no_grad():
+                live.view(-1).view(torch.uint8)[0] ^= 0x01
+
+    engine.load_shards = load_then_corrupt
+
+
 def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     """Serve syncs until "stop"; return per committed version this rank's shards and the engine's logits."""
     _setup(case)
@@ -215,6 +236,7 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
 
     config = sync_config(case)
     me = join(config, case_hf_config(case))
+    _plant_after_load(me.engine, me.rank, case)
     isync = InferenceWeightSync(config, me.engine, num_trainer_stages=case["layout"].get("pp", 1),
                                 inference_rank=me.rank, engine_group=me.group, hf_config=me.hf_config,
                                 job_id=me.job_id)

@@ -200,6 +200,12 @@ class ReferenceEngine:
         self._held = {name: shards[name] for name in self._quantized_parts}
         self._version = version
 
+    def loaded_params(self) -> dict[str, torch.Tensor]:
+        """Return what this rank computes with, by layout param name (no copy): the live tensors, and for a
+        quantized weight's parts the values handed to its dequantization (what the check can compare)."""
+        return {name: (self._held[name] if name in self._quantized_parts else self._live[name])
+                for name in self._expected}
+
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Return copies of this rank's shards by checkpoint-format name, as `load_shards` takes them
         (for rollback): live tensors, and the quantized shards last loaded for a quantized weight."""

@@ -141,6 +141,23 @@ class VLLMModelAdapter:
         """Return the live version's params (no copy: the receiver keeps them), or version 0's checkpoint."""
         return self._live
 
+    def loaded_params(self) -> Optional[dict[str, torch.Tensor]]:
+        """Return what this worker computes with, by layout param name: vLLM's own parameter where it keeps
+        the checkpoint form after loading (shape and dtype as laid out, not repacked by a fused-MoE or a
+        quantized method), else the values handed to vLLM's processing; None before any version."""
+        if self._layout is None or not isinstance(self._live, Mapping) or isinstance(self._live, CheckpointWeights):
+            return None
+        modules = dict(self.model.named_modules())
+        held = {}
+        for spec in self._layout.params:
+            module_name, _, attr = spec.name.rpartition(".")
+            module = modules.get(module_name)
+            live = getattr(module, attr, None) if module is not None else None
+            kept = (isinstance(live, torch.Tensor) and tuple(live.shape) == tuple(spec.shape)
+                    and live.dtype == spec.dtype and not _repacks(module))
+            held[spec.name] = live if kept else self._live[spec.name]
+        return held
+
     def load_shards(self, shards: Mapping, version: int) -> None:
         """Make `shards` the live weights, as `version`: this worker's params (by the layout's param names),
         or the served checkpoint (`CheckpointWeights`, version 0).
@@ -203,6 +220,14 @@ class VLLMModelAdapter:
             abandon_layerwise_reload(self.model)  # no-op for layers finalize already processed
             raise
         log.debug("%s: load_weights consumed %d parameters", self.label, len(loaded or ()))
+
+
+def _repacks(module: torch.nn.Module) -> bool:
+    """True when vLLM's processing after a load rewrites this module's weights in another form (fused MoE
+    experts packed for the CPU kernel, quantized methods), so the check looks at the values handed to it."""
+    method = getattr(module, "quant_method", None)
+    name = type(method).__name__ if method is not None else ""
+    return "MoE" in type(module).__name__ or (bool(name) and not name.startswith("Unquantized"))
 
 
 def _cause(error: BaseException) -> str:

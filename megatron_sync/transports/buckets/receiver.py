@@ -29,6 +29,7 @@ from megatron_sync.plan.bucket import unpack
 from megatron_sync.core.checksum import checksum, resolve_checksum
 from megatron_sync.engines.base import EngineAdapter
 from megatron_sync.core.errors import CorruptBucketError, PeerFailureError
+from megatron_sync.layout.loaded import LoadCheck
 from megatron_sync.layout.staging import StagingSets
 from megatron_sync.core.metrics import PhaseTimer, SyncMetrics, Timeline
 from megatron_sync.plan.buckets import BucketPlan, KeepTogether
@@ -55,7 +56,7 @@ class WeightReceiver(Receiver):
     def __init__(self, engine: EngineAdapter, transport: BucketTransport, *,
                  bucket_size_bytes: int, keep_together: KeepTogether = (),
                  metrics_path: Optional[str] = None, commit: Optional[Commit] = None,
-                 rollback: bool = True, checksum: str = "auto", timeline: bool = False) -> None:
+                 rollback: bool = True, checksum: str = "auto", timeline: bool = False, verify_every: int = 1) -> None:
         self.engine, self.transport = engine, transport
         self.layout = engine.rank_layout()
         self.metrics_path = metrics_path
@@ -65,8 +66,10 @@ class WeightReceiver(Receiver):
         self.plan = handshake_plan(transport, None, bucket_size_bytes, keep_together,
                                    expected=engine.expected_tensors(), checksum=self.checksum, layout=self.layout)
         self.staging = StagingSets(self.layout, transport.alloc)
+        self.check = LoadCheck(self.layout, engine, self.checksum, verify_every,
+                               f"inference rank {transport.rank - transport.num_stages}")
         self._agreed = AgreedCommit.over(transport, engine, commit, rollback=rollback,
-                                         live_shards=self.staging.live_params)
+                                         live_shards=self.staging.live_params, check=self.check)
         # Two receive buffers: bucket k+1 arrives while bucket k is verified and staged (none when the
         # transport hands each bucket over where it already lies).
         self._buffers = [None if transport.delivers_in_place else transport.alloc(self.plan.max_bucket_bytes)
@@ -104,6 +107,7 @@ class WeightReceiver(Receiver):
         self.transport.take_media_bytes()  # what moved before this sync is not its own
         with PhaseTimer(metrics, "total"):
             staged = self.staging.begin()
+            self.check.begin(version)
             error = self._receive_all(version, metrics)
             self._agreed(version, error, staged, metrics)
             self.staging.committed(version)
@@ -128,6 +132,7 @@ class WeightReceiver(Receiver):
         metrics.started_at = time.time()
         with PhaseTimer(metrics, "total"):
             staged = self.staging.begin()
+            self.check.skip()  # the relayed set was checked end to end against the relay's own checksum
             error = None
             try:
                 with PhaseTimer(metrics, "transfer"):
@@ -193,4 +198,8 @@ class WeightReceiver(Receiver):
 
     def _stage(self, bucket: BucketPlan, data: torch.Tensor) -> int:
         """Copy this rank's regions of the bucket's tensors into the target staging set; return the bytes."""
-        return sum(self.staging.write(name, full) for name, full in unpack(data, bucket).items())
+        copied = 0
+        for name, full in unpack(data, bucket).items():
+            self.check.record_tensor(name, full)  # verified bytes: what the engine must hold once loaded
+            copied += self.staging.write(name, full)
+        return copied

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Optional
 from megatron_sync.core.checksum import resolve_checksum
 from megatron_sync.core.errors import PeerFailureError, SyncError
 from megatron_sync.core.metrics import PhaseTimer, SyncMetrics
+from megatron_sync.layout.loaded import LoadCheck
 from megatron_sync.layout.staging import StagingSets
 from megatron_sync.session.commit import AgreedCommit
 from megatron_sync.transports.base import Commit, Receiver
@@ -48,7 +49,10 @@ class P2PReceiver(Receiver):
         self.rounds = RoundReceiver(self.schedule, self.index, mover, self.window,
                                     algorithm=resolve_checksum(config.checksum, mover.device),
                                     timeout_s=config.timeout_s)
-        self._agreed = AgreedCommit.over(transport, engine, commit, live_shards=self.staging.live_params)
+        algorithm = resolve_checksum(config.checksum, mover.device)
+        self.check = LoadCheck(self.layout, engine, algorithm, config.verify_every, f"inference rank {self.index}")
+        self._agreed = AgreedCommit.over(transport, engine, commit, live_shards=self.staging.live_params,
+                                         check=self.check)
         self.fleet: Optional[FleetPlace] = None  # set by a fleet engine: where engines chain across links
         self.metrics_path = config.metrics_path
         self.history: list[SyncMetrics] = []
@@ -75,11 +79,15 @@ class P2PReceiver(Receiver):
         with PhaseTimer(metrics, "total"):
             error = None
             staged, target = self.staging.begin(), self.staging.target
+            self.check.begin(version)
             base = target * self.staging.set_bytes
             try:
                 with PhaseTimer(metrics, "transfer"):
                     stats = self.rounds.receive_version(notices, self.staging.buffer(target), base, path)
                 metrics.bytes, metrics.num_buckets = stats.nbytes, self.schedule.rounds[self.index]
+                for p in self.schedule.incoming(self.index):  # the trainer's own digests of what it wrote
+                    self.check.record_piece(p.dst, p.nbytes, p.name, f"rows {p.row}..{p.row + p.rows - 1}",
+                                            stats.sums[p.index])
                 metrics.add("checksum", stats.checksum_seconds)
                 metrics.add("pack", stats.copy_seconds)
                 metrics.phases["transfer"] -= stats.checksum_seconds + stats.copy_seconds

@@ -39,6 +39,7 @@ class ReceiveStats:
     bytes_per_peer: dict[str, int] = field(default_factory=dict)
     forwarded: int = 0
     pieces: int = 0
+    sums: dict[int, int] = field(default_factory=dict)  # the trainer's checksum of every piece, by index
     checksum_seconds: float = 0.0
     copy_seconds: float = 0.0
 
@@ -150,6 +151,7 @@ class RoundReceiver:
             raise SenderFailedError("; ".join(failed))
         started = time.perf_counter()
         self._verify(pieces, sums, at)
+        stats.sums.update(sums)
         stats.checksum_seconds += time.perf_counter() - started
         stats.pieces += len(pieces)
         if route.next is not None:
