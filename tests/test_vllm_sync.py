@@ -80,7 +80,9 @@ RUNS = [
     pytest.param({"tp": 2}, {"transport": "p2p", "p2p_backend": "torch"}, id="megatron-tp2-p2p-torch"),
     pytest.param({"pp": 2}, {"transport": "p2p", "p2p_backend": "mooncake", "p2p_local_hostname": "127.0.0.1"},
                  id="megatron-pp2-p2p-mooncake"),
-    pytest.param({"tp": 2}, {"transport": "p2p", "p2p_backend": "nixl"}, id="megatron-tp2-p2p-nixl"),
+    # with the canary: the server's prompt log-probabilities against the trainer's own forward, every version
+    pytest.param({"tp": 2}, {"transport": "p2p", "p2p_backend": "nixl", "canary_length": 24, "max_logprob_drift": 1e-3},
+                 id="megatron-tp2-p2p-nixl-canary"),
 ]
 
 
@@ -97,6 +99,8 @@ def test_megatron_trainer_syncs_three_versions_exactly(served, parallel, transpo
         print(f"[{parallel} {transport.get('transport', 'broadcast')}] version {r['version']}: sync {r['sync_s']:.2f}s, "
               f"tokens {r['tokens']}, workers {[(m['bytes'], m['shard_bytes'], m['held_bytes']) for m in r['receivers']]}")
     assert [r["version"] for r in reports] == [1, 2, 3]
+    if transport.get("canary_length"):  # float32, vLLM's CPU kernels against Megatron's
+        assert all(r["drift"]["0"]["max"] < 1e-3 for r in reports), [r["drift"] for r in reports]
     for r in reports:
         assert not r["problems"], f"version {r['version']}: " + "; ".join(r["problems"])
         assert r["reported"] == str(r["version"])

@@ -68,3 +68,8 @@ class SyncAbortedError(AgreedFailure):
         self.version = version
         super().__init__(f"sync of version {version} (aborted on every rank; engines keep the previous "
                          f"version)", failures)
+
+
+class DriftError(SyncError):
+    """An engine's scores of the canary sequence drifted from the trainer's past `max_logprob_drift`: it holds
+    the bytes sent (the post-load check passed) but computes differently (a config or kernel of its own)."""

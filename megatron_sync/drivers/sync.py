@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from megatron_sync.convert import get_converter, get_family, keep_together_of
+from megatron_sync.convert.hf_config import HFConfig
 from megatron_sync.core.agreement import failing_together, torch_gather
 from megatron_sync.settings.config import WeightSyncConfig
 from megatron_sync.engines.base import EngineAdapter, EngineClient
@@ -31,7 +32,9 @@ from megatron_sync.core.errors import (AgreedFailure, PeerFailureError, Rendezvo
 from megatron_sync.fleet.engine import Relays, await_link, hello
 from megatron_sync.fleet.p2p import P2PFleetDriver
 from megatron_sync.fleet.trainer import FleetDriver, link_config
+from megatron_sync.drivers.canary import TrainerCanary, engine_scores
 from megatron_sync.engines.handoff import EngineHandoff
+from megatron_sync.trainer.forward import token_logprobs
 from megatron_sync.trainer.megatron_config import check_model_config
 from megatron_sync.core.meta import dtype_from_name
 from megatron_sync.core.metrics import SyncMetrics
@@ -137,6 +140,7 @@ class TrainerWeightSync:
                 self._open_session(transport_cls, hf_config)
             self._start(transport_cls, chunks, converter, hf_config, trainer_group, engine_clients)
             self.sender.keep_sent = keep_sent  # checks and dumps: keep what each sync sent (`sent_tensors`)
+            self.canary = self._canary(chunks, hf_config if hf_config is not None else self.stream.converter.config)
         except BaseException as e:
             self._close_after_failed_start(e)
             raise
@@ -158,6 +162,15 @@ class TrainerWeightSync:
                 self._gather(None)  # every rank leaves once the host has
             except Exception:  # noqa: BLE001 — the start-up error is the one to raise
                 log.warning("the trainer ranks could not wait for the rendezvous host to leave", exc_info=True)
+
+    def _canary(self, chunks: list, hf_config: Any) -> TrainerCanary:
+        """The canary check of this trainer (off unless canary_length or canary_tokens is set)."""
+        vocab = HFConfig(hf_config)["vocab_size"]
+
+        def score(tokens: list[int]) -> list[float]:
+            return token_logprobs(chunks, self.layout, torch.tensor(tokens), vocab).tolist()
+
+        return TrainerCanary(self.config, vocab, score, self._gather)
 
     def _start(self, transport_cls: Any, chunks: list, converter: Any, hf_config: Any, trainer_group: Any,
                engine_clients: Optional[Sequence[EngineClient]]) -> None:
@@ -288,7 +301,7 @@ class TrainerWeightSync:
                 self.engines.before_sync(version)
         if self.is_leader:
             self.engines.begin_transfer(version)
-            self.transport.control.send(ControlMessage(ControlOp.SYNC, version))
+            self.transport.control.send(ControlMessage(ControlOp.SYNC, version, self.canary.payload))
         self._syncing = True
         try:
             with failing_together(f"weight sync of version {version}", self._gather):
@@ -312,12 +325,24 @@ class TrainerWeightSync:
             with failing_together(f"committing version {version} on the engines", self._gather):
                 self.engines.after_sync(version, ok=True)
         self.version = version
+        self._check_canary(version, metrics)
         if self.auto_choice is not None and self.is_leader:
             log.info("version %d: synced in %.3f s measured; the scale model predicted %.3f s (transport auto: "
                      "%s, %g MiB buckets, profile %s)", version, time.perf_counter() - started,
                      self.auto_choice.predicted_s, self.auto_choice.transport, self.auto_choice.bucket_size_mb,
                      self.auto_choice.profile)
         return metrics
+
+    def _check_canary(self, version: int, metrics: SyncMetrics) -> None:
+        """Compare every engine's canary scores with the trainer's own (`drivers.canary`); collective."""
+        leader = None
+        if self.is_leader:
+            ranks, tp = self.transport.inference_ranks, self.config.engine_tp_size
+            firsts = [] if self.engines.driven else list(range(ranks.start, ranks.stop, tp))
+            leader = (self.transport.control, firsts)
+        with failing_together(f"checking the engines' canary scores of version {version}", self._gather):
+            self.canary.check(version, metrics, leader=leader, clients=self.engines.clients,
+                              timeout_s=self.config.timeout_s)
 
     def release_engines(self) -> list[SyncMetrics]:
         """Have every inference rank free its live weights, and wait until all did; return their rows
@@ -460,6 +485,7 @@ class InferenceWeightSync:
         self.stop_reason: Optional[str] = None  # why the trainer stopped the session, when it said
         self.synced_version = 0  # the last version the trainer synced here (its numbering), for a "left" report
         self._acknowledged = False  # told the leader it stopped or left
+        self._first_of_engine = inference_rank % config.engine_tp_size == 0  # reports the engine's canary scores
         self.server = GenerationServer(engine, engine_group=engine_group, inflight_policy=config.inflight_policy,
                                        commit_timeout_s=config.timeout_s)
         # the same groups as the trainer's converter: the family's, plus each quantized weight with its scales
@@ -543,7 +569,7 @@ class InferenceWeightSync:
                                    ) from e
 
     def apply(self, version: int, relay: Optional[ControlMessage] = None,
-              route: Optional[dict] = None) -> Optional[SyncMetrics]:
+              payload: Optional[dict] = None) -> Optional[SyncMetrics]:
         """Receive `version`; return metrics, or None if the sync was aborted on every rank.
 
         An aborted sync leaves the engine on its previous version and the
@@ -561,6 +587,7 @@ class InferenceWeightSync:
                 if relay is not None:
                     metrics = self.relays.receive(relay)
                 else:
+                    route = (payload or {}).get("route")
                     metrics = self.receiver.receive(version, route) if route else self.receiver.receive(version)
         except SyncAbortedError as e:
             log.error("%s", e)
@@ -576,6 +603,9 @@ class InferenceWeightSync:
                                        + (f": {self.stop_reason}" if self.stop_reason else "")) from e
             raise PeerFailureError(f"sync of version {version} failed: {e}" + (f"; {host}" if host else "")) from e
         self.synced_version = version
+        scores = engine_scores(self.engine, payload or {})  # the canary: every rank of the engine scores it
+        if scores is not None and self._first_of_engine:
+            metrics.canary = scores
         self._report_outcome(version, metrics.to_json().encode())
         return metrics
 
@@ -625,7 +655,7 @@ class InferenceWeightSync:
             self._acknowledged = True
             return False
         if message.op is ControlOp.SYNC:
-            self.apply(message.version, route=message.payload.get("route"))
+            self.apply(message.version, payload=message.payload)
             return True
         if message.op is ControlOp.RELAY_RECEIVE:  # a fleet: the version comes from another engine
             self.apply(message.version, relay=message)

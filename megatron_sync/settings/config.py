@@ -240,6 +240,24 @@ class WeightSyncConfig:
     first, then every N), or never (0). A mismatch fails the version on every rank of the engine, which stays
     on the previous one, naming the rank, param and region. Needs a checksum (not "none")."""
 
+    canary_length: int = 0
+    """After every commit each engine scores a canary sequence of this many tokens (log p of each given those
+    before it) and the trainer compares with its own Megatron forward: max and mean |Δ log p| per engine per
+    version, in the trainer's metrics (`drift`) and table. 0: no canary."""
+
+    canary_seed: int = 0
+    """The seed the canary's token ids are drawn from the vocabulary with (the same on every rank and run)."""
+
+    canary_tokens: tuple[int, ...] = ()
+    """The canary's token ids, when you want your own (a prompt of your task); they replace the drawn ones."""
+
+    max_logprob_drift: float = 0.0
+    """The largest |Δ log p| an engine may show on the canary; 0: record the drift only. Past it, `on_drift`."""
+
+    on_drift: str = "fail"
+    """When an engine drifts past max_logprob_drift: "fail" (the trainer's sync raises DriftError naming the
+    engine; the engine keeps the version: its bytes are exact, it computes differently) or "warn" (a log line)."""
+
     checksum: str = "auto"
     """Integrity check of every bucket: "xxh3" (host bytes, memory speed), "crc32" (host bytes,
     ~2 GB/s), "wsum64" (computed by torch where the bytes are, so on the GPU for device buckets),
@@ -288,6 +306,10 @@ class WeightSyncConfig:
         if isinstance(self.engines, str) or not isinstance(self.engines, (list, tuple)):
             raise ValueError(f"engines must be a list of KIND=URL entries, got {self.engines!r}")
         object.__setattr__(self, "engines", tuple(self.engines))  # YAML and flags give lists
+        try:  # flags give strings
+            object.__setattr__(self, "canary_tokens", tuple(int(t) for t in self.canary_tokens))
+        except (TypeError, ValueError):
+            raise ValueError(f"canary_tokens must be token ids (integers), got {self.canary_tokens!r}") from None
         for entry in self.engines:
             parse_engine(entry)
         for name in ("delta_snapshot_every", "delta_retention", "delta_queue_depth", "delta_encode_threads"):
@@ -314,6 +336,15 @@ class WeightSyncConfig:
                 raise ValueError(f"{name} must be a number of MiB >= 0 (0: unbounded), got {value!r}")
         _check_bool("p2p_forward", self.p2p_forward)
         _check_int("verify_every", self.verify_every, minimum=0)
+        _check_int("canary_length", self.canary_length, minimum=0)
+        _check_int("canary_seed", self.canary_seed, minimum=0)
+        if self.canary_length == 1:
+            raise ValueError("canary_length=1 scores nothing (every token is scored given those before it); use "
+                             ">= 2, or 0 for no canary")
+        if isinstance(self.max_logprob_drift, bool) or not isinstance(self.max_logprob_drift, (int, float)) \
+                or self.max_logprob_drift < 0:
+            raise ValueError(f"max_logprob_drift must be a number >= 0 (0: record only), got {self.max_logprob_drift!r}")
+        _check_choice("on_drift", self.on_drift, ("fail", "warn"))
 
         _check_choice("p2p_protocol", self.p2p_protocol, P2P_PROTOCOLS)
         if not isinstance(self.p2p_device_name, str):

@@ -227,6 +227,19 @@ def _plant_after_load(engine: Any, rank: int, case: dict) -> None:
     engine.load_shards = load_then_corrupt
 
 
+def _misconfigure_rope(engine: Any, case: dict) -> None:
+    """`case["engine_rope_base"] = b`: the engine's rotary embedding uses base b instead of its config's (an
+    engine computing differently with exact weights: what the canary's drift catches and no checksum can)."""
+    base = case.get("engine_rope_base")
+    if base is None:
+        return
+    for module in engine.model.modules():
+        inv_freq = getattr(module, "inv_freq", None)
+        if isinstance(inv_freq, torch.Tensor):
+            dim = 2 * inv_freq.numel()
+            inv_freq.copy_(1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)))
+
+
 def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     """Serve syncs until "stop"; return per committed version this rank's shards and the engine's logits."""
     _setup(case)
@@ -237,6 +250,7 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     config = sync_config(case)
     me = join(config, case_hf_config(case))
     _plant_after_load(me.engine, me.rank, case)
+    _misconfigure_rope(me.engine, case)
     isync = InferenceWeightSync(config, me.engine, num_trainer_stages=case["layout"].get("pp", 1),
                                 inference_rank=me.rank, engine_group=me.group, hf_config=me.hf_config,
                                 job_id=me.job_id)

@@ -547,7 +547,7 @@ def megatron_job_syncs(rank: int, world: int, spec: ModelSpec, parallel: dict, u
                 tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
                 train_step(model, optimizer, tokens, layout)
             started = time.perf_counter()  # sync_s: a figure the tests print, never assert on
-            sync.sync()
+            synced = sync.sync()
             seconds = time.perf_counter() - started
             everyone: list = [None] * world
             dist.all_gather_object(everyone, {n: t.clone() for n, t in (sync.sender.sent_tensors() or {}).items()})
@@ -556,7 +556,7 @@ def megatron_job_syncs(rank: int, world: int, spec: ModelSpec, parallel: dict, u
                 reference = None if quantization_config is None else DequantizedReference(
                     spec, sent, dtype=dtype, quantization_config=quantization_config)
                 reports.append({
-                    "version": sync.version, "sync_s": seconds,
+                    "version": sync.version, "sync_s": seconds, "drift": synced.drift,
                     "problems": engine_problems(url, spec, sent, prompts, reference=reference),
                     "tokens": greedy_completion(url, prompts[0], 8), "reported": weight_version(url),
                     "spans": [(s["version"], s["start"], s["end"]) for s in generate(url, prompts[0], 2)["weight_versions"]],

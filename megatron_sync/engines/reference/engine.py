@@ -247,6 +247,12 @@ class ReferenceEngine:
         """Return full-vocabulary logits [B, S, V] for `tokens` [B, S], identical on every rank."""
         return self.model(input_ids=tokens, use_cache=False).logits
 
+    def token_logprobs(self, tokens: list[int]) -> list[float]:
+        """Return log p(token i + 1 | tokens 0..i) for the sequence `tokens` (collective over the engine group)."""
+        ids = torch.tensor([tokens])
+        logp = torch.log_softmax(self.logits(ids)[0, :-1].float(), dim=-1)
+        return logp.gather(-1, ids[0, 1:].view(-1, 1)).view(-1).tolist()
+
     def draft_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Return the draft layers' next-token logits [depth, B, S, V] for `tokens` [B, S] (collective)."""
         return draft_logits(self.model, tokens)

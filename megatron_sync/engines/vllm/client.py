@@ -198,6 +198,15 @@ class VLLMEngineClient:
             raise RuntimeError(f"vLLM at {self.url} has not joined a transport group; call join() first")
         return self._rendezvous
 
+    def token_logprobs(self, tokens: list[int]) -> list[float]:
+        """Return the served model's log p(token i + 1 | tokens 0..i) for `tokens` (the canary), through
+        /v1/completions' prompt log-probabilities."""
+        model = self._call("/v1/models", method="GET")["data"][0]["id"]
+        answer = self._call("/v1/completions", body={"model": model, "prompt": list(tokens), "max_tokens": 1,
+                                                     "temperature": 0.0, "prompt_logprobs": 0})
+        per_position = answer["choices"][0]["prompt_logprobs"]
+        return [float(per_position[i][str(token)]["logprob"]) for i, token in enumerate(tokens) if i > 0]
+
     def _call(self, route: str, *, method: str = "POST", body: Any = None, query: Optional[dict] = None,
               timeout_s: Optional[float] = None) -> Any:
         return request_json(self.url, route, method=method, body=body, query=query,
