@@ -34,9 +34,9 @@ from megatron_sync.core.grid import ParallelLayout
 def build_model(family: str, seed: int, rotary_base: float | None = None):
     """The user's model provider (here: a tiny CPU model, whose HF twin the engine serves; `rotary_base`
     as Megatron-LM's --rotary-base, default the tiny model's)."""
-    from tests.support import models
-    from tests.support.dist import init_megatron
-    from tests.support.train import make_optimizer, wrap_in_ddp
+    from examples.tiny import models
+    from examples.tiny.megatron import init_megatron
+    from examples.tiny.train import make_optimizer, wrap_in_ddp
 
     init_megatron(seed=seed)
     spec = models.ModelSpec(family)
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="[trainer] %(message)s")
     logging.getLogger("megatron_sync").setLevel(logging.INFO)  # weight sync: session, admissions, refusals
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
-    from tests.support.train import train_step
+    from examples.tiny.train import train_step
 
     # weight sync: this example syncs the initial weights unless the YAML says sync_on_start: false
     config = WeightSyncConfig.from_yaml(args.config, defaults={"sync_on_start": True}).replace(**explicit_flags(args))

@@ -24,7 +24,13 @@ import time
 
 from examples.job import harness_store, job_arg_parser, job_argv, load_job
 from megatron_sync.core.lifecycle import Terminated, stop_on_signals
-from tests.support.dist import free_port
+
+
+def free_port() -> int:
+    """Return a loopback port free a moment ago (the demo's own harness store; one run, nothing races it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def torchrun(nprocs: int, module: str, argv: list[str]) -> list[str]:

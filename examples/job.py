@@ -83,7 +83,7 @@ class JobConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
     def model_spec(self):
-        from tests.support.models import ModelSpec
+        from examples.tiny.models import ModelSpec
 
         return ModelSpec(**self.model)
 
@@ -165,7 +165,7 @@ SECTIONS = ("model", "trainer", "train", "verify", "weight_sync")
 
 
 def deaf_to_stop_signals() -> None:
-    """Fault injection for tests: from now on SIGTERM / SIGINT do nothing in Python, wherever the kernel
+    """Fault injection (for the test suite): from now on SIGTERM / SIGINT do nothing in Python, wherever the kernel
     delivers them, as in a rank blocked in native code. (Blocking them in the calling thread alone is not
     deaf: another thread takes the signal and the main thread runs the handler at its next bytecode.) The
     library's stop watchdog still hears them through the signal wakeup fd, which is what such a test checks."""
@@ -174,7 +174,7 @@ def deaf_to_stop_signals() -> None:
 
 
 def _model_spec_type():
-    from tests.support.models import ModelSpec
+    from examples.tiny.models import ModelSpec
 
     return ModelSpec
 

@@ -7,7 +7,7 @@ message they post their logits, on "rollout" they generate while the next sync
 arrives and post the responses with the versions each token came from. Both go
 to the demo's own store (`--harness-port`), not through the library.
 `--test-exit-during-version` makes one rank die mid-sync, `--test-hang-during-version`
-makes it hang there (fault injection for tests).
+makes it hang there (fault injection for the test suite).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from examples.job import JobConfig, deaf_to_stop_signals, harness_store, job_arg
 from megatron_sync.drivers.serve import EngineRank, join, serve
 from megatron_sync.drivers.sync import InferenceWeightSync
 from megatron_sync.session.control import ControlMessage, ControlOp
-from tests.support.fakes import FaultyLayout
+from examples.tiny.faults import FaultyLayout
 
 
 class _DiesMidSync:
-    """Fault injection for tests: the wrapped engine's process exits while staging `version`."""
+    """Fault injection (for the test suite): the wrapped engine's process exits while staging `version`."""
 
     def __init__(self, engine, version: int):
         self._engine, self._version = engine, version
@@ -51,7 +51,7 @@ class _DiesMidSync:
 
 
 class _HangsMidSync(_DiesMidSync):
-    """Fault injection for tests: the wrapped engine's rank hangs while staging `version`, deaf to
+    """Fault injection (for the test suite): the wrapped engine's rank hangs while staging `version`, deaf to
     SIGTERM (as a rank stuck in native code is)."""
 
     def _before_write(self, n: int) -> None:
@@ -136,7 +136,7 @@ def _signals_deferred():
 
 
 def run(job: JobConfig, args: argparse.Namespace) -> int:
-    from tests.support.models import hf_config
+    from examples.tiny.models import hf_config
 
     ws = job.weight_sync
     me = join(ws, hf_config(job.model_spec()))
@@ -152,7 +152,7 @@ def run(job: JobConfig, args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     parser = job_arg_parser("megatron-sync demo inference job (run under torchrun)")
-    faults = parser.add_argument_group("fault injection (tests)")
+    faults = parser.add_argument_group("fault injection (test suite)")
     faults.add_argument("--test-exit-during-version", type=int, default=0,
                         help="make one inference rank exit while it receives this version")
     faults.add_argument("--test-hang-during-version", type=int, default=0,

@@ -31,8 +31,8 @@ from megatron_sync.drivers.sync import TrainerWeightSync
 
 def build_trainer(job: JobConfig):
     """Return (chunks, layout, HF config) for this rank: a seeded tiny model under the job's layout."""
-    from tests.support import models
-    from tests.support.dist import init_megatron
+    from examples.tiny import models
+    from examples.tiny.megatron import init_megatron
 
     t = job.trainer
     minutes = max(2, math.ceil(4 * job.weight_sync.timeout_s / 60))  # Megatron's groups: bounded too
@@ -64,7 +64,7 @@ class Verifier:
         self.rows = []
 
     def after_sync(self, version: int, metrics) -> None:
-        from tests.support.models import megatron_logits
+        from examples.tiny.models import megatron_logits
 
         tokens = eval_tokens(self.job, self.vocab_size)
         logits = megatron_logits(self.chunks, tokens) if self.job.verify.logits else None
@@ -129,7 +129,7 @@ class Verifier:
 
 
 def pause_after(pause_version: int, version: int) -> None:
-    """Fault injection for tests: idle (between syncs, on every rank) once `version` is synced."""
+    """Fault injection (for the test suite): idle (between syncs, on every rank) once `version` is synced."""
     if pause_version and version == pause_version:
         print(f"[trainer] fault injection: idling after version {version}", flush=True)
         time.sleep(PAUSE_S)
@@ -139,7 +139,7 @@ PAUSE_S = 600.0
 
 
 def fault_during(sync: TrainerWeightSync, version: int, fault: str) -> None:
-    """Fault injection for tests: the leader injects `fault` (a key of FAULTS) into the sync of `version`."""
+    """Fault injection (for the test suite): the leader injects `fault` (a key of FAULTS) into the sync of `version`."""
     if not version or not sync.is_leader:
         return
     words, inject, at_transfer = FAULTS[fault]
@@ -196,7 +196,7 @@ FAULTS = {  # name: (what it does, in words; how; at the first transfer (else be
 
 def run(job: JobConfig, harness_port: int, pause_version: int = 0, faults: dict[str, int] | None = None) -> int:
     """Train for `job.train.steps` optimizer updates, syncing per the config; return an exit code."""
-    from tests.support.train import make_optimizer, train_step, wrap_in_ddp
+    from examples.tiny.train import make_optimizer, train_step, wrap_in_ddp
 
     if not job.weight_sync.enabled:
         raise ValueError("this job checks every sync against the engines; set weight_sync.enabled: true")
@@ -238,9 +238,9 @@ def run(job: JobConfig, harness_port: int, pause_version: int = 0, faults: dict[
 def main(argv=None) -> int:
     parser = job_arg_parser("megatron-sync demo trainer job (run under torchrun)")
     parser.add_argument("--test-pause-after-version", type=int, default=0,
-                        help="fault injection (tests): idle for a long while after syncing this version")
+                        help="fault injection (test suite): idle for a long while after syncing this version")
     parser.add_argument("--test-fault-during-version", nargs=2, action="append", default=[],
-                        metavar=("FAULT", "VERSION"), help=f"fault injection (tests): one of {sorted(FAULTS)}, in the "
+                        metavar=("FAULT", "VERSION"), help=f"fault injection (test suite): one of {sorted(FAULTS)}, in the "
                                                            "leader while it sends VERSION")
     args = parser.parse_args(argv)
     faults = {fault: int(version) for fault, version in args.test_fault_during_version}

@@ -15,6 +15,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+from examples.tiny.megatron import init_megatron, teardown_megatron  # noqa: F401 — re-exported
 from tests.support.ports import free_port
 from tests.support.procs import adopt_environ, context as procs_context, environ
 from tests.support.timing import scaled
@@ -180,36 +181,3 @@ def _stop(procs) -> None:
         proc.join(timeout=10)
 
 
-def init_megatron(
-    tp: int = 1,
-    pp: int = 1,
-    vpp: int | None = None,
-    ep: int = 1,
-    etp: int | None = None,
-    seed: int = 1234,
-    timeout_minutes: int = 30,
-) -> None:
-    """Initialize Megatron's parallel_state, the CPU shims and all seeds inside a gloo worker."""
-    import torch
-    from megatron.core import parallel_state, tensor_parallel
-
-    from tests.support.cpu_shim import apply_cpu_shims
-
-    apply_cpu_shims()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-        distributed_timeout_minutes=timeout_minutes,
-    )
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def teardown_megatron() -> None:
-    """Undo ``init_megatron`` so another layout can be initialized in the same process."""
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()

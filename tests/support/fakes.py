@@ -13,6 +13,7 @@ from megatron_sync.layout.rank import RankLayout
 from megatron_sync.layout.regions import Shard, Sharding, TensorSpec
 from megatron_sync.layout.roles import RoleLayout
 from megatron_sync.core.meta import TensorMeta
+from examples.tiny.faults import FaultyLayout  # noqa: F401 — the demo's fault hook, used here too
 
 bf16, f32, i64 = torch.bfloat16, torch.float32, torch.int64
 
@@ -107,24 +108,6 @@ def fake_specs(metas: list[TensorMeta], tp_size: int) -> list[TensorSpec]:
 def shard_rule(meta: TensorMeta, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
     """Return the fake engine's shard of `full` (the layout's region: dim 0 split when divisible)."""
     return Sharding(tp_size).rank_region(fake_specs([meta], tp_size)[0], tp_rank).of(full)
-
-
-@dataclass(frozen=True)
-class FaultyLayout(RankLayout):
-    """A rank layout that calls `before_write(n)` before staging its n-th tensor (1-based), for fault
-    injection: a receiver's process that dies or hangs part-way through a version."""
-
-    before_write: Callable[[int], None] = lambda n: None
-    writes: list = field(default_factory=lambda: [0])
-
-    @classmethod
-    def wrap(cls, layout: RankLayout, before_write: Callable[[int], None]) -> "FaultyLayout":
-        return cls(layout.params, layout.placements, before_write=before_write)
-
-    def write(self, staging: torch.Tensor, name: str, full: torch.Tensor) -> int:
-        self.writes[0] += 1
-        self.before_write(self.writes[0])
-        return super().write(staging, name, full)
 
 
 def _exit_after(count: int) -> Callable[[int], None]:
