@@ -59,6 +59,7 @@ class TrainSettings:
     batch_size: int = 2
     seq_len: int = 16
     seed: int = 1234
+    tensorboard_dir: str | None = None  # when set, trainer rank 0 writes each sync's figures there (TensorBoard)
 
 
 @dataclass(frozen=True, kw_only=True)

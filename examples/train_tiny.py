@@ -205,9 +205,11 @@ def run(job: JobConfig, harness_port: int, pause_version: int = 0, faults: dict[
     optimizer = make_optimizer(model, job.train.lr)
     # Collective; with sync_on_start (the demo's default) the engines get the initial weights as version 1.
     # Leaving the block, also on SIGTERM / SIGINT, tells the engines to stop.
-    # The dumps are what was sent: a transport that keeps no copy (p2p) keeps one when asked.
+    # The dumps are what was sent: a transport that keeps no copy (p2p) keeps one when asked. Each sync's
+    # figures go to TensorBoard on rank 0 when the job names a folder (train.tensorboard_dir).
+    writer = tensorboard_writer(job.train.tensorboard_dir) if dist.get_rank() == 0 else None
     with WeightSyncCallback.from_config(job.weight_sync, model, hf_config=hf_config, layout=layout,
-                                        keep_sent=bool(job.verify.dump_dir)) as callback:
+                                        keep_sent=bool(job.verify.dump_dir), writer=writer) as callback:
         sync = callback.syncer
         for fault, version in (faults or {}).items():
             fault_during(sync, version, fault)
@@ -233,6 +235,15 @@ def run(job: JobConfig, harness_port: int, pause_version: int = 0, faults: dict[
         print(f"\n[trainer] {sync.version} versions synced; "
               f"{'all checks passed' if not failures[0] else 'FAILED: ' + '; '.join(failures[0])}", flush=True)
     return 1 if failures[0] else 0
+
+
+def tensorboard_writer(folder: str | None):
+    """Return a TensorBoard writer into `folder` (None: no writer)."""
+    if not folder:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=folder)
 
 
 def main(argv=None) -> int:

@@ -33,6 +33,8 @@ def _write_job(tmp_path, config: str, **verify) -> tuple[str, dict]:
     with open(os.path.join(ROOT, "configs", config)) as f:
         job = yaml.safe_load(f)
     job.setdefault("verify", {}).update(dump_dir=str(tmp_path / "dumps"), **verify)
+    if job.get("train", {}).get("tensorboard_dir"):
+        job["train"]["tensorboard_dir"] = str(tmp_path / "tensorboard")
     job["weight_sync"]["metrics_path"] = str(tmp_path / "metrics.jsonl")
     job["weight_sync"]["master_port"] = free_port()  # the demo uses the file's port as written
     path = tmp_path / "job.yaml"
@@ -47,6 +49,15 @@ def _run_demo(path: str, *extra: str, time_limit: int = 240) -> subprocess.Compl
         [sys.executable, "-m", "examples.demo", "--config", path, "--time-limit", str(time_limit), *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=time_limit + 60,
     )
+
+
+def _tensorboard_scalars(folder: str) -> dict[str, list[tuple[int, float]]]:
+    """Return every scalar series the event files in `folder` hold: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(folder)
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def _engine_slicer(job: dict, tp_rank: int):
@@ -120,6 +131,10 @@ def test_every_sync_lands_exactly_on_every_engine_rank(tmp_path, config, flags):
 
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) >= versions  # one line per sync and rank
+    if job["train"].get("tensorboard_dir"):  # the demo's figures, read back from TensorBoard's event files
+        scalars = _tensorboard_scalars(str(tmp_path / "tensorboard"))
+        assert [value for _, value in scalars["weight_sync/version"]] == list(range(1, versions + 1))
+        assert len(scalars["weight_sync/seconds/total"]) == versions and scalars["weight_sync/bytes"][0][1] > 0
     if "ipc" in flags:  # every bucket through shared memory; only control messages over the store's socket
         rows = [row for row in map(json.loads, lines) if row["rank"] >= 0]  # trainer ranks that send nothing: -1
         assert {r["role"] for r in rows} == {"sender", "receiver"}

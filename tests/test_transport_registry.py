@@ -122,6 +122,19 @@ def test_the_registry_lists_the_new_name_and_refuses_unknown_ones():
         WeightSyncConfig(transport="pigeon")
     with pytest.raises(TypeError, match="needs a Transport subclass"):
         register_transport("bad", dict)
+    with pytest.raises(ValueError, match="transport 'broadcast' is registered already .* under another name"):
+        register_transport("broadcast", StoreTransport)  # a name is never silently taken over
+    register_transport("store", StoreTransport)  # the same class again (a module imported twice) is no change
+
+
+def test_the_public_api_is_listed_documented_and_importable():
+    import megatron_sync
+
+    for name in megatron_sync.__all__:
+        assert getattr(megatron_sync, name).__doc__, name
+        assert name in megatron_sync.__doc__, f"{name} is not in the package's docstring"
+    with pytest.raises(AttributeError, match="the public API is"):
+        megatron_sync.StagingSets  # noqa: B018 — internal: not part of the API
 
 
 @pytest.mark.multiproc

@@ -10,6 +10,7 @@ import torch
 
 from megatron_sync.engines.handoff import TrainerMemory
 from megatron_sync.core.lifecycle import stop_on_signals
+from megatron_sync.core.writers import log_sync
 from megatron_sync.drivers.sync import TrainerWeightSync
 
 log = logging.getLogger("megatron_sync")
@@ -66,13 +67,14 @@ class WeightSyncCallback:
     """
 
     def __init__(self, syncer: Syncer | None, chunks: list[torch.nn.Module], *, every_n_steps: int = 1,
-                 memory: Optional[TrainerMemory] = None):
+                 memory: Optional[TrainerMemory] = None, writer: Any = None):
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.syncer = syncer
         self.chunks = chunks
         self.every_n_steps = every_n_steps
         self.memory = memory  # what this trainer rank releases while the engines generate (colocated jobs)
+        self.writer = writer  # where each sync's figures go on this rank (TensorBoard, W&B; `core.writers`)
         self.updates = 0
         self.initial_metrics: Any = None  # the start-up sync's metrics (weight_sync.sync_on_start)
         self.handoff_rows: list[Any] = []  # the rows of the last handoff step (megatron_sync.engines.handoff)
@@ -85,12 +87,14 @@ class WeightSyncCallback:
 
         With `enabled: false` nothing is connected and the callback only counts updates.
         With `sync_on_start: true` the current weights are synced once before this returns
-        (version 1; its metrics in `initial_metrics`). `sync_kwargs` go to `TrainerWeightSync`
+        (version 1; its metrics in `initial_metrics`). `writer` (TensorBoard's, a W&B run: `core.writers`) gets
+        each sync's figures on this rank; `memory` is what this rank hands over (colocated). The other
+        `sync_kwargs` go to `TrainerWeightSync`
         (converter or hf_config, layout, trainer_group, engine_clients, keep_sent).
         """
-        memory = sync_kwargs.pop("memory", None)
+        memory, writer = sync_kwargs.pop("memory", None), sync_kwargs.pop("writer", None)
         syncer = TrainerWeightSync(config, chunks, **sync_kwargs) if config.enabled else None
-        callback = cls(syncer, chunks, every_n_steps=config.every_n_steps, memory=memory)
+        callback = cls(syncer, chunks, every_n_steps=config.every_n_steps, memory=memory, writer=writer)
         if config.enabled and config.sync_on_start:
             try:
                 callback.initial_metrics = callback.sync_now()
@@ -143,7 +147,10 @@ class WeightSyncCallback:
         if self.syncer is None:
             return None
         ensure_params_gathered(self.chunks)
-        return self.syncer.sync()
+        metrics = self.syncer.sync()
+        if self.writer is not None:
+            log_sync(self.writer, metrics)
+        return metrics
 
     def close(self, reason: Optional[str] = None) -> None:
         """Tell the engines to stop and release the transport (call once training ends); safe to call twice.

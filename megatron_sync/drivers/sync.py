@@ -33,6 +33,7 @@ from megatron_sync.fleet.engine import Relays, await_link, hello
 from megatron_sync.fleet.p2p import P2PFleetDriver
 from megatron_sync.fleet.trainer import FleetDriver, link_config
 from megatron_sync.drivers.canary import TrainerCanary, engine_scores
+from megatron_sync.engines.exporter import MetricsExporter
 from megatron_sync.engines.handoff import EngineHandoff
 from megatron_sync.trainer.forward import token_logprobs
 from megatron_sync.trainer.megatron_config import check_model_config
@@ -486,6 +487,8 @@ class InferenceWeightSync:
         self.synced_version = 0  # the last version the trainer synced here (its numbering), for a "left" report
         self._acknowledged = False  # told the leader it stopped or left
         self._first_of_engine = inference_rank % config.engine_tp_size == 0  # reports the engine's canary scores
+        self.exporter = MetricsExporter(config.metrics_port + inference_rank, inference_rank) \
+            if config.metrics_port else None
         self.server = GenerationServer(engine, engine_group=engine_group, inflight_policy=config.inflight_policy,
                                        commit_timeout_s=config.timeout_s)
         # the same groups as the trainer's converter: the family's, plus each quantized weight with its scales
@@ -593,6 +596,8 @@ class InferenceWeightSync:
             log.error("%s", e)
             why = "; ".join(f"[transport rank {rank}] {message.splitlines()[0]}" for rank, message in e.failures)
             self._report_outcome(version, json.dumps({"aborted": why}).encode())
+            if self.exporter is not None:
+                self.exporter.aborted()
             return None
         except PeerFailureError as e:
             answers, host = self.session.host_state() if self.session is not None else (True, "")
@@ -606,6 +611,8 @@ class InferenceWeightSync:
         scores = engine_scores(self.engine, payload or {})  # the canary: every rank of the engine scores it
         if scores is not None and self._first_of_engine:
             metrics.canary = scores
+        if self.exporter is not None:
+            self.exporter.committed(metrics, self.engine.version)
         self._report_outcome(version, metrics.to_json().encode())
         return metrics
 
@@ -679,6 +686,8 @@ class InferenceWeightSync:
         A rank leaving without having read "stop" says so first (`why`), where the leader collects stop
         acknowledgements, so a trainer that stops later does not wait for it."""
         self.server.close()
+        if getattr(self, "exporter", None) is not None:
+            self.exporter.close()
         if self.transport is not None:
             if not self._acknowledged:
                 try:

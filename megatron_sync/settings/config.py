@@ -240,6 +240,11 @@ class WeightSyncConfig:
     first, then every N), or never (0). A mismatch fails the version on every rank of the engine, which stays
     on the previous one, naming the rank, param and region. Needs a checksum (not "none")."""
 
+    metrics_port: int = 0
+    """Inference side: serve each engine rank's per-version rows (version served, seconds per phase, bytes,
+    syncs committed and aborted) in Prometheus's text format at http://HOST:(metrics_port + inference rank)/
+    metrics; 0: none."""
+
     canary_length: int = 0
     """After every commit each engine scores a canary sequence of this many tokens (log p of each given those
     before it) and the trainer compares with its own Megatron forward: max and mean |Δ log p| per engine per
@@ -337,6 +342,7 @@ class WeightSyncConfig:
         _check_bool("p2p_forward", self.p2p_forward)
         _check_int("verify_every", self.verify_every, minimum=0)
         _check_int("canary_length", self.canary_length, minimum=0)
+        _check_int("metrics_port", self.metrics_port, minimum=0)
         _check_int("canary_seed", self.canary_seed, minimum=0)
         if self.canary_length == 1:
             raise ValueError("canary_length=1 scores nothing (every token is scored given those before it); use "

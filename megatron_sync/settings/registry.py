@@ -15,7 +15,11 @@ _CHECKS: dict[str, Optional[str]] = {}
 
 
 def register(name: str, check: Optional[str] = None) -> None:
-    """Make `name` a known `transport` setting; `check` ("module:function") validates its settings."""
+    """Make `name` a known `transport` setting; `check` ("module:function") validates its settings. A name
+    registered already with another check is refused: two transports must not share a name."""
+    if name in _CHECKS and _CHECKS[name] != check:
+        raise ValueError(f"transport {name!r} is registered already (with check {_CHECKS[name]!r}); "
+                         "register yours under another name")
     _CHECKS[name] = check
 
 

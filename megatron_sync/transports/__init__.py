@@ -44,6 +44,10 @@ def register_transport(name: str, cls: type, check: Optional[str] = None) -> Non
     validating its settings, see `megatron_sync.settings.registry`)."""
     if not (isinstance(cls, type) and all(hasattr(cls, attr) for attr in _INTERFACE)):
         raise TypeError(f"register_transport({name!r}, ...) needs a Transport subclass, got {cls!r}")
+    existing = _REGISTRY.get(name)
+    if existing is not None and existing is not cls:
+        raise ValueError(f"transport {name!r} is registered already ({existing!r}); register {cls.__name__} "
+                         "under another name")
     _REGISTRY[name] = cls
     settings_registry.register(name, check)
 

@@ -28,6 +28,7 @@ only (benchmarks).
 from __future__ import annotations
 
 import importlib
+import urllib.request
 import os
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -267,6 +268,9 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
             held.append({"version": me.engine.version, "shards": me.engine.snapshot(),
                          "logits": me.engine.logits(EVAL_TOKENS)} if case.get("keep_tensors", True)
                         else {"version": me.engine.version})
+            if config.metrics_port:  # what a Prometheus server would scrape from this rank now
+                url = f"http://127.0.0.1:{config.metrics_port + me.rank}/metrics"
+                held[-1]["scraped"] = urllib.request.urlopen(url, timeout=30).read().decode()
             if case.get("draft_logits"):
                 held[-1]["draft_logits"] = me.engine.draft_logits(EVAL_TOKENS)
     except Exception as e:  # noqa: BLE001 — recorded for the test, or raised
