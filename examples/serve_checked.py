@@ -146,7 +146,9 @@ def run(job: JobConfig, args: argparse.Namespace) -> int:
         me.engine = _HangsMidSync(me.engine, args.test_hang_during_version)
     checks = DemoChecks(job, me, harness_store(args.harness_port, timeout_s=ws.timeout_s))
     # on_stop: every way out (stop, a failure, SIGTERM even while blocked) dumps what the rank holds
-    return serve(me, ws, num_trainer_stages=job.trainer.pp, handlers={"verify": checks.verify, "rollout": checks.rollout},
+    # the trainer's stages are adopted at its rendezvous; disk_delta meets through files and is told them
+    stages = job.trainer.pp if ws.transport == "disk_delta" else None
+    return serve(me, ws, num_trainer_stages=stages, handlers={"verify": checks.verify, "rollout": checks.rollout},
                  on_stop=checks.dump_survivor)
 
 

@@ -4,7 +4,7 @@
 # arguments come first, the inference job's after --serve:
 #
 #   NTRAIN=2 NSERVE=2 launch/colocate.sh --module my_pkg.train -- --config train.yaml \
-#       --serve --engine reference --model-dir /models/qwen3 --trainer-stages 1 --config train.yaml
+#       --serve --engine reference --model-dir /models/qwen3 --config train.yaml
 #
 # With weight_sync.transport: ipc the weights go through shared memory (see the README's "Colocated
 # training and inference"). The same two roles can also run as two jobs side by side: launch/train.sh

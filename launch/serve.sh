@@ -3,10 +3,11 @@
 # engines of weight_sync.engine_tp_size ranks, around the engine you name, built from an HF model
 # directory (config.json, and optionally its *.safetensors as the starting weights).
 #
-#   NPROC=2 launch/serve.sh --engine reference --model-dir /models/qwen3-tiny --trainer-stages 1 \
+#   NPROC=2 launch/serve.sh --engine reference --model-dir /models/qwen3-tiny \
 #       --config train.yaml --weight-sync-master-address 10.0.0.5
 #
-# --trainer-stages is the trainer's pipeline-parallel size. Settings come from the YAML's weight_sync:
+# The trainer's layout (its pipeline stages) is adopted at the rendezvous; only transport disk_delta, which
+# meets through files, needs --trainer-stages (the trainer's pipeline-parallel size). Settings come from the YAML's weight_sync:
 # section, --weight-sync-* flags override them. vLLM runs as its own server: launch/serve_vllm.sh.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"

@@ -3,7 +3,7 @@
 Run one process per inference rank under torchrun (see launch/serve.sh):
 
     torchrun --nproc-per-node 2 -m megatron_sync.drivers.serve --engine reference --model-dir /models/qwen3 \\
-        --trainer-stages 1 --config train.yaml        # or --weight-sync-* flags
+        --config train.yaml        # or --weight-sync-* flags; the trainer's layout is adopted at the rendezvous
 
 The model directory holds the inference model's `config.json` and, optionally,
 its initial `*.safetensors` (without them the engine starts from zeros and
@@ -131,8 +131,8 @@ def join(config: WeightSyncConfig, hf_config: Any, *, engine: str = "reference",
                 f"the inference job has {world} ranks but weight_sync.num_inference_ranks="
                 f"{config.num_inference_ranks}; launch as many inference processes as the config says")
         if config.fleet and config.engine_id is None:
-            raise ValueError("a fleet's engine job needs its engine id: set weight_sync.engine_id "
-                             "(--weight-sync-engine-id N), the same N again when it restarts")
+            raise ValueError("a fleet's engine job needs its engine id: set weight_sync.fleet.engine_id "
+                             "(--weight-sync-fleet-engine-id N), the same N again when it restarts")
         if engine not in ENGINES:
             raise ValueError(f"--engine {engine!r} is not hosted by this job; use one of {sorted(ENGINES)}")
         tp = config.engine_tp_size
@@ -154,7 +154,7 @@ def join(config: WeightSyncConfig, hf_config: Any, *, engine: str = "reference",
     return EngineRank(rank, world, engine_index, tp_rank, group, built, hf_config, job_id)
 
 
-def serve(me: EngineRank, config: WeightSyncConfig, *, num_trainer_stages: int,
+def serve(me: EngineRank, config: WeightSyncConfig, *, num_trainer_stages: Optional[int] = None,
           handlers: Optional[dict[str, Callable[[InferenceWeightSync, Any], AppHandler]]] = None,
           on_stop: Optional[Callable[[], None]] = None) -> int:
     """Follow the trainer until "stop"; return the exit code. `handlers[name](isync, message)` serve app messages.
@@ -223,7 +223,9 @@ def arg_parser(description: str = "megatron-sync inference job (run under torchr
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--engine", default="reference", help=f"one of {sorted(ENGINES)}")
     parser.add_argument("--model-dir", required=True, help="HF model directory: config.json [+ *.safetensors]")
-    parser.add_argument("--trainer-stages", type=int, default=1, help="pipeline stages of the trainer job")
+    parser.add_argument("--trainer-stages", type=int, default=None,
+                        help="pipeline stages of the trainer job; leave it out (the trainer states it at the "
+                             "rendezvous) except for transport disk_delta, which meets through files")
     parser.add_argument("--config", help="YAML whose weight_sync: section holds the settings (flags override)")
     add_weight_sync_args(parser, defaults=False)
     return parser

@@ -252,7 +252,9 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     me = join(config, case_hf_config(case))
     _plant_after_load(me.engine, me.rank, case)
     _misconfigure_rope(me.engine, case)
-    isync = InferenceWeightSync(config, me.engine, num_trainer_stages=case["layout"].get("pp", 1),
+    # the trainer's pipeline stages are adopted at its rendezvous (disk_delta meets through files: told them)
+    stages = case["layout"].get("pp", 1) if config.transport == "disk_delta" else None
+    isync = InferenceWeightSync(config, me.engine, num_trainer_stages=stages,
                                 inference_rank=me.rank, engine_group=me.group, hf_config=me.hf_config,
                                 job_id=me.job_id)
     held, handoffs, failure, limit = [], [], None, _failure_deadline(case, "engine")
