@@ -101,3 +101,73 @@ def test_checksum_choices_are_the_bucket_module_table_plus_auto():
     assert CHECKSUM_CHOICES == ("auto", *CHECKSUMS)
     assert WeightSyncConfig().checksum == "auto"
     assert WeightSyncConfig(checksum="none").checksum == "none"
+
+
+def _yaml(tmp_path, text):
+    path = tmp_path / "train.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_transport_settings_live_in_their_section(tmp_path):
+    cfg = WeightSyncConfig.from_yaml(_yaml(tmp_path, """
+weight_sync:
+  transport: p2p
+  p2p: {backend: nixl, arena_mb: 64, forward: false}
+  fleet: {enabled: true, min_engines: 1, wave_size: 2}
+"""))
+    assert (cfg.p2p_backend, cfg.p2p_arena_mb, cfg.p2p_forward) == ("nixl", 64, False)
+    assert (cfg.fleet, cfg.wave_size) == (True, 2)
+    delta = WeightSyncConfig.from_dict({"transport": "disk_delta", "family": "qwen3",
+                                        "disk_delta": {"dir": str(tmp_path), "local_dir": str(tmp_path / "l")}})
+    assert delta.delta_dir == str(tmp_path)
+    with pytest.raises(ValueError, match=r"unknown keys \['bakend'\] in weight_sync.p2p; valid keys are \['backend'"):
+        WeightSyncConfig.from_dict({"transport": "p2p", "p2p": {"bakend": "nixl"}})
+
+
+def test_the_flat_spelling_of_the_last_release_works_with_a_deprecation_line():
+    with pytest.warns(DeprecationWarning, match=r"weight_sync.p2p_backend is deprecated .* write p2p.backend"):
+        cfg = WeightSyncConfig.from_dict({"transport": "p2p", "p2p_backend": "mooncake"})
+    assert cfg.p2p_backend == "mooncake"
+    with pytest.warns(DeprecationWarning, match=r"weight_sync.fleet is deprecated .* write fleet.enabled"):
+        assert WeightSyncConfig.from_dict({"fleet": True}).fleet
+    with pytest.raises(ValueError, match="p2p.backend is given twice"):
+        WeightSyncConfig.from_dict({"transport": "p2p", "p2p_backend": "torch", "p2p": {"backend": "nixl"}})
+    parser = add_weight_sync_args(argparse.ArgumentParser())
+    with pytest.warns(DeprecationWarning, match="--weight-sync-delta-retention is deprecated .* use "
+                                                "--weight-sync-disk-delta-retention"):
+        ns = parser.parse_args(["--weight-sync-transport", "disk_delta", "--weight-sync-disk-delta-dir", "/s",
+                                "--weight-sync-disk-delta-local-dir", "/l", "--weight-sync-delta-retention", "7"])
+    assert WeightSyncConfig.from_args(ns).delta_retention == 7
+    with pytest.warns(DeprecationWarning, match="--no-weight-sync-relay is deprecated"):
+        parser.parse_args(["--no-weight-sync-relay"])
+    ns = parser.parse_args(["--weight-sync-fleet", "--weight-sync-fleet-wave-size", "2", "--no-weight-sync-fleet-relay"])
+    assert (ns.weight_sync_fleet, ns.weight_sync_wave_size, ns.weight_sync_relay) == (True, 2, False)
+
+
+@pytest.mark.parametrize("values,match", [
+    ({"p2p": {"backend": "nixl"}}, r"p2p.backend does nothing here: it is read with transport p2p, and this job "
+                                   r"uses transport 'broadcast'; remove it, or set transport: p2p"),
+    ({"transport": "p2p", "disk_delta": {}}, r"the 'disk_delta:' section does nothing here"),
+    ({"fleet": {"wave_size": 2}}, r"fleet.wave_size does nothing here: .* is not a fleet .* set fleet.enabled: true"),
+    ({"fleet": {"relay": True}}, r"fleet.relay does nothing here"),
+    ({"hardware_profile": "h100"}, r"hardware_profile='h100' is read by transport 'auto' only"),
+])
+def test_a_setting_that_does_nothing_for_the_chosen_transport_is_refused(values, match):
+    with pytest.raises(ValueError, match=match):
+        WeightSyncConfig.from_dict(values)
+
+
+def test_settings_of_the_transport_auto_may_choose_are_accepted():
+    cfg = WeightSyncConfig.from_dict({"transport": "auto", "hardware_profile": "local", "p2p": {"backend": "nixl"}})
+    assert cfg.p2p_backend == "nixl"
+
+
+def test_ipc_over_nccl_without_cuda_is_refused():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: ipc over nccl is valid here")
+    with pytest.raises(ValueError, match="transport 'ipc' with backend 'nccl' .* no CUDA device; use backend 'auto'"):
+        WeightSyncConfig(transport="ipc", backend="nccl")
+    assert WeightSyncConfig(transport="ipc").backend == "auto"

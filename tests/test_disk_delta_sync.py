@@ -241,8 +241,8 @@ def test_the_demo_jobs_sync_over_shared_storage_while_the_engine_generates(tmp_p
     (policy recompute) while the version is patched in behind them."""
     done = subprocess.run(
         [sys.executable, "-m", "examples.demo", "--config", "configs/demo_qwen3_moe_ep2.yaml", "--time-limit", "300",
-         "--weight-sync-transport", "disk_delta", "--weight-sync-delta-dir", str(tmp_path / "shared"),
-         "--weight-sync-delta-local-dir", str(tmp_path / "host0")],
+         "--weight-sync-transport", "disk_delta", "--weight-sync-disk-delta-dir", str(tmp_path / "shared"),
+         "--weight-sync-disk-delta-local-dir", str(tmp_path / "host0")],
         cwd=ROOT, capture_output=True, text=True, timeout=scaled(360))
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]

@@ -89,8 +89,8 @@ def test_a_segment_that_does_not_fit_in_dev_shm_is_refused_at_creation_and_leave
 def test_ipc_is_a_registered_transport_and_refuses_sglang_engines():
     assert get_transport("ipc") is IpcTransport
     assert WeightSyncConfig(transport="ipc").transport == "ipc"
-    with pytest.raises(ValueError, match="transport 'ipc' hands buckets to megatron-sync receivers .* use transport "
-                                         "'sglang' for SGLang"):
+    with pytest.raises(ValueError, match="transport 'ipc' writes into megatron-sync receivers' memory, .* use "
+                                         "transport 'sglang' for SGLang"):
         WeightSyncConfig(transport="ipc", engines=["sglang=http://127.0.0.1:30000"])
 
 

@@ -104,7 +104,7 @@ def test_a_setting_only_its_transport_uses_is_compared_at_the_rendezvous(tmp_pat
                                         engine_args=("--weight-sync-p2p-backend", "mooncake"))
     train_code, serve_code = _pair_ends(train, serve, serve, r"\[inference rank 0\] could not join the trainer: ",
                                         exit_within=(MARGIN_S, MARGIN_S))
-    words = ("trainer moves P2P bytes with 'torch', this inference job with 'mooncake' (set weight_sync.p2p_backend "
+    words = ("trainer moves P2P bytes with 'torch', this inference job with 'mooncake' (set weight_sync.p2p.backend "
              "alike on both jobs)")
     assert train_code != 0 and re.search(r"RendezvousError: \[session [\w.-]+\] inference rank 0 of job "
                                          r"'inference-\w+' cannot join session '[\w.-]+': " + re.escape(words),
@@ -159,7 +159,7 @@ def test_a_full_disk_on_the_disk_delta_writer_leaves_the_engines_on_their_versio
         yaml.safe_dump(job, f)
     shared = tmp_path / "shared"
     demo = _demo(path, "--test-fault-during-version", "disk-full", "2", "--weight-sync-transport", "disk_delta",
-                 "--weight-sync-delta-dir", str(shared), "--weight-sync-delta-local-dir", str(tmp_path / "host0"))
+                 "--weight-sync-disk-delta-dir", str(shared), "--weight-sync-disk-delta-local-dir", str(tmp_path / "host0"))
     try:
         full = demo.when(r"\[trainer\] fault injection: the disk is full \(RLIMIT_FSIZE\) while sending version 2")
         for rank in (0, 1):

@@ -80,11 +80,10 @@ SHARED_SETTINGS = [  # (transport, trainer's settings, inference job's settings,
     ("broadcast", {"checksum": "xxh3"}, {"checksum": "crc32"},
      "trainer checks every bucket with 'xxh3', this inference job with 'crc32' (set weight_sync.checksum alike"),
     ("broadcast", {"checksum": "auto"}, {"checksum": "xxh3"}, None),  # auto is xxh3 for gloo's host buckets
-    ("broadcast", {"p2p_backend": "torch"}, {"p2p_backend": "mooncake"}, None),  # broadcast moves no P2P bytes
     ("p2p", {"p2p_backend": "torch"}, {"p2p_backend": "mooncake"},
-     "trainer moves P2P bytes with 'torch', this inference job with 'mooncake' (set weight_sync.p2p_backend alike"),
+     "trainer moves P2P bytes with 'torch', this inference job with 'mooncake' (set weight_sync.p2p.backend alike"),
     ("p2p", {"p2p_backend": "mooncake", "p2p_protocol": "tcp"}, {"p2p_backend": "mooncake", "p2p_protocol": "rdma"},
-     "trainer runs Mooncake over 'tcp', this inference job over 'rdma' (set weight_sync.p2p_protocol alike"),
+     "trainer runs Mooncake over 'tcp', this inference job over 'rdma' (set weight_sync.p2p.protocol alike"),
     ("p2p", {"p2p_protocol": "tcp"}, {"p2p_protocol": "rdma"}, None),  # the torch mover has no protocol
     ("p2p", {"checksum": "xxh3"}, {"checksum": "crc32"},
      "trainer checks every bucket with 'xxh3', this inference job with 'crc32' (set weight_sync.checksum alike"),

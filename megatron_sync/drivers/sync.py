@@ -24,6 +24,7 @@ from megatron_sync.convert import get_converter, get_family, keep_together_of
 from megatron_sync.convert.hf_config import HFConfig
 from megatron_sync.core.agreement import failing_together, torch_gather
 from megatron_sync.settings.config import WeightSyncConfig
+from megatron_sync.settings.sections import resolved
 from megatron_sync.engines.base import EngineAdapter, EngineClient
 from megatron_sync.engines.driven import EngineFleet, clients_from_config
 from megatron_sync.engines.serving import GenerationServer
@@ -232,7 +233,7 @@ class TrainerWeightSync:
                 raise RuntimeError(f"trainer ranks resolved transport auto differently: {chosen}")
         self.auto_choice = choice
         log.info("%s", choice.describe())
-        return config.replace(transport=choice.transport, bucket_size_mb=choice.bucket_size_mb)
+        return resolved(config, transport=choice.transport, bucket_size_mb=choice.bucket_size_mb)
 
     def _engine_fleet(self, config: WeightSyncConfig, clients: Optional[Sequence[EngineClient]],
                       joins: bool) -> EngineFleet:
@@ -465,7 +466,7 @@ class InferenceWeightSync:
         config: WeightSyncConfig,
         engine: EngineAdapter,
         *,
-        num_trainer_stages: int,
+        num_trainer_stages: Optional[int] = None,
         inference_rank: int,
         engine_group: Any = None,
         hf_config: Any = None,
@@ -473,7 +474,7 @@ class InferenceWeightSync:
         driven: bool = False,
     ):
         if config.fleet and config.engine_id is None:
-            raise ValueError("weight_sync.fleet is on: say which engine this job is with weight_sync.engine_id "
+            raise ValueError("weight_sync.fleet is on: say which engine this job is with weight_sync.fleet.engine_id "
                              "(0, 1, ...; a restarted engine presents its id again)")
         ranks = config.engine_tp_size if config.fleet else config.num_inference_ranks
         if not 0 <= inference_rank < ranks:
@@ -510,6 +511,8 @@ class InferenceWeightSync:
         self.session = (SyncSession.join(config.master_address, config.master_port, identity,
                                          timeout_s=config.timeout_s) if meets_at_store else None)
         try:
+            if num_trainer_stages is None:  # the trainer's, adopted at the rendezvous
+                num_trainer_stages = self._trainer_stages(transport_cls)
             if auto:
                 from megatron_sync.scale.auto import adopt_host_choice
 
@@ -546,6 +549,15 @@ class InferenceWeightSync:
                 self.session.fail(f"{identity.describe()} failed while connecting: {type(e).__name__}: {e}")
             self.close()
             raise
+
+    def _trainer_stages(self, transport_cls: Any) -> int:
+        """Return the trainer's pipeline stages as its rendezvous host stated them (an inference job need not
+        repeat the trainer's layout); a transport that meets by its own means cannot tell it."""
+        if self.session is None:
+            raise ValueError(f"transport {transport_cls.name!r} meets through files, not at the trainer's "
+                             "rendezvous: pass num_trainer_stages (the serve job's --trainer-stages), the "
+                             "trainer's pipeline-parallel size")
+        return int(self.session.host_identity.expects["trainer_stages"])
 
     def next_control(self, timeout_s: float = IDLE_TIMEOUT_S) -> ControlMessage:
         """Wait for the trainer's next control message and return it.

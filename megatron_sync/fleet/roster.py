@@ -97,9 +97,9 @@ class Roster:
         """Raise FleetTooSmall when fewer than `minimum` engines are active (None: no minimum)."""
         if minimum is not None and len(self.active()) < minimum:
             raise FleetTooSmall(f"{len(self.active())} engine(s) left in the fleet, fewer than "
-                                f"weight_sync.min_engines={minimum} (gone: engines {self.gone()}); restart them "
+                                f"weight_sync.fleet.min_engines={minimum} (gone: engines {self.gone()}); restart them "
                                 "(each rejoins with its weight_sync.engine_id) or lower min_engines")
 
 
 class FleetTooSmall(RuntimeError):
-    """Fewer engines remain than `weight_sync.min_engines` allows."""
+    """Fewer engines remain than `weight_sync.fleet.min_engines` allows."""

@@ -264,7 +264,7 @@ class FleetDriver:
         if len(self.links) < self.config.min_engines:
             gone = self.roster.gone() if self.is_leader else []
             raise FleetTooSmall(f"{len(self.links)} engine(s) left in the fleet, fewer than "
-                                f"weight_sync.min_engines={self.config.min_engines}"
+                                f"weight_sync.fleet.min_engines={self.config.min_engines}"
                                 + (f" (gone: engines {gone})" if gone else "")
                                 + "; restart them (each rejoins with its weight_sync.engine_id) or lower min_engines")
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from megatron_sync.settings.config import parse_engine
+from megatron_sync.settings.sections import resolved
 from megatron_sync.scale.hardware import HardwareProfile, profile_named, profile_names
 from megatron_sync.scale.layouts import FleetLayout, TrainerLayout
 from megatron_sync.scale.plans import ScalePlanner
@@ -134,7 +135,7 @@ def adopt_host_choice(config: Any, host_expects: dict) -> Any:
         raise ValueError(f"transport auto: the trainer's session did not announce a resolved transport and bucket "
                          f"size (it presented transport={transport!r}, bucket_size_mb={bucket!r}); run both jobs "
                          "with this version of megatron-sync")
-    return config.replace(transport=transport, bucket_size_mb=float(bucket))
+    return resolved(config, transport=transport, bucket_size_mb=float(bucket))
 
 
 def check_settings(config: Any) -> None:

@@ -10,39 +10,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron_sync.core.checksum import CHECKSUMS
-from megatron_sync.core.meta import dtype_from_name
 from megatron_sync.settings import registry
 
-BACKENDS = ("gloo", "nccl", "auto")
-_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-INFLIGHT_POLICIES = ("abort", "wait", "recompute", "keep")
-DRAFT_CHOICES = ("sync", "skip")
-P2P_BACKENDS = ("nixl", "mooncake", "torch")  # megatron_sync.transports.p2p.transport.MOVERS
-P2P_PROTOCOLS = ("tcp", "rdma")
-CHECKSUM_CHOICES = ("auto", *CHECKSUMS)
-DEFAULT_GATHER_BUDGET_MB = 1024.0
-
-ENGINE_CLIENTS = {
-    "vllm": "megatron_sync.engines.vllm.client:VLLMEngineClient",
-    "sglang": "megatron_sync.engines.sglang.client:SGLangEngineClient",
-}
-"""Kinds of `weight_sync.engines` entries -> the EngineClient class driving that engine (import paths)."""
-
-
-def parse_engine(entry: str) -> tuple[str, str]:
-    """Return (kind, url) of one `weight_sync.engines` entry "KIND=URL"; ValueError names the fix."""
-    kind, sep, url = entry.partition("=") if isinstance(entry, str) else ("", "", "")
-    if not sep or kind not in ENGINE_CLIENTS or not url.startswith(("http://", "https://")):
-        raise ValueError(
-            f"engines entry {entry!r} is not KIND=URL with KIND one of {sorted(ENGINE_CLIENTS)} and an "
-            "http(s) URL, e.g. 'vllm=http://10.0.0.7:8000'"
-        )
-    return kind, url
+from megatron_sync.settings import checks  # noqa: E402 — the validations
+from megatron_sync.settings.choices import (  # noqa: F401 — re-exported: the settings' vocabulary
+    BACKENDS, CHECKSUM_CHOICES, DEFAULT_GATHER_BUDGET_MB, DRAFT_CHOICES, ENGINE_CLIENTS, INFLIGHT_POLICIES,
+    P2P_BACKENDS, P2P_PROTOCOLS, parse_engine,
+)
+from megatron_sync.settings.sections import deprecated_flag, flag, inert_section_problem, present_sections, sectioned
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,11 +118,11 @@ class WeightSyncConfig:
     # ---- an elastic fleet of engines (see the README's "A fleet that keeps serving") ----
 
     fleet: bool = False
-    """Engines join and leave the running session one by one: each engine is its own launched job (`engine_id`)
+    """Engines join and leave the running session one by one: each engine is its own launched job (`fleet.engine_id`)
     with its own link to the trainer. An engine that fails or vanishes is dropped (one log line) and the sync goes
     on with the rest; a restarted or new engine joins at the next sync and gets the current version.
     num_inference_ranks is the initial fleet (the trainer waits up to timeout_s for it at start-up, then goes on
-    with at least min_engines). Both jobs must agree. Transport "broadcast"."""
+    with at least fleet.min_engines). Both jobs must agree. Transport "broadcast" or "p2p"."""
 
     engine_id: Optional[int] = None
     """Fleet, inference job: which engine this job is (0, 1, ...). A restarted engine presents its id again and
@@ -159,7 +138,8 @@ class WeightSyncConfig:
     relay: bool = False
     """Fleet: an engine that committed a version sends it (its committed shards, rank to rank, checksummed) to
     an engine of the same layout in the next wave, so the trainer sends one copy per layout per version. A
-    relay that fails falls back to the trainer."""
+    relay that fails falls back to the trainer. With fleet.wave_size 0 the relay makes the waves itself: the
+    first engine of each layout gets the trainer's copy, the others take it relayed in the waves after."""
 
     max_staleness: int = 0
     """Fleet: 0: a sync returns once every wave committed. 1: it returns after the first wave, and the later
@@ -208,15 +188,15 @@ class WeightSyncConfig:
     the transport group (gloo on CPU, NCCL on GPU, as `backend` says)."""
 
     p2p_protocol: str = "tcp"
-    """p2p_backend "mooncake" only: "tcp", or "rdma" (refused when no RDMA device is visible,
+    """p2p.backend "mooncake" only: "tcp", or "rdma" (refused when no RDMA device is visible,
     instead of Mooncake's silent fallback to TCP)."""
 
     p2p_device_name: str = ""
-    """p2p_backend "mooncake" with "rdma": the RDMA devices to use, comma-separated (e.g. "mlx5_0,mlx5_1");
+    """p2p.backend "mooncake" with "rdma": the RDMA devices to use, comma-separated (e.g. "mlx5_0,mlx5_1");
     empty: Mooncake picks."""
 
     p2p_local_hostname: Optional[str] = None
-    """p2p_backend "mooncake": the address this process's transfer engine advertises to its peers;
+    """p2p.backend "mooncake": the address this process's transfer engine advertises to its peers;
     None: this host's name (socket.gethostname()). Use "127.0.0.1" when every rank runs on one host."""
 
     p2p_arena_mb: float = 0.0
@@ -271,124 +251,9 @@ class WeightSyncConfig:
     the bucket is on the wire; a mismatch aborts the sync on every rank. All ranks must agree."""
 
     def __post_init__(self) -> None:
-        _check_bool("enabled", self.enabled)
-        _check_int("every_n_steps", self.every_n_steps, minimum=1)
-        _check_choice("transport", self.transport, tuple(registry.names()))
-        _check_choice("backend", self.backend, BACKENDS)
-        if not isinstance(self.master_address, str) or not self.master_address:
-            raise ValueError("master_address must be a non-empty host name or IP, e.g. '10.0.0.1'")
-        _check_int("master_port", self.master_port, minimum=1)
-        if self.master_port > 65535:
-            raise ValueError(f"master_port={self.master_port} is not a TCP port; use 1..65535")
-        _check_int("num_inference_ranks", self.num_inference_ranks, minimum=1)
-        _check_int("engine_tp_size", self.engine_tp_size, minimum=1)
-        if self.num_inference_ranks % self.engine_tp_size:
-            raise ValueError(
-                f"engine_tp_size={self.engine_tp_size} must divide "
-                f"num_inference_ranks={self.num_inference_ranks} (each engine spans engine_tp_size ranks)"
-            )
-        _check_positive("bucket_size_mb", self.bucket_size_mb)
-        _check_positive("gather_budget_mb", self.gather_budget_mb)
-        _check_positive("timeout_s", self.timeout_s)
-        if self.family is not None and (not isinstance(self.family, str) or not self.family):
-            raise ValueError("family must name a model family, e.g. 'qwen3' or 'deepseek_v3'")
-        if self.hf_config_path is not None and not isinstance(self.hf_config_path, str):
-            raise ValueError("hf_config_path must be a path string or null")
-        try:
-            dtype_from_name(self.dtype)
-        except ValueError as e:
-            raise ValueError(f"dtype: {e}") from None
-        if self.metrics_path is not None and not isinstance(self.metrics_path, str):
-            raise ValueError("metrics_path must be a file path string or null")
-        _check_choice("inflight_policy", self.inflight_policy, INFLIGHT_POLICIES)
-        _check_choice("draft", self.draft, DRAFT_CHOICES)
-        _check_choice("checksum", self.checksum, CHECKSUM_CHOICES)
-        if self.run_id is not None and (not isinstance(self.run_id, str) or not _RUN_ID.fullmatch(self.run_id)):
-            raise ValueError(f"run_id={self.run_id!r} is not valid: use 1-64 letters, digits, '.', '_' or '-' "
-                             "(or null to let the trainer name the session)")
-        _check_bool("sync_on_start", self.sync_on_start)
-        self._check_fleet()
-        if isinstance(self.engines, str) or not isinstance(self.engines, (list, tuple)):
-            raise ValueError(f"engines must be a list of KIND=URL entries, got {self.engines!r}")
-        object.__setattr__(self, "engines", tuple(self.engines))  # YAML and flags give lists
-        try:  # flags give strings
-            object.__setattr__(self, "canary_tokens", tuple(int(t) for t in self.canary_tokens))
-        except (TypeError, ValueError):
-            raise ValueError(f"canary_tokens must be token ids (integers), got {self.canary_tokens!r}") from None
-        for entry in self.engines:
-            parse_engine(entry)
-        for name in ("delta_snapshot_every", "delta_retention", "delta_queue_depth", "delta_encode_threads"):
-            _check_int(name, getattr(self, name), minimum=1)
-        if self.transport == "disk_delta":
-            for name in ("delta_dir", "delta_local_dir"):
-                if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                    raise ValueError(f"transport='disk_delta' needs {name}: " + (
-                        "the shared directory both jobs mount, e.g. /shared/run42/weights" if name == "delta_dir"
-                        else "a directory on each inference host's local disk, e.g. /local/megatron_sync"))
-        sglang = [e for e in self.engines if parse_engine(e)[0] == "sglang"]
-        if self.transport == "p2p" and sglang:
-            raise ValueError(f"transport 'p2p' writes each rank's shard into its staging memory, which SGLang's "
-                             f"update API does not expose (engines {sglang}); use transport 'sglang' for SGLang, "
-                             "or 'p2p' with megatron-sync inference ranks and vLLM servers")
-        if self.transport == "ipc" and sglang:
-            raise ValueError(f"transport 'ipc' hands buckets to megatron-sync receivers in shared memory, which "
-                             f"SGLang's update API does not run (engines {sglang}); use transport 'sglang' for "
-                             "SGLang, or 'ipc' with megatron-sync inference ranks and vLLM servers")
-        _check_choice("p2p_backend", self.p2p_backend, P2P_BACKENDS)
-        for name in ("p2p_arena_mb", "p2p_window_mb"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name} must be a number of MiB >= 0 (0: unbounded), got {value!r}")
-        _check_bool("p2p_forward", self.p2p_forward)
-        _check_int("verify_every", self.verify_every, minimum=0)
-        _check_int("canary_length", self.canary_length, minimum=0)
-        _check_int("metrics_port", self.metrics_port, minimum=0)
-        _check_int("canary_seed", self.canary_seed, minimum=0)
-        if self.canary_length == 1:
-            raise ValueError("canary_length=1 scores nothing (every token is scored given those before it); use "
-                             ">= 2, or 0 for no canary")
-        if isinstance(self.max_logprob_drift, bool) or not isinstance(self.max_logprob_drift, (int, float)) \
-                or self.max_logprob_drift < 0:
-            raise ValueError(f"max_logprob_drift must be a number >= 0 (0: record only), got {self.max_logprob_drift!r}")
-        _check_choice("on_drift", self.on_drift, ("fail", "warn"))
-
-        _check_choice("p2p_protocol", self.p2p_protocol, P2P_PROTOCOLS)
-        if not isinstance(self.p2p_device_name, str):
-            raise ValueError("p2p_device_name must be a string of RDMA device names, e.g. 'mlx5_0,mlx5_1' (or '')")
-        if self.p2p_local_hostname is not None and (not isinstance(self.p2p_local_hostname, str)
-                                                    or not self.p2p_local_hostname):
-            raise ValueError("p2p_local_hostname must be a host name or IP this rank is reachable at, or null")
+        for check in checks.ALL:  # each names the field and the fix (settings/checks.py)
+            check(self)
         registry.check(self)  # last: the chosen transport's own settings (disk_delta's writer, auto's profile)
-
-    def _check_fleet(self) -> None:
-        _check_bool("fleet", self.fleet)
-        _check_bool("relay", self.relay)
-        _check_int("min_engines", self.min_engines, minimum=1)
-        _check_int("wave_size", self.wave_size, minimum=0)
-        _check_int("max_staleness", self.max_staleness, minimum=0)
-        if self.max_staleness > 1:
-            raise ValueError(f"max_staleness={self.max_staleness} is not supported; use 0 (every wave before "
-                             "sync() returns) or 1 (later waves while training goes on)")
-        if self.engine_id is not None:
-            _check_int("engine_id", self.engine_id, minimum=0)
-        if not self.fleet:
-            changed = [name for name, default in (("engine_id", None), ("min_engines", 1), ("wave_size", 0),
-                                                  ("relay", False), ("max_staleness", 0))
-                       if getattr(self, name) != default]
-            if changed:
-                raise ValueError(f"{changed} apply to a fleet of engines only; set fleet: true (each engine its "
-                                 "own job with its engine_id), or drop them")
-            return
-        if self.transport not in ("broadcast", "p2p"):
-            raise ValueError(f"fleet: true runs over transport 'broadcast' or 'p2p' (one link per engine, rebuilt "
-                             f"as engines come and go); transport {self.transport!r} is not elastic yet")
-        if self.transport == "p2p" and (self.relay or self.max_staleness):
-            raise ValueError("a fleet over p2p chains the engines of one layout within each wave (p2p_forward) "
-                             "instead of relaying after commits, and runs every wave before sync() returns: drop "
-                             "relay and max_staleness")
-        if self.min_engines > self.num_engines and not self.engines:
-            raise ValueError(f"min_engines={self.min_engines} is more than the initial fleet of {self.num_engines} "
-                             f"engine(s) (num_inference_ranks / engine_tp_size); lower min_engines")
 
     def replace(self, **changes: Any) -> "WeightSyncConfig":
         """Return a copy with `changes` applied (validated like a new config)."""
@@ -420,13 +285,21 @@ class WeightSyncConfig:
         return self.backend
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "WeightSyncConfig":
-        """Return a config from a mapping; unknown keys raise ValueError listing the valid ones."""
+    def from_dict(cls, values: dict[str, Any], where: str = "weight_sync") -> "WeightSyncConfig":
+        """Return a config from a `weight_sync:` mapping (sections such as `p2p:` included; the flat spellings
+        of the previous release are accepted with a deprecation line); unknown keys raise ValueError listing
+        the valid ones, and a section written for a transport this job does not use is refused by name."""
+        flat = sectioned(values, where)
         valid = field_names()
-        unknown = sorted(set(values) - set(valid))
+        unknown = sorted(set(flat) - set(valid))
         if unknown:
-            raise ValueError(f"unknown weight_sync keys {unknown}; valid keys are {list(valid)}")
-        return cls(**values)
+            raise ValueError(f"unknown {where} keys {unknown}; valid keys are {list(valid)} "
+                             f"(and the sections p2p:, disk_delta:, fleet:)")
+        config = cls(**flat)
+        problem = inert_section_problem(config, tuple(present_sections(values)))
+        if problem is not None:
+            raise ValueError(f"{where}: {problem}")
+        return config
 
     @classmethod
     def from_yaml(cls, path: str, defaults: Optional[dict[str, Any]] = None) -> "WeightSyncConfig":
@@ -472,42 +345,47 @@ def field_names() -> tuple[str, ...]:
 def add_weight_sync_args(parser: argparse.ArgumentParser, *, defaults: bool = True) -> argparse.ArgumentParser:
     """Add `--weight-sync-*` flags to `parser` and return it (Megatron's extra_args_provider).
 
+    A section's settings carry its name (`--weight-sync-p2p-backend`, `--weight-sync-disk-delta-dir`,
+    `--weight-sync-fleet-wave-size`); the flat flags of the previous release still work with a deprecation line.
     With `defaults=False` unset flags stay None, for jobs whose YAML supplies the rest.
     """
     group = parser.add_argument_group("weight sync")
     for field in dataclasses.fields(WeightSyncConfig):
-        flag = "--weight-sync-" + field.name.replace("_", "-")
         default = field.default if defaults else None
         kwargs: dict[str, Any] = {"dest": f"weight_sync_{field.name}", "default": default}
         if field.type in ("bool", bool):
-            kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs["action"] = _DeprecatedBool
         elif field.type in ("int", int, "Optional[int]"):
-            kwargs["type"] = int
+            kwargs.update(type=int, action=_DeprecatedStore)
         elif field.type in ("float", float):
-            kwargs["type"] = float
+            kwargs.update(type=float, action=_DeprecatedStore)
         elif str(field.type).startswith("tuple"):
-            kwargs.update(type=str, nargs="*")
+            kwargs.update(type=str, nargs="*", action=_DeprecatedStore)
         else:
-            kwargs["type"] = str
-        group.add_argument(flag, **kwargs)
+            kwargs.update(type=str, action=_DeprecatedStore)
+        old = deprecated_flag(field.name)
+        group.add_argument(flag(field.name), *([old] if old else []), **kwargs)
     return parser
 
 
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r}")
+def _warn_if_deprecated(action: argparse.Action, option_string: Optional[str]) -> None:
+    if option_string is not None and option_string != action.option_strings[0] and \
+            not option_string.startswith(action.option_strings[0].replace("--", "--no-", 1)):
+        warnings.warn(f"{option_string} is deprecated and will be removed in the next release; use "
+                      f"{action.option_strings[0]}", DeprecationWarning, stacklevel=2)
 
 
-def _check_int(name: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+class _DeprecatedStore(argparse._StoreAction):
+    """A flag whose second spelling is the previous release's (warned about when used)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+        _warn_if_deprecated(self, option_string)
+        super().__call__(parser, namespace, values, option_string)
 
 
-def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+class _DeprecatedBool(argparse.BooleanOptionalAction):
+    """A --flag/--no-flag pair whose second spellings are the previous release's (warned about when used)."""
 
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not valid; use one of {list(choices)}")
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+        _warn_if_deprecated(self, option_string)
+        super().__call__(parser, namespace, values, option_string)

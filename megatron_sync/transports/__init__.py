@@ -23,6 +23,7 @@ _REGISTRY: dict[str, Union[str, type]] = {
 
 _SETTINGS_CHECKS: dict[str, str] = {
     "disk_delta": "megatron_sync.transports.disk_delta.options:writer_options",
+    "ipc": "megatron_sync.transports.ipc.options:check_settings",
     "auto": "megatron_sync.scale.auto:check_settings",  # the scale model chooses among the transports
 }
 for _name in [*_REGISTRY, "auto"]:

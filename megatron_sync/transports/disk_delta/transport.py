@@ -2,7 +2,7 @@
 
 For deployments where the trainer and the engines share a file system but no
 fast network (or no network path at all). Everything goes through
-`weight_sync.delta_dir`:
+`weight_sync.disk_delta.dir`:
 
     <delta_dir>/stage-<s>/   stage s's store: one directory per published version (megatron_sync.transports.disk_delta)
     <delta_dir>/control/     the session and its control files (megatron_sync.transports.disk_delta.session)
@@ -11,7 +11,7 @@ Trainer: each stage source runs a `DeltaWriter` on its stage's store; `sync(v)`
 converts the stage straight into a writer buffer and returns (the writer
 encodes and publishes it off the training path, see `megatron_sync.transports.disk_delta.sender`).
 Inference: on each host one rank applies every stage's versions to the host's
-local copy under `weight_sync.delta_local_dir`; every rank loads its shards
+local copy under `weight_sync.disk_delta.local_dir`; every rank loads its shards
 from it (see `megatron_sync.transports.disk_delta.receiver`).
 
 Control needs no network either. The leader's control channel is the usual

@@ -6,7 +6,7 @@ rank = its rank in the trainer job (torch.distributed's default group); the N in
 ranks come after them. Both jobs meet at the drivers' sync session (its join handshake);
 the inference side, which knows only its own size, reads the trainer's from the session.
 
-Bytes move with a `ByteMover` chosen by `weight_sync.p2p_backend`: "nixl" (NIXL agents over UCX write
+Bytes move with a `ByteMover` chosen by `weight_sync.p2p.backend`: "nixl" (NIXL agents over UCX write
 from each trainer rank's registered arena into each receiver's registered window, device memory to device
 memory where the NICs allow), "mooncake" (Mooncake Transfer Engine's one-sided writes; `p2p_protocol` tcp or
 rdma) or "torch" (point-to-point on this transport's group, gloo or NCCL as `backend` says). Agreement and
@@ -79,7 +79,7 @@ MOVERS: dict[str, Callable[["P2PTransport", "WeightSyncConfig"], ByteMover]] = {
     "mooncake": _mooncake_mover,
     "torch": _torch_mover,
 }
-"""Byte movers by `weight_sync.p2p_backend`."""
+"""Byte movers by `weight_sync.p2p.backend`."""
 
 
 TRAINER_RANKS_KEY = "trainer_ranks"

@@ -1,6 +1,6 @@
 """Byte movers: write spans of one registered buffer into a peer's exposed memory.
 
-One small interface, three backends (`weight_sync.p2p_backend`):
+One small interface, three backends (`weight_sync.p2p.backend`):
 
 - `nixl` (`nixl.NixlMover`): NIXL agents over UCX, one-sided writes from registered memory (DRAM or
   VRAM: a GPU's arena goes straight into the receiving GPU with GPUDirect RDMA). On CPU, UCX's TCP
