@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 from megatron_sync.core.checksum import CHECKSUMS
 from megatron_sync.core.meta import dtype_from_name
@@ -32,6 +32,21 @@ ENGINE_CLIENTS = {
     "sglang": "megatron_sync.engines.sglang.client:SGLangEngineClient",
 }
 """Kinds of `weight_sync.engines` entries -> the EngineClient class driving that engine (import paths)."""
+
+DRIFT_ACTIONS = ("fail", "warn")
+
+FIELD_CHOICES: dict[str, Union[tuple[str, ...], Callable[[], list[str]]]] = {
+    "transport": registry.names,  # filled from above: the built-in transports, then any register_transport
+    "backend": BACKENDS,
+    "inflight_policy": INFLIGHT_POLICIES,
+    "draft": DRAFT_CHOICES,
+    "checksum": CHECKSUM_CHOICES,
+    "p2p_backend": P2P_BACKENDS,
+    "p2p_protocol": P2P_PROTOCOLS,
+    "on_drift": DRIFT_ACTIONS,
+}
+"""Settings that take one of a fixed set of values -> that set (a callable where it is registered at run time).
+Validation checks these very objects; the settings reference (docs/hooks/settings_page.py) lists them."""
 
 
 def parse_engine(entry: str) -> tuple[str, str]:
@@ -350,7 +365,7 @@ class WeightSyncConfig:
         if isinstance(self.max_logprob_drift, bool) or not isinstance(self.max_logprob_drift, (int, float)) \
                 or self.max_logprob_drift < 0:
             raise ValueError(f"max_logprob_drift must be a number >= 0 (0: record only), got {self.max_logprob_drift!r}")
-        _check_choice("on_drift", self.on_drift, ("fail", "warn"))
+        _check_choice("on_drift", self.on_drift, DRIFT_ACTIONS)
 
         _check_choice("p2p_protocol", self.p2p_protocol, P2P_PROTOCOLS)
         if not isinstance(self.p2p_device_name, str):
