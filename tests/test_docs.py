@@ -142,3 +142,18 @@ def test_validation_refuses_what_field_choices_does_not_list(name):
         WeightSyncConfig(**{name: "not-a-choice"})
     listed = re.findall(r"'([^']+)'", str(refused.value).split("use one of", 1)[-1])
     assert listed == choices, (name, str(refused.value))
+
+
+README_LIMIT = 12 * 1024
+"""The README introduces (what, install, the ten lines, the demo, vLLM, which transport); the docs explain."""
+
+
+def test_the_readme_stays_short_and_its_links_into_the_docs_resolve():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.encode()) <= README_LIMIT, (f"README.md is {len(text.encode())} bytes, over {README_LIMIT}: "
+                                                "move the detail into a page under docs/ and link it")
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [link for link in links if not re.match(r"[a-z]+://", link)]
+    assert local, "the README links into the docs"
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
