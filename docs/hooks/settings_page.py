@@ -4,7 +4,8 @@
 dataclass is a field; its type is the annotation, its default the assigned value, and its documentation
 the string literal right after it. A field whose type is another dataclass of the same module is a
 nested section (`p2p:` with its own fields, written `p2p.backend` here). Fields are listed in
-declaration order. The allowed values of a field that takes one of a fixed set come from the module's `FIELD_CHOICES` (the objects validation checks), read by importing
+declaration order (`ClassVar`s are not fields). The allowed values of a field that takes one of a
+fixed set come from the module's `FIELD_CHOICES` (the objects validation checks), read by importing
 the module from this checkout.
 
 Used two ways: as an MkDocs hook (`mkdocs.yml: hooks:`), which adds the page `reference/settings.md`
@@ -199,6 +200,8 @@ def _fields_of(cls: ast.ClassDef, classes: Mapping[str, ast.ClassDef], constants
         if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
             doc = inspect.cleandoc(nxt.value.value)
         annotation = ast.unparse(node.annotation)
+        if annotation.startswith(("ClassVar", "typing.ClassVar")):
+            continue
         name = prefix + node.target.id
         section = _section(annotation, classes)
         if section is not None:
