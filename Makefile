@@ -28,10 +28,21 @@ setup: $(BIN)/.installed
 demo: setup
 	$(BIN)/python -m examples.demo --config $(CONFIG)
 
+# The docs site (mkdocs.yml, docs/) built in strict mode into site/ (ignored): a broken link or anchor, a page
+# missing from the nav, or a settings field without a docstring fails the build, and so `make test`.
+# The settings page is generated at build time from megatron_sync/settings/config.py (docs/hooks/).
+.PHONY: docs
+$(BIN)/.docs-installed: requirements-docs.txt $(BIN)/.installed
+	$(BIN)/pip install -q -r requirements-docs.txt
+	touch $@
+
+docs: $(BIN)/.docs-installed
+	$(BIN)/python -m mkdocs build --strict --site-dir site
+
 # Two pytest-xdist workers: a launched job leaves a core idle while it starts and waits on its peers;
 # WORKERS=0 runs serially (tests/support/workers.py keeps a file's shared fixtures in one worker).
 WORKERS ?= 2
-test: setup
+test: setup docs
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: setup

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from megatron_sync.core.meta import dtype_from_name
 from megatron_sync.settings import registry
-from megatron_sync.settings.choices import (BACKENDS, CHECKSUM_CHOICES, DRAFT_CHOICES, INFLIGHT_POLICIES,
+from megatron_sync.settings.choices import (BACKENDS, CHECKSUM_CHOICES, DRAFT_CHOICES, DRIFT_ACTIONS, INFLIGHT_POLICIES,
                                             P2P_BACKENDS, P2P_PROTOCOLS, RUN_ID, parse_engine)
 from megatron_sync.settings.sections import inert_section_problem
 
@@ -156,7 +156,7 @@ def _proof(c: Config) -> None:
     except (TypeError, ValueError):
         raise ValueError(f"canary_tokens must be token ids (integers), got {c.canary_tokens!r}") from None
     check_number("max_logprob_drift", c.max_logprob_drift, positive=False, what="a number (0: record only)")
-    check_choice("on_drift", c.on_drift, ("fail", "warn"))
+    check_choice("on_drift", c.on_drift, DRIFT_ACTIONS)
 
 
 def _sections(c: Config) -> None:

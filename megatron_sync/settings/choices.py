@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from typing import Callable, Union
 
 from megatron_sync.core.checksum import CHECKSUMS
+from megatron_sync.settings import registry
 
 BACKENDS = ("gloo", "nccl", "auto")
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -14,6 +16,7 @@ P2P_BACKENDS = ("nixl", "mooncake", "torch")  # megatron_sync.transports.p2p.tra
 P2P_PROTOCOLS = ("tcp", "rdma")
 CHECKSUM_CHOICES = ("auto", *CHECKSUMS)
 DEFAULT_GATHER_BUDGET_MB = 1024.0
+DRIFT_ACTIONS = ("fail", "warn")
 
 ENGINE_CLIENTS = {
     "vllm": "megatron_sync.engines.vllm.client:VLLMEngineClient",
@@ -31,3 +34,18 @@ def parse_engine(entry: str) -> tuple[str, str]:
             "http(s) URL, e.g. 'vllm=http://10.0.0.7:8000'"
         )
     return kind, url
+
+
+FIELD_CHOICES: dict[str, Union[tuple[str, ...], Callable[[], list[str]]]] = {
+    "transport": registry.names,  # filled from above: the built-in transports, then any register_transport
+    "backend": BACKENDS,
+    "inflight_policy": INFLIGHT_POLICIES,
+    "draft": DRAFT_CHOICES,
+    "checksum": CHECKSUM_CHOICES,
+    "p2p_backend": P2P_BACKENDS,
+    "p2p_protocol": P2P_PROTOCOLS,
+    "on_drift": DRIFT_ACTIONS,
+}
+"""Settings that take one of a fixed set of values -> that set (a callable where it is registered at run time).
+Validation checks these very objects (settings/checks.py); the settings reference (docs/hooks/settings_page.py)
+lists them."""

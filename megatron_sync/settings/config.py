@@ -18,8 +18,8 @@ from megatron_sync.settings import registry
 
 from megatron_sync.settings import checks  # noqa: E402 — the validations
 from megatron_sync.settings.choices import (  # noqa: F401 — re-exported: the settings' vocabulary
-    BACKENDS, CHECKSUM_CHOICES, DEFAULT_GATHER_BUDGET_MB, DRAFT_CHOICES, ENGINE_CLIENTS, INFLIGHT_POLICIES,
-    P2P_BACKENDS, P2P_PROTOCOLS, parse_engine,
+    BACKENDS, CHECKSUM_CHOICES, DEFAULT_GATHER_BUDGET_MB, DRAFT_CHOICES, DRIFT_ACTIONS, ENGINE_CLIENTS, FIELD_CHOICES,
+    INFLIGHT_POLICIES, P2P_BACKENDS, P2P_PROTOCOLS, parse_engine,
 )
 from megatron_sync.settings.sections import deprecated_flag, flag, inert_section_problem, present_sections, sectioned
 
