@@ -22,6 +22,7 @@ BACKENDS = ("gloo", "nccl", "auto")
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 INFLIGHT_POLICIES = ("abort", "wait", "recompute", "keep")
 DRAFT_CHOICES = ("sync", "skip")
+SGLANG_LOADS = ("distributed", "tensor")  # megatron_sync.transports.sglang.delivery
 P2P_BACKENDS = ("torch", "mooncake")  # megatron_sync.transports.p2p.transport.MOVERS
 P2P_PROTOCOLS = ("tcp", "rdma")
 CHECKSUM_CHOICES = ("auto", *CHECKSUMS)
@@ -197,6 +198,13 @@ class WeightSyncConfig:
     delta_encode_threads: int = 2
     """Threads encoding one version (zstd and numpy release the GIL)."""
 
+    # ---- transport "sglang" (SGLang servers driven over their own update API) ----
+
+    sglang_load: str = "distributed"
+    """transport "sglang" only: how buckets reach the servers. "distributed": broadcast over SGLang's
+    update group (/update_weights_from_distributed; any host); "tensor": CPU tensors handed over in
+    shared memory (/update_weights_from_tensor; servers on the trainer's rank-0 host only)."""
+
     # ---- transport "p2p" (every trainer rank sends its share; see the README's "P2P transport") ----
 
     p2p_backend: str = "torch"
@@ -284,6 +292,10 @@ class WeightSyncConfig:
             raise ValueError(f"transport 'ipc' hands buckets to megatron-sync receivers in shared memory, which "
                              f"SGLang's update API does not run (engines {sglang}); use transport 'sglang' for "
                              "SGLang, or 'ipc' with megatron-sync inference ranks and vLLM servers")
+        _check_choice("sglang_load", self.sglang_load, SGLANG_LOADS)
+        if self.sglang_load != "distributed" and self.transport != "sglang":
+            raise ValueError(f"sglang_load={self.sglang_load!r} applies to transport 'sglang' only; drop it or set "
+                             "transport: sglang")
         _check_choice("p2p_backend", self.p2p_backend, P2P_BACKENDS)
         _check_choice("p2p_protocol", self.p2p_protocol, P2P_PROTOCOLS)
         if not isinstance(self.p2p_device_name, str):
