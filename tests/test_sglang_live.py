@@ -26,7 +26,9 @@ import pytest
 from tests.support.dist import free_port, run_distributed
 from tests.support.real_engines import QWEN3, HFReference, TrainerError, TrainerProcess, hf_checkpoint
 from tests.support.sglang_jobs import sglang_job_syncs
-from tests.support.sglang_server import SGLangServer, serving_problems, weight_version, write_model_dir
+from tests.support.sglang_server import (
+    SGLangServer, StreamedGeneration, serving_problems, weight_version, write_model_dir,
+)
 from tests.support.timing import scaled
 
 pytestmark = [pytest.mark.sglang, pytest.mark.multiproc]
@@ -195,3 +197,32 @@ def _model(folder, seed: int) -> str:
     path = os.path.join(str(folder), "model")
     write_model_dir(path, QWEN3, seed=seed)
     return path
+
+
+# ---------------------------------------------------------------- a sync during a long generation
+
+
+@pytest.mark.parametrize("policy,length", [("abort", 6000), ("recompute", 3000)])
+def test_a_sync_during_a_generation_follows_the_policy_and_the_answer_names_its_version(servers, trainer, policy,
+                                                                                      length):
+    """abort: the generation ends, aborted, reporting v1 and v1's greedy tokens; recompute (SGLang "retract"):
+    it goes back to the queue, resumes on v2 over recomputed KV, and finishes reporting v2."""
+    url = servers.a.url
+    try:
+        trainer.load(61)
+        trainer.connect(**settings([url], 1, inflight_policy=policy))
+        trainer.sync()
+        v1 = trainer.sent()
+        trainer.load(62)  # the next version is ready before the stream starts: its sync follows at once
+        generation = StreamedGeneration(url, PROMPTS[1], length)
+        assert generation.first_tokens.wait(scaled(120)), "no tokens streamed"
+        assert trainer.sync() == 2
+        tokens, finish, version = generation.result()
+    finally:
+        trainer.disconnect()
+    print(f"[{policy}] {len(tokens)} tokens, finish {finish}, weight_version {version}")
+    assert HFReference(QWEN3, v1).check(tokens[:8], PROMPTS[1]) is None
+    if policy == "abort":
+        assert finish == "abort" and 0 < len(tokens) < length and version == "1"
+    else:
+        assert finish == "length" and len(tokens) == length and version == "2"

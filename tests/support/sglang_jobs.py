@@ -8,7 +8,6 @@ server: close its update session, or kill it.
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.error
 import urllib.request
@@ -103,15 +102,12 @@ def kill_at_bucket(sync: Any, url: str, pgid: int, index: int) -> None:
 
 
 def clear_faults(sync: Any) -> None:
-    """Remove any fault hook."""
-    sync.sender._corrupt_wire = None
+    """Remove any fault hook (nothing to do when the trainer is not connected)."""
+    if sync is not None:
+        sync.sender._corrupt_wire = None
 
 
 def plan_buckets(sync: Any) -> list[dict]:
     """Return the sender's buckets: index, stage and tensor names (where a fault may strike)."""
     return [{"index": b.index, "stage": b.stage, "names": [e.name for e in b.entries]}
             for b in sync.sender.plan.buckets]
-
-
-def as_json(value: Any) -> str:
-    return json.dumps(value)

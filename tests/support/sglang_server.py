@@ -157,3 +157,50 @@ def serving_problems(url: str, reference: HFReference, prompts: list[list[int]],
     if version is not None and weight_version(url) != version:
         problems.append(f"/model_info reports weight_version {weight_version(url)!r}, not {version!r}")
     return problems
+
+
+class StreamedGeneration:
+    """A long greedy generation streamed from SGLang's /generate on a thread.
+
+    `first_tokens` is set once tokens arrived; `result()` returns (output ids, finish reason type, the
+    weight version the last chunk reports).
+    """
+
+    def __init__(self, url: str, prompt: list[int], max_tokens: int) -> None:
+        import threading
+
+        self.first_tokens = threading.Event()
+        self.last: dict = {}
+        self._error: Optional[BaseException] = None
+        body = {"input_ids": prompt, "stream": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens, "ignore_eos": True}}
+        self._thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, body: dict) -> None:
+        import json
+
+        req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=600) as answer:
+                for raw in answer:
+                    line = raw.decode().strip()
+                    if line.startswith("data:") and line != "data: [DONE]":
+                        self.last = json.loads(line[5:])
+                        if self.last.get("output_ids"):
+                            self.first_tokens.set()
+        except BaseException as e:  # noqa: BLE001 — surfaced by result()
+            self._error = e
+        finally:
+            self.first_tokens.set()
+
+    def result(self, timeout_s: float = 300) -> tuple[list[int], Optional[str], Optional[str]]:
+        """Wait for the stream to end; return (output ids, finish reason type, reported weight version)."""
+        self._thread.join(scaled(timeout_s))
+        assert not self._thread.is_alive(), f"the streamed generation did not end within {scaled(timeout_s):g}s"
+        if self._error is not None:
+            raise self._error
+        meta = self.last.get("meta_info", {})
+        return list(self.last.get("output_ids", [])), (meta.get("finish_reason") or {}).get("type"), \
+            meta.get("weight_version")

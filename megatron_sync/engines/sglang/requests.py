@@ -14,7 +14,8 @@ from megatron_sync.core.meta import dtype_name
 from megatron_sync.plan.buckets import BucketPlan
 
 GROUP_NAME = "megatron_sync"
-"""The update group's name: SGLang's ranks and the trainer wrap the rendezvous store in PrefixStore(GROUP_NAME)."""
+"""The prefix of the update group's names: SGLang's ranks and the trainer wrap the rendezvous store in
+PrefixStore(name), name = GROUP_NAME.{master_port}.{generation} (transport "sglang" rebuilds a broken group)."""
 
 PARTIAL = "partial"
 """The weight version a server is tagged with when a failed sync could not be undone on it."""

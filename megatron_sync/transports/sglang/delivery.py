@@ -120,10 +120,12 @@ class TensorDelivery:
 
     def deliver(self, bucket: BucketPlan, payload: torch.Tensor, urls: Sequence[str]) -> Delivered:
         """Post the bucket's tensors (views of `payload`, which must stay alive until answered) to `urls`."""
-        serialized = serialize_named_tensors(bucket, payload)
         calls = {}
         for url in urls:
-            body = {"serialized_named_tensors": [serialized] * self._tp[url], "load_format": None,
+            # One pickle per receiving rank: pickling takes a reference on the shared file that the receiver
+            # drops once it opened it; a pickle opened twice would drop one too many and unlink the file.
+            serialized = [serialize_named_tensors(bucket, payload) for _ in range(self._tp[url])]
+            body = {"serialized_named_tensors": serialized, "load_format": None,
                     "flush_cache": False, "abort_all_requests": False}
             calls[url] = BackgroundCall(_poster(url, "/update_weights_from_tensor", body, self.timeout_s),
                                         f"SGLang at {url}, bucket {bucket.index}")

@@ -59,6 +59,18 @@ def group_over(store: Any, group_name: str, world_size: int, rank: int, *, backe
                           group_name=group_name)
 
 
+def release(group: TransportGroup) -> None:
+    """Destroy a group that has no operation pending (it leaves torch's registry of group names) and close it."""
+    import torch.distributed as dist
+
+    if group._pg is not None:
+        try:
+            dist.destroy_process_group(group._pg)
+        except (RuntimeError, ValueError, KeyError) as e:  # already gone: closing below is all that is left
+            log.info("group %r was already destroyed: %s", group.group_name, e)
+    group.close()
+
+
 def init_update_group(master_address: str, master_port: int, world_size: int, *, group_name: str,
                       backend: str, timeout_s: float) -> tuple[TransportGroup, Any]:
     """Return (group, process group) of rank 0 of an SGLang update group, hosting its store.
@@ -90,6 +102,8 @@ class UpdateGroup:
 
     def __init__(self, store: Any, members: Sequence[Member], *, master_address: str, master_port: int,
                  backend: str, timeout_s: float, http_timeout_s: float) -> None:
+        """The group is named after `master_port`, so a trainer process that connects again on another port
+        never meets torch's registry entry of a group it could not destroy (one left with a stuck broadcast)."""
         self.store, self.members = store, list(members)
         self.master_address, self.master_port = master_address, master_port
         self.backend, self.timeout_s, self.http_timeout_s = backend, timeout_s, http_timeout_s
@@ -99,8 +113,8 @@ class UpdateGroup:
 
     @property
     def name(self) -> str:
-        """The group's name on both sides (the prefix of its store keys), one per generation."""
-        return requests.GROUP_NAME if self.generation == 0 else f"{requests.GROUP_NAME}.{self.generation}"
+        """The group's name on both sides (the prefix of its store keys), one per port and generation."""
+        return f"{requests.GROUP_NAME}.{self.master_port}.{self.generation}"
 
     def form(self) -> None:
         """Have every member join (POST /init_weights_update_group on threads) while rank 0 joins here."""
@@ -149,9 +163,12 @@ class UpdateGroup:
             log.warning("SGLang at %s did not leave update group %r: %s", url, self.name, e)
 
     def close(self) -> None:
-        """Have every member leave the group, then shut rank 0 down (errors are logged)."""
+        """Have every member leave the group, then destroy rank 0 (a broken one is only shut down)."""
         for member in self.members:
             self._leave(member.url)
         if self.group is not None:
-            self.group.close_backend()
+            if self.broken:
+                self.group.close()
+            else:
+                release(self.group)
             self.group = None

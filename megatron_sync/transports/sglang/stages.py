@@ -21,12 +21,13 @@ from megatron_sync.session.group import Pending, TransportGroup
 from megatron_sync.transports.base import BucketHeader
 from megatron_sync.transports.sglang.group import group_over
 
-STAGES_GROUP = f"{requests.GROUP_NAME}.stages"
 
-
-def stage_group(store: Any, num_stages: int, stage: int, *, backend: str, timeout_s: float) -> TransportGroup:
-    """Return stage `stage`'s place in the stage sources' group (collective over all P stage sources)."""
-    return group_over(store, STAGES_GROUP, num_stages, stage, backend=backend, timeout_s=timeout_s)
+def stage_group(store: Any, num_stages: int, stage: int, *, port: int, backend: str,
+                timeout_s: float) -> TransportGroup:
+    """Return stage `stage`'s place in the stage sources' group (collective over all P stage sources); named
+    after the store's `port` like the update group."""
+    return group_over(store, f"{requests.GROUP_NAME}.{port}.stages", num_stages, stage, backend=backend,
+                      timeout_s=timeout_s)
 
 
 class SentToLeader:

@@ -18,8 +18,10 @@ of the version under way. When a sync fails anywhere (a stage's sender, a
 server refusing a bucket or dying, a broken group), before the failure is
 raised rank 0 sends that previous version again, whole, to every server
 still answering (after rebuilding the update group without the others); if
-no version was synced yet, each server reloads the checkpoint it started
-from (/update_weights_from_disk with its own model path). A server that
+no version was synced yet, a server that still reports its start version
+("default") reloads the checkpoint it started from (/update_weights_from_disk
+with its own model path); one that was updated by someone else cannot be
+restored by this trainer. A server that
 cannot be restored is tagged "partial-vN" and stays paused
 (`SGLangEngineClient.after_sync`). The cost: two host copies of the
 inference-format model on rank 0's host, and a failed sync costs a resend.
@@ -27,7 +29,6 @@ inference-format model on rank 0's host, and a failed sync costs a resend.
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
@@ -37,7 +38,6 @@ from megatron_sync.core.agreement import describe
 from megatron_sync.core.errors import AgreedFailure
 from megatron_sync.core.meta import TensorMeta
 from megatron_sync.engines.http import EngineHTTPError
-from megatron_sync.engines.sglang import requests
 from megatron_sync.engines.sglang.client import call_sglang
 from megatron_sync.plan.buckets import BucketPlan
 from megatron_sync.session.control import ControlChannel, ControlMessage, Report
@@ -45,8 +45,10 @@ from megatron_sync.settings.config import parse_engine
 from megatron_sync.transports.base import BucketHeader, Commit, PendingBucket, Receiver
 from megatron_sync.transports.buckets.transport import PlanBucketTransport
 from megatron_sync.transports.sglang.delivery import Delivered, GroupDelivery, TensorDelivery
-from megatron_sync.transports.sglang.group import UpdateGroup, host_store, join_store, members_of
+from megatron_sync.transports.sglang.group import UpdateGroup, host_store, join_store, members_of, release
+from megatron_sync.transports.sglang.restore import Versions, answers, restore
 from megatron_sync.transports.sglang.stages import receive_from_stage, send_to_leader, stage_group
+from megatron_sync.transports.sglang.verify import ranks_disagree, replicated_params
 
 if TYPE_CHECKING:
     from megatron_sync.core.grid import ParallelLayout
@@ -54,9 +56,6 @@ if TYPE_CHECKING:
     from megatron_sync.plan.buckets import KeepTogether
     from megatron_sync.settings.config import WeightSyncConfig
 
-log = logging.getLogger("megatron_sync")
-START_VERSION = "default"
-"""The weight version SGLang reports until its first tagged update (its --weight-version default)."""
 
 
 class HTTPOnlyControl(ControlChannel):
@@ -110,26 +109,6 @@ class _Forwarded(PendingBucket):
         return None if self._delivered is None else self._delivered.done_at
 
 
-class _Versions:
-    """Rank 0's host copies of every bucket: of the last version the servers took whole, and of this one."""
-
-    def __init__(self) -> None:
-        self.previous: Optional[list[tuple[BucketPlan, torch.Tensor]]] = None
-        self.current: dict[int, tuple[BucketPlan, torch.Tensor]] = {}
-
-    def keep(self, bucket: BucketPlan, payload: torch.Tensor) -> torch.Tensor:
-        """Return a host copy of `payload` kept as `bucket` of the version under way."""
-        kept = payload.to("cpu", copy=True)
-        self.current[bucket.index] = (bucket, kept)
-        return kept
-
-    def commit(self) -> None:
-        """The version under way went through everywhere: it is what a later failure restores."""
-        if self.current:
-            self.previous = [self.current[i] for i in sorted(self.current)]
-        self.current = {}
-
-
 class SGLangTransport(PlanBucketTransport):
     """Stage source `rank` of the trainer's side of SGLang's update API (rank 0 talks to the servers)."""
 
@@ -138,12 +117,13 @@ class SGLangTransport(PlanBucketTransport):
     meets_at_store = False  # the servers join SGLang's update group at master_address:master_port
 
     def __init__(self, *, stage: int, num_stages: int, num_inference_ranks: int, store: Any,
-                 stages: Any = None, delivery: Any = None) -> None:
+                 stages: Any = None, delivery: Any = None, replicated: Optional[dict[str, frozenset]] = None) -> None:
         self.rank, self.num_stages = stage, num_stages
         self.world_size = num_stages + num_inference_ranks
         self.control = HTTPOnlyControl()
         self._store, self._stages, self.delivery = store, stages, delivery
-        self._versions = _Versions()
+        self._versions = Versions()
+        self._replicated = replicated or {}  # multi-rank servers: params every TP rank holds whole
         self._failures: list[str] = []
         self._gone: set[str] = set()  # servers that stopped answering: rank 0 sends them nothing more
         self._last: Optional[_Forwarded] = None
@@ -160,7 +140,7 @@ class SGLangTransport(PlanBucketTransport):
                              f"as 'sglang=http://host:port' (got {list(config.engines)})")
         backend = config.resolved_backend(torch.cuda.is_available())
         where, timeout = (config.master_address, config.master_port), config.timeout_s
-        delivery = None
+        delivery, replicated = None, {}
         if layout.pp_rank == 0:
             store = host_store(*where, timeout)
             tp_sizes = [int(call_sglang(url, "/server_info", method="GET", timeout_s=timeout)["tp_size"])
@@ -173,12 +153,13 @@ class SGLangTransport(PlanBucketTransport):
                                     http_timeout_s=timeout)
                 group.form()
                 delivery = GroupDelivery(group, timeout)
+            replicated = {url: replicated_params(url, timeout) for url, tp in zip(urls, tp_sizes) if tp > 1}
         else:
             store = join_store(*where, timeout)
-        stages = stage_group(store, layout.pp, layout.pp_rank, backend=backend,
+        stages = stage_group(store, layout.pp, layout.pp_rank, port=config.master_port, backend=backend,
                              timeout_s=timeout) if layout.pp > 1 else None
         return cls(stage=layout.pp_rank, num_stages=layout.pp, num_inference_ranks=config.num_inference_ranks,
-                   store=store, stages=stages, delivery=delivery)
+                   store=store, stages=stages, delivery=delivery, replicated=replicated)
 
     @classmethod
     def connect_inference(cls, config: "WeightSyncConfig", *, num_trainer_stages: int,
@@ -274,6 +255,8 @@ class SGLangTransport(PlanBucketTransport):
                 mine.append(f"the last bucket: {describe(e, limit=3)}")
             with self._lock:
                 mine, self._failures = mine + self._failures, []
+            if not mine and self._versions.current:  # every bucket went out: did every TP rank apply them?
+                mine = self._ranks_not_applied()
         failures = [(rank, message) for rank, messages in enumerate(self.all_gather_json(mine))
                     for message in messages]
         if self.rank == 0:
@@ -284,29 +267,25 @@ class SGLangTransport(PlanBucketTransport):
         if failures:
             raise failure(failures) if failure is not None else AgreedFailure(what, failures)
 
+    def _ranks_not_applied(self) -> list[str]:
+        """Return, per multi-rank server, a TP rank that did not apply what rank 0 loaded (none: [])."""
+        problems = []
+        for url, names in self._replicated.items():
+            try:
+                problem = ranks_disagree(url, names, self.delivery.timeout_s)
+            except EngineHTTPError as e:
+                problem = f"its ranks' weight digests could not be read: {e}"
+            if problem is not None:
+                problems.append(f"SGLang at {url}: {problem}")
+        return problems
+
     def _restore_previous(self) -> list[str]:
         """Send the previous version again to every server still answering; return what could not be restored."""
         self._versions.current = {}
-        alive = [url for url in self.delivery.urls if _answers(url)]
+        alive = [url for url in self.delivery.urls if answers(url)]
         self._gone.update(url for url in self.delivery.urls if url not in alive)
         problems = [f"SGLang at {url} stopped answering; it keeps whatever it had loaded" for url in self._gone]
-        try:
-            self.delivery.recover(alive)
-            _reopen_sessions(alive, self.delivery.timeout_s)
-            if self._versions.previous is None:
-                refused = _reload_start_checkpoints(alive, self.delivery.timeout_s)
-            else:
-                refused = {}
-                for bucket, kept in self._versions.previous:
-                    refused.update(self.delivery.deliver(bucket, kept, [u for u in alive if u not in refused]).wait())
-        except Exception as e:  # noqa: BLE001 — reported with the sync's failure
-            refused = {url: describe(e, limit=3) for url in alive}
-        for url, message in refused.items():
-            problems.append(f"restoring the previous version on {url} failed ({message}); it stays paused")
-            _tag_partial(url, self.delivery.timeout_s)
-        if not refused:
-            log.warning("transport sglang: the failed sync was undone on %s (previous version sent again)", alive)
-        return problems
+        return problems + restore(self.delivery, self._versions.previous, alive)
 
     def close(self) -> None:
         """Rank 0: the servers leave the update group; every stage source releases its groups and store."""
@@ -314,50 +293,6 @@ class SGLangTransport(PlanBucketTransport):
             self.delivery.close()
             self.delivery = None
         if self._stages is not None:
-            self._stages.close()
+            release(self._stages)
             self._stages = None
         self._store = None
-
-
-def _answers(url: str) -> bool:
-    try:
-        call_sglang(url, "/server_info", method="GET", timeout_s=10)
-        return True
-    except EngineHTTPError:
-        return False
-
-
-def _reopen_sessions(urls: list[str], timeout_s: float) -> None:
-    """Make sure each server has an update session open (someone may have closed it: that is what failed)."""
-    for url in urls:
-        try:
-            call_sglang(url, "/begin_weight_update", body=requests.begin_weight_update(), timeout_s=timeout_s)
-        except EngineHTTPError as e:
-            if "already open" not in str(e):
-                raise
-
-
-def _reload_start_checkpoints(urls: list[str], timeout_s: float) -> dict[str, str]:
-    """Have each server that still holds the checkpoint it was started from (weight version "default":
-    never tagged since) reload it; return the others, and the refusals, by URL."""
-    refused = {}
-    for url in urls:
-        try:
-            info = call_sglang(url, "/model_info", method="GET", timeout_s=timeout_s)
-            if info["weight_version"] != START_VERSION:
-                refused[url] = (f"it served weight version {info['weight_version']!r} before this trainer's first "
-                                "sync, which this trainer does not hold")
-                continue
-            call_sglang(url, "/update_weights_from_disk", body={"model_path": info["model_path"],
-                                                                "flush_cache": False}, timeout_s=timeout_s)
-        except EngineHTTPError as e:
-            refused[url] = str(e)
-    return refused
-
-
-def _tag_partial(url: str, timeout_s: float) -> None:
-    try:
-        call_sglang(url, "/update_weight_version", body=requests.update_weight_version(requests.PARTIAL),
-                    timeout_s=timeout_s)
-    except EngineHTTPError as e:
-        log.error("SGLang at %s could not be tagged as partially updated: %s", url, e)
