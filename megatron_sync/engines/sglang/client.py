@@ -114,8 +114,8 @@ class SGLangEngineClient:
             else:
                 self._call("/continue_generation", body=requests.continue_generation())
             return
-        if self.plan.flush:
-            request_json(self.url, "/flush_cache", query={"timeout": 30}, timeout_s=self.timeout_s, text=True)
+        if self.plan.flush:  # at once, while still paused: SGLang then ignores the requests "retract" queued
+            request_json(self.url, "/flush_cache", timeout_s=self.timeout_s, text=True)
         self._call("/update_weight_version", body=requests.update_weight_version(version))
         self._call("/continue_generation", body=requests.continue_generation())
         self.partially_updated = False

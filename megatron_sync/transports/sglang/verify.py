@@ -21,7 +21,11 @@ def _rank_digests(url: str, timeout_s: float) -> list[tuple[int, dict[str, str]]
     """Return (TP rank, {param: digest}) of every rank of the server, by TP rank."""
     answer = call_sglang(url, "/weights_checker", body={"action": "checksum", "selector": "target"},
                          timeout_s=timeout_s)
-    ranks = [(r["parallelism_info"]["tp_rank"], r["checksums"]) for r in answer.get("ranks") or []]
+    ranks = []
+    for rank in answer.get("ranks") or []:
+        info = rank["parallelism_info"]  # one entry per runner role (a list once merged, as 0.5.23 answers)
+        info = info[0] if isinstance(info, list) else info
+        ranks.append((info["tp_rank"], rank["checksums"]))
     return sorted(ranks)
 
 
