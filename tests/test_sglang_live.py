@@ -163,9 +163,11 @@ def test_a_refused_first_sync_reloads_the_start_checkpoint(tmp_path, trainer):
         assert not problems_on(server.url, hf_checkpoint(QWEN3, 5), "default")
         assert not server.stub_calls()
     finally:
-        trainer.call("apply", f"{JOBS}:clear_faults")
-        trainer.disconnect()
-        server.stop()
+        try:
+            trainer.call("apply", f"{JOBS}:clear_faults")
+            trainer.disconnect()
+        finally:
+            server.stop()
 
 
 def test_a_server_killed_mid_sync_is_named_and_the_other_keeps_the_previous_version(servers, trainer, tmp_path):
@@ -188,9 +190,11 @@ def test_a_server_killed_mid_sync_is_named_and_the_other_keeps_the_previous_vers
         assert weight_version(url) == "1"
         assert not problems_on(url, v1, "1"), "the surviving server does not serve version 1 exactly"
     finally:
-        trainer.call("apply", f"{JOBS}:clear_faults")
-        trainer.disconnect()
-        victim.stop()
+        try:
+            trainer.call("apply", f"{JOBS}:clear_faults")
+            trainer.disconnect()
+        finally:
+            victim.stop()
 
 
 def _model(folder, seed: int) -> str:
@@ -202,11 +206,13 @@ def _model(folder, seed: int) -> str:
 # ---------------------------------------------------------------- a sync during a long generation
 
 
-@pytest.mark.parametrize("policy,length", [("abort", 6000), ("recompute", 3000)])
+@pytest.mark.parametrize("policy,length", [("abort", 2000), ("recompute", 400)])
 def test_a_sync_during_a_generation_follows_the_policy_and_the_answer_names_its_version(servers, trainer, policy,
                                                                                       length):
-    """abort: the generation ends, aborted, reporting v1 and v1's greedy tokens; recompute (SGLang "retract"):
-    it goes back to the queue, resumes on v2 over recomputed KV, and finishes reporting v2."""
+    """abort: the generation ends, aborted, on v1's greedy tokens, reporting v1. recompute (SGLang "retract"):
+    it goes back to the queue and resumes on v2, whose KV of everything so far is recomputed: the tokens after
+    the switch are v2's greedy continuation; it finishes reporting v2. (SGLang decodes ~10 tokens/s here;
+    the sync lands within the first few.)"""
     url = servers.a.url
     try:
         trainer.load(61)
@@ -217,12 +223,18 @@ def test_a_sync_during_a_generation_follows_the_policy_and_the_answer_names_its_
         generation = StreamedGeneration(url, PROMPTS[1], length)
         assert generation.first_tokens.wait(scaled(120)), "no tokens streamed"
         assert trainer.sync() == 2
+        v2 = trainer.sent()
         tokens, finish, version = generation.result()
     finally:
         trainer.disconnect()
     print(f"[{policy}] {len(tokens)} tokens, finish {finish}, weight_version {version}")
-    assert HFReference(QWEN3, v1).check(tokens[:8], PROMPTS[1]) is None
+    want, _ = HFReference(QWEN3, v1).greedy(PROMPTS[1], min(len(tokens), 200))
+    on_v1 = next((i for i, (got, w) in enumerate(zip(tokens, want)) if got != w), len(want))
+    assert on_v1 >= 1, f"the first token is not v1's: {tokens[:8]} vs {want[:8]}"
     if policy == "abort":
         assert finish == "abort" and 0 < len(tokens) < length and version == "1"
+        assert on_v1 == len(want), f"an aborted generation left v1 at token {on_v1}"
     else:
         assert finish == "length" and len(tokens) == length and version == "2"
+        assert on_v1 < len(want), "the generation never left v1's greedy tokens"
+        assert HFReference(QWEN3, v2).check(tokens[on_v1:on_v1 + 16], PROMPTS[1] + tokens[:on_v1]) is None
