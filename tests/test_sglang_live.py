@@ -122,6 +122,39 @@ def test_colocated_tensor_path_syncs_exactly_and_the_servers_survive(servers, tr
         trainer.disconnect()
 
 
+def test_disk_path_feeds_the_server_from_the_local_copy_and_undoes_a_failed_load(servers, tmp_path):
+    """Disk-delta's writer publishes versions (as a TP=1 trainer's stage source does: the HF checkpoint of
+    its weights); on the engine host SGLangDiskFeeder applies each to the local copy and has the TP=2 server
+    load it with /update_weights_from_disk; a load SGLang refuses (pointed at a directory without weights)
+    leaves the server on the committed version, the staged one discarded."""
+    from megatron_sync.transports.disk_delta import DeltaWriter
+    from megatron_sync.transports.disk_delta.transport import stage_store
+    from megatron_sync.transports.sglang.disk import SGLangDiskFeeder
+
+    url, store = servers.b.url, str(tmp_path / "store")
+    feeder = SGLangDiskFeeder(url, delta_dir=store, local_dir=str(tmp_path / "local"), timeout_s=TIMEOUT_S)
+    try:
+        with DeltaWriter(stage_store(store, 0)) as writer:
+            for seed, version in ((71, 1), (72, 2), (73, 3)):
+                writer.submit(version, hf_checkpoint(QWEN3, seed))
+            writer.flush(timeout=scaled(120))
+        for seed, version in ((71, 1), (72, 2)):
+            assert feeder.feed(version) == version
+            assert not problems_on(url, hf_checkpoint(QWEN3, seed), str(version)), version
+        linked, empty = feeder._linked, tmp_path / "no_weights"
+        empty.mkdir()
+        feeder._linked = lambda files: str(empty)  # SGLang finds no weights there and refuses the load
+        with pytest.raises(Exception, match="update_weights_from_disk"):
+            feeder.feed(3)
+        feeder._linked = linked
+        assert feeder.version == 2
+        assert not problems_on(url, hf_checkpoint(QWEN3, 72), "2"), "the server is not back on version 2"
+        assert feeder.feed(3) == 3
+        assert not problems_on(url, hf_checkpoint(QWEN3, 73), "3")
+    finally:
+        feeder.close()
+
+
 # ---------------------------------------------------------------- faults
 
 

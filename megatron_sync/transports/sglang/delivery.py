@@ -2,11 +2,12 @@
 
 - `GroupDelivery` ("distributed"): POST /update_weights_from_distributed
   (names, dtypes, shapes, `load_format: flattened_bucket`) to every server on
-  a thread, and one broadcast of the bucket's bytes from rank 0. Both are
-  watched together: a server that answers with a refusal (or stops answering)
-  while the broadcast waits for its ranks ends the trainer's end of the group
-  at once, so the sync fails within the HTTP answer's time, not the group's
-  timeout; the group is then rebuilt before anything else moves on it.
+  a thread, and a broadcast of the bucket's bytes from rank 0 in each
+  server's own update group. Both are watched together: a server that
+  answers with a refusal (or stops answering) while its broadcast waits for
+  its ranks is left at once, so the sync fails within the HTTP answer's
+  time, not the group's timeout; its group is rebuilt before anything else
+  moves on it. The other servers' groups are untouched.
 - `TensorDelivery` ("tensor", colocated): the bucket's tensors, pickled as
   torch shares CPU memory (named files in /dev/shm, the "file_system"
   strategy: the default passes file descriptors over a socket that only the
@@ -20,7 +21,7 @@ import base64
 import contextlib
 import io
 import threading
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -36,79 +37,105 @@ ANSWER_GRACE_S = 30.0
 
 
 class Delivered:
-    """One bucket on its way to every server; `wait` returns the refusals (URL -> message), {} when all took it."""
+    """One bucket on its way to every server; `wait` returns the refusals (URL -> message), {} when all took it.
 
-    def __init__(self, calls: dict[str, BackgroundCall], transfer: Optional[object], timeout_s: float,
-                 on_refusal: Callable[[], None]) -> None:
-        self._calls, self._transfer, self._timeout_s = calls, transfer, timeout_s
-        self._on_refusal = on_refusal
+    `transfers` holds each server's broadcast (none on the colocated path); `broken(url)` is told when a
+    server's broadcast can never complete (the server refused, or its group failed).
+    """
+
+    def __init__(self, calls: dict[str, BackgroundCall], transfers: dict[str, Any], timeout_s: float,
+                 broken: Callable[[str], None]) -> None:
+        self._calls, self._transfers, self._timeout_s, self._broken = calls, transfers, timeout_s, broken
         self.refusals: Optional[dict[str, str]] = None
 
+    def _settled(self, url: str) -> bool:
+        call, transfer = self._calls[url], self._transfers.get(url)
+        return call.done() and (transfer is None or call.failed() or transfer.is_completed())
+
     def is_completed(self) -> bool:
-        return all(c.done() for c in self._calls.values()) and (
-            self._transfer is None or self._transfer.is_completed())
+        return all(self._settled(url) for url in self._calls)
 
     @property
     def done_at(self) -> Optional[float]:
-        return getattr(self._transfer, "done_at", None)
+        times = [getattr(t, "done_at", None) for t in self._transfers.values()]
+        return None if not times or None in times else max(times)
 
     def wait(self) -> dict[str, str]:
-        """Wait for every answer and the bytes, together; a refusal while the bytes wait ends the transfer."""
+        """Wait until every server answered and its bytes went (a refusal ends that server's wait at once)."""
         if self.refusals is not None:
             return self.refusals
-        poll(lambda: self.is_completed() or self._refused(), within=self._timeout_s + ANSWER_GRACE_S,
-             what="SGLang's answers for a bucket", max_pause_s=0.02,
-             timeout=lambda waited: TimeoutError(f"no answer for a bucket within {waited:.3g}s"))
-        refusals = {}
+        with contextlib.suppress(TimeoutError):  # what is still open then is reported below
+            poll(lambda: self.is_completed(), within=self._timeout_s + ANSWER_GRACE_S,
+                 what="SGLang's answers for a bucket", max_pause_s=0.02,
+                 timeout=lambda waited: TimeoutError(f"no answer within {waited:.3g}s"))
+        self.refusals = {}
         for url, call in self._calls.items():
-            try:
-                call.wait(self._timeout_s + ANSWER_GRACE_S)
-            except (EngineHTTPError, TimeoutError) as e:
-                refusals[url] = str(e)
-        if self._transfer is not None and refusals and not self._transfer.is_completed():
-            # The refusing server's ranks will never take part, and gloo cannot cancel the broadcast (neither
-            # shutdown nor abort ends a pending one): leave it to its timeout and never use the group again.
-            self._on_refusal()
-        elif self._transfer is not None:
-            try:
-                self._transfer.wait()
-            except RuntimeError as e:  # PeerFailureError: the group broke (a server died mid-bucket)
-                self._on_refusal()
-                refusals.setdefault("update group", str(e))
-        self.refusals = refusals
-        return refusals
+            problem = self._outcome(url, call)
+            if problem is not None:
+                self.refusals[url] = problem
+        return self.refusals
 
-    def _refused(self) -> bool:
-        return any(c.failed() for c in self._calls.values())
+    def _outcome(self, url: str, call: BackgroundCall) -> Optional[str]:
+        transfer = self._transfers.get(url)
+        if not call.done():
+            self._broken(url)
+            return f"SGLang at {url} did not answer within {self._timeout_s + ANSWER_GRACE_S:g}s"
+        try:
+            call.wait(0)
+        except EngineHTTPError as e:
+            if transfer is not None and not transfer.is_completed():
+                self._broken(url)  # its ranks never take part, and gloo cannot cancel the broadcast
+            return str(e)
+        if transfer is not None:
+            try:
+                transfer.wait()
+            except RuntimeError as e:  # PeerFailureError: the group broke (the server died mid-bucket)
+                self._broken(url)
+                return str(e)
+        return None
 
 
 class GroupDelivery:
-    """Buckets to SGLang's update group: announced over HTTP, broadcast from rank 0."""
+    """Buckets to each server's update group: announced over HTTP, broadcast from rank 0."""
 
-    def __init__(self, group: UpdateGroup, timeout_s: float) -> None:
-        self.group, self.timeout_s = group, timeout_s
+    def __init__(self, groups: Sequence[UpdateGroup], timeout_s: float) -> None:
+        self.groups = {g.url: g for g in groups}
+        self.timeout_s = timeout_s
 
     @property
     def urls(self) -> list[str]:
-        return [m.url for m in self.group.members]
+        return list(self.groups)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if next(iter(self.groups.values())).backend == \
+            "nccl" else torch.device("cpu")
 
     def deliver(self, bucket: BucketPlan, payload: torch.Tensor, urls: Sequence[str]) -> Delivered:
-        """Announce `bucket` to the servers at `urls` and broadcast `payload` (its bytes) to the group."""
-        body = requests.update_weights_from_distributed(bucket, group_name=self.group.name)
-        calls = {url: BackgroundCall(_poster(url, "/update_weights_from_distributed", body, self.timeout_s),
-                                     f"SGLang at {url}, bucket {bucket.index}") for url in urls}
-        device = self.group.group.device
-        transfer = self.group.group.broadcast(payload if payload.device == device else payload.to(device), src=0,
-                                              async_op=True)
-        return Delivered(calls, transfer, self.timeout_s, self.group.break_off)
+        """Announce `bucket` to the servers at `urls` and broadcast `payload` (its bytes) in each one's group."""
+        calls, transfers = {}, {}
+        data = payload if payload.device == self.device else payload.to(self.device)
+        for url in urls:
+            group = self.groups[url]
+            body = requests.update_weights_from_distributed(bucket, group_name=group.name)
+            calls[url] = BackgroundCall(_poster(url, "/update_weights_from_distributed", body, self.timeout_s),
+                                        f"SGLang at {url}, bucket {bucket.index}")
+            transfers[url] = group.group.broadcast(data, src=0, async_op=True)
+        return Delivered(calls, transfers, self.timeout_s, lambda url: self.groups[url].break_off())
 
     def recover(self, alive: Sequence[str]) -> None:
-        """Make the group usable again after a break: rebuilt with the servers still answering."""
-        if self.group.broken or [m.url for m in self.group.members] != list(alive):
-            self.group.rebuild(alive)
+        """Make the groups usable again after a break: rebuilt with the servers still answering, the others
+        dropped."""
+        for url in [u for u in self.groups if u not in alive]:
+            self.groups.pop(url).close(reachable=False)
+        for group in self.groups.values():
+            if group.broken:
+                group.rebuild()
 
     def close(self) -> None:
-        self.group.close()
+        for group in self.groups.values():
+            group.close()
+        self.groups = {}
 
 
 class TensorDelivery:
@@ -129,7 +156,7 @@ class TensorDelivery:
                     "flush_cache": False, "abort_all_requests": False}
             calls[url] = BackgroundCall(_poster(url, "/update_weights_from_tensor", body, self.timeout_s),
                                         f"SGLang at {url}, bucket {bucket.index}")
-        return Delivered(calls, None, self.timeout_s, lambda: None)
+        return Delivered(calls, {}, self.timeout_s, lambda url: None)
 
     def recover(self, alive: Sequence[str]) -> None:
         """Nothing to rebuild: each bucket is its own request."""

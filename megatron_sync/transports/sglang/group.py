@@ -6,19 +6,19 @@ rendezvous at master_address:master_port, the store wrapped in
 hosts that store (a `TCPStore` it owns, so the trainer's later pipeline stages
 can meet on it too, `stages.py`) and builds rank 0 over the same prefix.
 
-A group whose broadcast was left pending (an engine refused the bucket, or
-died) cannot be used again: the next broadcast would be matched with the
-stale one. `UpdateGroup.rebuild` shuts the trainer's end down, has every
-engine still answering leave the old group and join a new one under the
-next generation's name (fresh store keys), and builds rank 0 again.
+Each server has its own group (`UpdateGroup`). A group whose broadcast was
+left pending (the server refused the bucket, or died) cannot be used again:
+the next broadcast would be matched with the stale one. `UpdateGroup.rebuild`
+shuts the trainer's end down, has the server leave the old group and join a
+new one under the next generation's name (fresh store keys), and builds rank
+0 again.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 from megatron_sync.engines.http import BackgroundCall, EngineHTTPError
 from megatron_sync.engines.sglang import requests
@@ -82,29 +82,21 @@ def init_update_group(master_address: str, master_port: int, world_size: int, *,
     return group, group._pg
 
 
-@dataclass(frozen=True)
-class Member:
-    """One SGLang server in the update group: its URL and its first rank there (its TP rank 0)."""
-
-    url: str
-    rank_offset: int
-    tp_size: int
-
-
-def members_of(urls: Sequence[str], tp_sizes: Sequence[int]) -> list[Member]:
-    """Return the servers' places in the group: rank 0 is the trainer, server i's ranks follow server i-1's."""
-    offsets = [1 + sum(tp_sizes[:i]) for i in range(len(urls))]
-    return [Member(url, offset, tp) for url, offset, tp in zip(urls, offsets, tp_sizes)]
-
-
 class UpdateGroup:
-    """Rank 0 of SGLang's update group and the servers in it; rebuilt under a new name after a break."""
+    """Rank 0 of one SGLang server's update group (the trainer and the server's TP ranks 1..tp), rebuilt under
+    a new name after a break.
 
-    def __init__(self, store: Any, members: Sequence[Member], *, master_address: str, master_port: int,
+    One group per server: a server that refuses a bucket or dies breaks only its own group. In one group
+    for all servers, gloo's broadcast aborts on the first dead peer, before it sent to the others, whose
+    ranks then wait inside SGLang for bytes that never come (until SGLang's own group timeout). The cost:
+    rank 0 sends every bucket once per server.
+    """
+
+    def __init__(self, store: Any, url: str, tp_size: int, index: int, *, master_address: str, master_port: int,
                  backend: str, timeout_s: float, http_timeout_s: float) -> None:
-        """The group is named after `master_port`, so a trainer process that connects again on another port
-        never meets torch's registry entry of a group it could not destroy (one left with a stuck broadcast)."""
-        self.store, self.members = store, list(members)
+        """Named after `master_port` and the server's `index`, so a trainer process that connects again on
+        another port never meets torch's registry entry of a group it could not destroy."""
+        self.store, self.url, self.tp_size, self.index = store, url, tp_size, index
         self.master_address, self.master_port = master_address, master_port
         self.backend, self.timeout_s, self.http_timeout_s = backend, timeout_s, http_timeout_s
         self.generation = 0
@@ -113,59 +105,50 @@ class UpdateGroup:
 
     @property
     def name(self) -> str:
-        """The group's name on both sides (the prefix of its store keys), one per port and generation."""
-        return f"{requests.GROUP_NAME}.{self.master_port}.{self.generation}"
+        """The group's name on both sides (the prefix of its store keys), one per port, server and generation."""
+        return f"{requests.GROUP_NAME}.{self.master_port}.{self.index}.{self.generation}"
 
     def form(self) -> None:
-        """Have every member join (POST /init_weights_update_group on threads) while rank 0 joins here."""
-        world = 1 + sum(m.tp_size for m in self.members)
-        joins = [BackgroundCall(self._joiner(m, world), f"SGLang at {m.url} joining update group {self.name!r}")
-                 for m in self.members]
+        """Have the server's ranks join (POST /init_weights_update_group on a thread) while rank 0 joins here."""
+        body = requests.init_weights_update_group(
+            master_address=self.master_address, master_port=self.master_port, rank_offset=1,
+            world_size=1 + self.tp_size, group_name=self.name, backend=self.backend)
+        join = BackgroundCall(lambda: call_sglang(self.url, "/init_weights_update_group", body=body,
+                                                  timeout_s=self.timeout_s + JOIN_GRACE_S),
+                              f"SGLang at {self.url} joining update group {self.name!r}")
         try:
-            self.group = group_over(self.store, self.name, world, 0, backend=self.backend, timeout_s=self.timeout_s)
+            self.group = group_over(self.store, self.name, 1 + self.tp_size, 0, backend=self.backend,
+                                    timeout_s=self.timeout_s)
         finally:
-            for join in joins:
-                join.wait(self.timeout_s + JOIN_GRACE_S)
+            join.wait(self.timeout_s + JOIN_GRACE_S)
         self.broken = False
 
-    def _joiner(self, member: Member, world: int) -> Callable[[], Any]:
-        body = requests.init_weights_update_group(
-            master_address=self.master_address, master_port=self.master_port, rank_offset=member.rank_offset,
-            world_size=world, group_name=self.name, backend=self.backend)
-        return lambda: call_sglang(member.url, "/init_weights_update_group", body=body,
-                                   timeout_s=self.timeout_s + JOIN_GRACE_S)
-
     def break_off(self) -> None:
-        """End the trainer's end now (a pending broadcast fails at once); the group must be rebuilt."""
+        """Never use this generation again (gloo cannot cancel a pending broadcast); `rebuild` forms the next."""
         self.broken = True
         if self.group is not None:
             self.group.close_backend()
 
-    def rebuild(self, alive: Sequence[str]) -> None:
-        """Form the next generation of the group with the members whose URL is in `alive` (in order)."""
+    def rebuild(self) -> None:
+        """Have the server leave this generation and form the next one with it."""
         self.break_off()
-        for member in self.members:
-            if member.url in alive:
-                self._leave(member.url)
-        kept = [m for m in self.members if m.url in alive]
-        self.members = members_of([m.url for m in kept], [m.tp_size for m in kept])
+        self._leave()
         self.generation += 1
         self.group = None
-        if self.members:
-            self.form()
+        self.form()
 
-    def _leave(self, url: str) -> None:
+    def _leave(self) -> None:
         try:
-            call_sglang(url, "/destroy_weights_update_group",
+            call_sglang(self.url, "/destroy_weights_update_group",
                         body=requests.destroy_weights_update_group(group_name=self.name),
                         timeout_s=self.http_timeout_s)
-        except EngineHTTPError as e:  # it may never have joined this generation; the new name is fresh anyway
-            log.warning("SGLang at %s did not leave update group %r: %s", url, self.name, e)
+        except EngineHTTPError as e:  # it may never have joined this generation; the next name is fresh anyway
+            log.warning("SGLang at %s did not leave update group %r: %s", self.url, self.name, e)
 
-    def close(self) -> None:
-        """Have every member leave the group, then destroy rank 0 (a broken one is only shut down)."""
-        for member in self.members:
-            self._leave(member.url)
+    def close(self, *, reachable: bool = True) -> None:
+        """Have the server leave (when `reachable`), then destroy rank 0 (a broken group is only shut down)."""
+        if reachable:
+            self._leave()
         if self.group is not None:
             if self.broken:
                 self.group.close()

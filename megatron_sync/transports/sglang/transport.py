@@ -5,9 +5,9 @@ own. Transport ranks 0..P-1 are the trainer's stage sources, P.. the servers'
 ranks (`weight_sync.engines`: "sglang=http://host:port", in order). Rank 0
 talks to every server: its own stage's buckets and, received from the later
 stages' sources (`stages.py`), theirs, one bucket at a time and in plan order,
-by the delivery `weight_sync.sglang_load` chooses (`delivery.py`): over the
-update group ("distributed") or in shared memory ("tensor", servers on the
-trainer's host). The sender, its host replica and the plan are the generic
+by the delivery `weight_sync.sglang_load` chooses (`delivery.py`): over
+update groups ("distributed", one per server) or in shared memory ("tensor",
+servers on the trainer's host). The sender, its host replica and the plan are the generic
 bucket ones (`transports.buckets`), without checksums (SGLang checks none).
 
 Nothing half-applied. SGLang loads each bucket into the live weights as it
@@ -17,7 +17,7 @@ host copy of every bucket of the last version every server took whole, and
 of the version under way. When a sync fails anywhere (a stage's sender, a
 server refusing a bucket or dying, a broken group), before the failure is
 raised rank 0 sends that previous version again, whole, to every server
-still answering (after rebuilding the update group without the others); if
+still answering (after rebuilding the update groups that broke); if
 no version was synced yet, a server that still reports its start version
 ("default") reloads the checkpoint it started from (/update_weights_from_disk
 with its own model path); one that was updated by someone else cannot be
@@ -45,7 +45,7 @@ from megatron_sync.settings.config import parse_engine
 from megatron_sync.transports.base import BucketHeader, Commit, PendingBucket, Receiver
 from megatron_sync.transports.buckets.transport import PlanBucketTransport
 from megatron_sync.transports.sglang.delivery import Delivered, GroupDelivery, TensorDelivery
-from megatron_sync.transports.sglang.group import UpdateGroup, host_store, join_store, members_of, release
+from megatron_sync.transports.sglang.group import UpdateGroup, host_store, join_store, release
 from megatron_sync.transports.sglang.restore import Versions, answers, restore
 from megatron_sync.transports.sglang.stages import receive_from_stage, send_to_leader, stage_group
 from megatron_sync.transports.sglang.verify import ranks_disagree, replicated_params
@@ -133,7 +133,7 @@ class SGLangTransport(PlanBucketTransport):
     def connect_trainer(cls, config: "WeightSyncConfig", layout: "ParallelLayout", *,
                         session: Any = None) -> "SGLangTransport":
         """Return stage source `layout.pp_rank`'s endpoint; rank 0 hosts the store and (distributed) forms
-        the update group with every server (collective over the stage sources and the servers' ranks)."""
+        an update group with each server (collective over the stage sources and the servers' ranks)."""
         urls = [url for kind, url in map(parse_engine, config.engines) if kind == "sglang"]
         if not urls or len(urls) != len(config.engines):
             raise ValueError("transport 'sglang' sends to SGLang servers only: list them in weight_sync.engines "
@@ -148,11 +148,12 @@ class SGLangTransport(PlanBucketTransport):
             if config.sglang_load == "tensor":
                 delivery = TensorDelivery(urls, tp_sizes, timeout)
             else:
-                group = UpdateGroup(store, members_of(urls, tp_sizes), master_address=where[0],
-                                    master_port=where[1], backend=backend, timeout_s=timeout,
-                                    http_timeout_s=timeout)
-                group.form()
-                delivery = GroupDelivery(group, timeout)
+                groups = [UpdateGroup(store, url, tp, i, master_address=where[0], master_port=where[1],
+                                      backend=backend, timeout_s=timeout, http_timeout_s=timeout)
+                          for i, (url, tp) in enumerate(zip(urls, tp_sizes))]
+                for group in groups:
+                    group.form()
+                delivery = GroupDelivery(groups, timeout)
             replicated = {url: replicated_params(url, timeout) for url, tp in zip(urls, tp_sizes) if tp > 1}
         else:
             store = join_store(*where, timeout)
@@ -178,9 +179,8 @@ class SGLangTransport(PlanBucketTransport):
 
     @property
     def device(self) -> torch.device:
-        group = getattr(self.delivery, "group", None)
-        if group is not None and group.group is not None:
-            return group.group.device
+        if isinstance(self.delivery, GroupDelivery):
+            return self.delivery.device
         return self._stages.device if self._stages is not None else torch.device("cpu")
 
     def exchange_metadata(self, stage_metas: Optional[list[TensorMeta]]) -> list[list[TensorMeta]]:
@@ -288,7 +288,7 @@ class SGLangTransport(PlanBucketTransport):
         return problems + restore(self.delivery, self._versions.previous, alive)
 
     def close(self) -> None:
-        """Rank 0: the servers leave the update group; every stage source releases its groups and store."""
+        """Rank 0: the servers leave their update groups; every stage source releases its groups and store."""
         if self.delivery is not None:
             self.delivery.close()
             self.delivery = None
