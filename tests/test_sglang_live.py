@@ -137,16 +137,20 @@ def test_disk_path_feeds_the_server_from_the_local_copy_and_undoes_a_failed_load
         with DeltaWriter(stage_store(store, 0)) as writer:
             for seed, version in ((71, 1), (72, 2), (73, 3)):
                 writer.submit(version, hf_checkpoint(QWEN3, seed))
-            writer.flush(timeout=scaled(120))
+                writer.flush(timeout=scaled(120))  # each one published (a writer behind coalesces versions)
         for seed, version in ((71, 1), (72, 2)):
             assert feeder.feed(version) == version
             assert not problems_on(url, hf_checkpoint(QWEN3, seed), str(version)), version
         linked, empty = feeder._linked, tmp_path / "no_weights"
         empty.mkdir()
-        feeder._linked = lambda files: str(empty)  # SGLang finds no weights there and refuses the load
+
+        def no_weights_once(files):  # the next load's directory has no weights: SGLang refuses it
+            feeder._linked = linked  # (the undo that follows links the committed slot as usual)
+            return str(empty)
+
+        feeder._linked = no_weights_once
         with pytest.raises(Exception, match="update_weights_from_disk"):
             feeder.feed(3)
-        feeder._linked = linked
         assert feeder.version == 2
         assert not problems_on(url, hf_checkpoint(QWEN3, 72), "2"), "the server is not back on version 2"
         assert feeder.feed(3) == 3
