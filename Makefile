@@ -5,10 +5,11 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+SGLANG_VENV := .venv-sglang
 CONFIG ?= configs/demo_qwen3_moe_ep2.yaml
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test test-fast gpu-check bench scale serve-vllm clean
+.PHONY: setup demo test test-fast gpu-check bench scale serve-vllm serve-sglang clean
 
 $(BIN)/.installed: requirements-cpu.txt pyproject.toml
 	@# Mooncake's TCP build links libibverbs.so.1 (not vendored in its wheel). Without the
@@ -23,7 +24,16 @@ $(BIN)/.installed: requirements-cpu.txt pyproject.toml
 	$(BIN)/pip install -q --no-deps -e .
 	touch $@
 
-setup: $(BIN)/.installed
+# SGLang 0.5.23 for the live SGLang tests, in its own environment (it cannot share .venv: its own requirements
+# pin a CUDA torch and CUDA kernels). Every package is pinned and installed without dependency resolution;
+# tests/support/sglang_shim stands in for the CUDA-only sgl_kernel (shared/reference: sglang-cpu.md).
+$(SGLANG_VENV)/.installed: requirements-sglang.txt
+	$(PY) -m venv $(SGLANG_VENV)
+	@start=$$(date +%s); $(SGLANG_VENV)/bin/pip install -q --no-deps -r requirements-sglang.txt \
+	  && echo "SGLang environment ($(SGLANG_VENV)) installed in $$(( $$(date +%s) - start )) s"
+	touch $@
+
+setup: $(BIN)/.installed $(SGLANG_VENV)/.installed
 
 demo: setup
 	$(BIN)/python -m examples.demo --config $(CONFIG)
@@ -48,7 +58,7 @@ test: setup docs
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not gpu and not vllm and not sglang and not e2e and not multiproc" $(PYTEST_ARGS)
 
-# No setup: a GPU machine brings its own CUDA torch (README: "The GPU check" lists the wheels to carry).
+# No setup: a GPU machine brings its own CUDA torch (docs/testing.md, "The GPU check", lists the wheels to carry).
 gpu-check:
 	PYTHONPATH=. $(PY) bench/gpu_check.py
 
@@ -70,5 +80,11 @@ scale: setup
 serve-vllm: setup
 	PYTHON=$(BIN)/python launch/serve_vllm.sh $(MODEL) $(VLLM_ARGS)
 
+# An SGLang server the trainer drives over SGLang's own update API (transport: sglang):
+#   make serve-sglang MODEL=/path/to/hf_model_dir SGLANG_ARGS="--port 30000 --dtype float32"
+# CPU: one core list per TP rank in SGLANG_CPU_OMP_THREADS_BIND (e.g. "0|1" for --tp-size 2).
+serve-sglang: setup
+	PYTHON=$(SGLANG_VENV)/bin/python PYTHONPATH=tests/support/sglang_shim launch/serve_sglang.sh $(MODEL) $(SGLANG_ARGS)
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(SGLANG_VENV)

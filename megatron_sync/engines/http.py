@@ -88,6 +88,10 @@ class BackgroundCall:
         """True once the call returned or raised."""
         return not self._thread.is_alive()
 
+    def failed(self) -> bool:
+        """True once the call raised (its error is what `wait` raises)."""
+        return self.done() and self._error is not None
+
     def wait(self, timeout_s: float) -> None:
         """Return when the call finished; raise its exception, or TimeoutError after `timeout_s`."""
         self._thread.join(timeout_s)

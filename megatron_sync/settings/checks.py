@@ -8,7 +8,7 @@ from typing import Any, Callable
 from megatron_sync.core.meta import dtype_from_name
 from megatron_sync.settings import registry
 from megatron_sync.settings.choices import (BACKENDS, CHECKSUM_CHOICES, DRAFT_CHOICES, DRIFT_ACTIONS, INFLIGHT_POLICIES,
-                                            P2P_BACKENDS, P2P_PROTOCOLS, RUN_ID, parse_engine)
+                                            P2P_BACKENDS, P2P_PROTOCOLS, RUN_ID, SGLANG_LOADS, parse_engine)
 from megatron_sync.settings.sections import inert_section_problem
 
 Config = Any  # a WeightSyncConfig (this module is below it)
@@ -89,6 +89,7 @@ def _engines(c: Config) -> None:
     if isinstance(c.engines, str) or not isinstance(c.engines, (list, tuple)):
         raise ValueError(f"engines must be a list of KIND=URL entries, got {c.engines!r}")
     object.__setattr__(c, "engines", tuple(c.engines))  # YAML and flags give lists
+    check_choice("sglang_load", c.sglang_load, SGLANG_LOADS)
     sglang = [e for e in c.engines if parse_engine(e)[0] == "sglang"]
     if sglang and c.transport in ("p2p", "ipc"):
         raise ValueError(f"transport {c.transport!r} writes into megatron-sync receivers' memory, which SGLang's "

@@ -14,6 +14,7 @@ INFLIGHT_POLICIES = ("abort", "wait", "recompute", "keep")
 DRAFT_CHOICES = ("sync", "skip")
 P2P_BACKENDS = ("nixl", "mooncake", "torch")  # megatron_sync.transports.p2p.transport.MOVERS
 P2P_PROTOCOLS = ("tcp", "rdma")
+SGLANG_LOADS = ("distributed", "tensor")  # megatron_sync.transports.sglang.delivery
 CHECKSUM_CHOICES = ("auto", *CHECKSUMS)
 DEFAULT_GATHER_BUDGET_MB = 1024.0
 DRIFT_ACTIONS = ("fail", "warn")
@@ -45,6 +46,7 @@ FIELD_CHOICES: dict[str, Union[tuple[str, ...], Callable[[], list[str]]]] = {
     "p2p_backend": P2P_BACKENDS,
     "p2p_protocol": P2P_PROTOCOLS,
     "on_drift": DRIFT_ACTIONS,
+    "sglang_load": SGLANG_LOADS,
 }
 """Settings that take one of a fixed set of values -> that set (a callable where it is registered at run time).
 Validation checks these very objects (settings/checks.py); the settings reference (docs/hooks/settings_page.py)

@@ -19,7 +19,7 @@ from megatron_sync.settings import registry
 from megatron_sync.settings import checks  # noqa: E402 — the validations
 from megatron_sync.settings.choices import (  # noqa: F401 — re-exported: the settings' vocabulary
     BACKENDS, CHECKSUM_CHOICES, DEFAULT_GATHER_BUDGET_MB, DRAFT_CHOICES, DRIFT_ACTIONS, ENGINE_CLIENTS, FIELD_CHOICES,
-    INFLIGHT_POLICIES, P2P_BACKENDS, P2P_PROTOCOLS, parse_engine,
+    INFLIGHT_POLICIES, P2P_BACKENDS, P2P_PROTOCOLS, SGLANG_LOADS, parse_engine,
 )
 from megatron_sync.settings.sections import deprecated_flag, flag, inert_section_problem, present_sections, sectioned
 
@@ -177,6 +177,13 @@ class WeightSyncConfig:
     delta_encode_threads: int = 2
     """Threads encoding one version (zstd and numpy release the GIL)."""
 
+    # ---- transport "sglang" (SGLang servers driven over their own update API) ----
+
+    sglang_load: str = "distributed"
+    """transport "sglang" only: how buckets reach the servers. "distributed": broadcast over SGLang's
+    update group (/update_weights_from_distributed; any host); "tensor": CPU tensors handed over in
+    shared memory (/update_weights_from_tensor; servers on the trainer's rank-0 host only)."""
+
     # ---- transport "p2p" (every trainer rank sends its share; see the README's "P2P transport") ----
 
     p2p_backend: str = "torch"
@@ -294,7 +301,7 @@ class WeightSyncConfig:
         unknown = sorted(set(flat) - set(valid))
         if unknown:
             raise ValueError(f"unknown {where} keys {unknown}; valid keys are {list(valid)} "
-                             f"(and the sections p2p:, disk_delta:, fleet:)")
+                             f"(and the sections p2p:, disk_delta:, sglang:, fleet:)")
         config = cls(**flat)
         problem = inert_section_problem(config, tuple(present_sections(values)))
         if problem is not None:

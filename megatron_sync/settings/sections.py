@@ -23,6 +23,7 @@ SECTIONS: dict[str, dict[str, str]] = {
         "retention": "delta_retention", "encoding": "delta_encoding", "when_behind": "delta_when_behind",
         "queue_depth": "delta_queue_depth", "encode_threads": "delta_encode_threads",
     },
+    "sglang": {"load": "sglang_load"},
     "fleet": {
         "enabled": "fleet", "engine_id": "engine_id", "min_engines": "min_engines", "wave_size": "wave_size",
         "relay": "relay", "max_staleness": "max_staleness",
@@ -30,7 +31,8 @@ SECTIONS: dict[str, dict[str, str]] = {
 }
 """Section -> {key in the section: the settings field it sets}."""
 
-OWNER: dict[str, str] = {"p2p": "transport p2p", "disk_delta": "transport disk_delta", "fleet": "fleet.enabled"}
+OWNER: dict[str, str] = {"p2p": "transport p2p", "disk_delta": "transport disk_delta", "sglang": "transport sglang",
+                         "fleet": "fleet.enabled"}
 """What makes each section do something."""
 
 FIELD_SECTION: dict[str, tuple[str, str]] = {

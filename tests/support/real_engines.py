@@ -477,6 +477,11 @@ def _trainer_main(conn, spec: ModelSpec, port: int) -> None:
             elif command == "sync_rows":  # a fleet: the version and its rows (engines, outcomes, events)
                 metrics = sync.sync()
                 result = {"version": metrics.version, "fleet": metrics.fleet}
+            elif command == "apply":  # a test's hook, run here: "module:function", args -> function(sync, *args)
+                from importlib import import_module
+
+                module, name = args[0].split(":")
+                result = getattr(import_module(module), name)(sync, *args[1:])
             elif command == "disconnect":
                 sync, closing = None, sync
                 if closing is not None:

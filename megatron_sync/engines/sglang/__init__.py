@@ -1,11 +1,10 @@
-"""SGLang as a megatron-sync engine, spoken over SGLang's own HTTP weight-update API (SGLang 0.5.21+).
+"""SGLang as a megatron-sync engine, spoken over SGLang's own HTTP weight-update API (SGLang 0.5.23).
 
 - `requests`: the request bodies, one builder per route (the wire format's one home).
-- `client.SGLangEngineClient`: the trainer-side `EngineClient` (join the update
-  group, pause, begin/end update session, cache flush, weight version, resume).
-- `transport.SGLangTransport`: registered as transport "sglang", the trainer's
-  end of SGLang's update group, which the bucket `WeightSender` sends plan
-  buckets through (`update_weights_from_distributed`, `load_format: flattened_bucket`).
+- `client.SGLangEngineClient`: the trainer-side `EngineClient` (checks the settings, pause,
+  begin/end update session, cache flush, weight version, resume).
+- The bytes move through transport "sglang" (`megatron_sync.transports.sglang`): SGLang's update
+  group (`sglang_load: distributed`) or colocated shared-memory tensors (`sglang_load: tensor`).
 
 Settings: `transport: sglang`, `engines: ["sglang=http://host:30000"]`.
 

@@ -1,14 +1,17 @@
-"""The trainer's HTTP client for an SGLang server (0.5.21+), an `EngineClient` (no SGLang import).
+"""The trainer's HTTP client for an SGLang server (0.5.23), an `EngineClient` (no SGLang import).
 
-Joining: /init_weights_update_group makes the server's TP ranks join SGLang's
-update group as ranks 1.. (the trainer's `SGLangTransport`, transport
-"sglang", is rank 0). Around each sync: /pause_generation {mode} ->
-/begin_weight_update; the buckets then go through the transport (one
-/update_weights_from_distributed per bucket); after the last one
-/end_weight_update (SGLang re-runs its post-load processing) -> /flush_cache
+The servers' ranks join SGLang's update group through transport "sglang"
+(`megatron_sync.transports.sglang`), which owns the group: it forms it at
+start-up and rebuilds it after a failure. Around each sync this client calls
+/pause_generation {mode} -> /begin_weight_update (0.5.23 refuses tensor and
+distributed updates outside such a session, with HTTP 400); the transport
+then sends the buckets; after the last one /end_weight_update -> /flush_cache
 (as the policy requires) -> /update_weight_version -> /continue_generation.
 SGLang reports the version on every response (`meta_info.weight_version`)
-and on /model_info.
+and on /model_info. After a failed sync the transport has sent the previous
+version again; the client closes the session and resumes, unless the
+transport tagged the server "partial" (it could not be restored): that one
+stays paused.
 
 In-flight policies (`PAUSE_PLANS`): abort -> "abort" + flush; recompute ->
 "retract" (running requests go back to the queue, their KV freed) + flush;
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_sync.engines.base import Rendezvous
-from megatron_sync.engines.http import BackgroundCall, EngineHTTPError, request_json
+from megatron_sync.engines.http import EngineHTTPError, request_json
 from megatron_sync.engines.sglang import requests
 
 log = logging.getLogger("megatron_sync")
@@ -50,7 +53,6 @@ class SGLangEngineClient:
 
     def __init__(self, url: str, *, timeout_s: float = 300.0) -> None:
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
-        self.group_name = requests.GROUP_NAME
         self.inflight_policy: Optional[str] = None
         self.plan: Optional[PausePlan] = None
         self._rendezvous: Optional[Rendezvous] = None
@@ -67,17 +69,17 @@ class SGLangEngineClient:
             self._info = info
         return int(self._info["tp_size"])
 
-    def join(self, rendezvous: Rendezvous) -> BackgroundCall:
-        """Start POST /init_weights_update_group (it blocks until every rank joined) on a thread.
+    def join(self, rendezvous: Rendezvous) -> "_Joined":
+        """Check the settings work with this server; the transport's rank 0 makes its ranks join.
 
-        Raises ValueError first, naming the fix, when the settings cannot work
-        with SGLang: another transport than "sglang", a policy SGLang lacks
-        ("wait"), or "keep" while SGLang caches prefixes.
+        Raises ValueError, naming the fix, when they cannot: another transport
+        than "sglang", a policy SGLang lacks ("wait"), "keep" while SGLang
+        caches prefixes, or a dtype other than the server's.
         """
         config = rendezvous.config
-        if config.transport != "sglang" or rendezvous.num_trainer_stages != 1:
-            raise ValueError(f"SGLang at {self.url} receives only through its own update group: set "
-                             "weight_sync.transport: sglang, with one trainer pipeline stage (PP=1)")
+        if config.transport != "sglang":
+            raise ValueError(f"SGLang at {self.url} receives only through its own update API: set "
+                             "weight_sync.transport: sglang")
         if config.inflight_policy not in PAUSE_PLANS:
             raise ValueError(f"inflight_policy={config.inflight_policy!r} is not available with SGLang; use one "
                              f"of {list(PAUSE_PLANS)} (SGLang's pause modes have no 'wait')")
@@ -85,13 +87,12 @@ class SGLangEngineClient:
         if not plan.flush and not (self._info or {}).get("disable_radix_cache"):
             raise ValueError(f"inflight_policy='keep' at {self.url}: SGLang cannot flush its radix cache "
                              "while kept requests run; start it with --disable-radix-cache or use 'recompute'")
+        served = (self._info or {}).get("dtype")
+        if served not in (None, "auto", config.dtype):
+            raise ValueError(f"SGLang at {self.url} serves --dtype {served} but weight_sync.dtype={config.dtype!r}; "
+                             f"start it with --dtype {config.dtype} or set weight_sync.dtype: {served}")
         self.plan, self.inflight_policy, self._rendezvous = plan, config.inflight_policy, rendezvous
-        body = requests.init_weights_update_group(
-            master_address=config.master_address, master_port=config.master_port,
-            rank_offset=1 + rendezvous.first_inference_rank, world_size=1 + config.num_inference_ranks,
-            group_name=self.group_name, backend=config.backend)
-        return BackgroundCall(lambda: self._call("/init_weights_update_group", body=body,
-                                                 timeout_s=config.timeout_s + 30), f"joining SGLang at {self.url}")
+        return _Joined()
 
     def before_sync(self, version: int) -> None:
         """Pause per the policy and open SGLang's update session."""
@@ -102,15 +103,19 @@ class SGLangEngineClient:
         """Nothing to start: the transport announces each bucket as it sends it."""
 
     def after_sync(self, version: int, ok: bool) -> None:
-        """Close the session; on `ok` flush, tag and resume; otherwise stay paused (partially updated)."""
+        """Close the session; on `ok` flush, tag and resume; after a failure resume on the previous version,
+        unless the transport could not restore it (tagged "partial"): then stay paused."""
         self._call("/end_weight_update", body=requests.end_weight_update())
         if not ok:
-            self.partially_updated = True
-            log.error("SGLang at %s loaded part of version %d and stays paused; the next successful sync "
-                      "resumes it", self.url, version)
+            self.partially_updated = self.weight_version() == requests.PARTIAL
+            if self.partially_updated:
+                log.error("SGLang at %s holds part of version %d and stays paused; the next successful sync "
+                          "resumes it", self.url, version)
+            else:
+                self._call("/continue_generation", body=requests.continue_generation())
             return
-        if self.plan.flush:
-            request_json(self.url, "/flush_cache", query={"timeout": 30}, timeout_s=self.timeout_s, text=True)
+        if self.plan.flush:  # at once, while still paused: SGLang then ignores the requests "retract" queued
+            request_json(self.url, "/flush_cache", timeout_s=self.timeout_s, text=True)
         self._call("/update_weight_version", body=requests.update_weight_version(version))
         self._call("/continue_generation", body=requests.continue_generation())
         self.partially_updated = False
@@ -121,11 +126,8 @@ class SGLangEngineClient:
         return None if worker is None else f"SGLang TP rank {worker} of {self.url}"
 
     def close(self) -> None:
-        """Let the engine leave the update group."""
-        if self._rendezvous is not None:
-            self._call("/destroy_weights_update_group",
-                       body=requests.destroy_weights_update_group(group_name=self.group_name))
-            self._rendezvous = None
+        """Nothing to leave here: the transport has the server's ranks leave its update group."""
+        self._rendezvous = None
 
     def weight_version(self) -> str:
         """Return the weight version the server reports (GET /model_info)."""
@@ -135,6 +137,13 @@ class SGLangEngineClient:
               timeout_s: Optional[float] = None) -> Any:
         return call_sglang(self.url, route, method=method, body=body, query=query,
                            timeout_s=self.timeout_s if timeout_s is None else timeout_s)
+
+
+class _Joined:
+    """The server's part at start-up is done when the transport's rank 0 formed the group with it."""
+
+    def wait(self, timeout_s: float) -> None:
+        """Nothing left to wait for here."""
 
 
 def call_sglang(url: str, route: str, *, timeout_s: float, method: str = "POST", body: Any = None,

@@ -14,7 +14,11 @@ from megatron_sync.core.meta import dtype_name
 from megatron_sync.plan.buckets import BucketPlan
 
 GROUP_NAME = "megatron_sync"
-"""The update group's name: SGLang's ranks and the trainer wrap the rendezvous store in PrefixStore(GROUP_NAME)."""
+"""The prefix of the update group's names: SGLang's ranks and the trainer wrap the rendezvous store in
+PrefixStore(name), name = GROUP_NAME.{master_port}.{generation} (transport "sglang" rebuilds a broken group)."""
+
+PARTIAL = "partial"
+"""The weight version a server is tagged with when a failed sync could not be undone on it."""
 
 ROUTES = {
     # route -> SGLang 0.5.23 request class (io_struct) the body must satisfy
@@ -83,7 +87,7 @@ def continue_generation() -> dict[str, Any]:
     return {"torch_empty_cache": True}
 
 
-def update_weight_version(version: int) -> dict[str, Any]:
+def update_weight_version(version: "int | str") -> dict[str, Any]:
     """Return the body that tags the served weights as `version` (requests were already handled by the pause)."""
     return {"new_version": str(version), "abort_all_requests": False}
 
