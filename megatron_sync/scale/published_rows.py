@@ -1,0 +1,139 @@
+"""The published rows: every figure with its source, the date read, the setup as stated, what is guessed.
+
+Calibration rows were used to write their variant or fit a constant (`variants.FITTED`); they cannot
+test the model. Check rows were added after the model was frozen (see `published.py`).
+
+A guessed inference layout follows one rule, fixed before any check was predicted (`smallest_engine`):
+the smallest power-of-two tensor-parallel engine (expert parallel for MoE models) whose per-GPU shard is
+at most half the GPU's memory.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_sync.scale.layouts import FleetLayout, TrainerLayout
+from megatron_sync.scale.models import converter_for, model_named
+from megatron_sync.scale.variants import Setting
+
+GIB = 1 << 30
+READ = "2026-12-05"
+MILES = ("https://github.com/radixark/miles/blob/31f1ca961a94cb860cec3b2dea34ec332bfa8f76/"
+         "docs/advanced/p2p-weight-transfer.md")
+MILES_SETUP = ("H100-80GB clusters, 1 GB transfer bucket; timed after pause_generation returns and before "
+               "update_weight exits; steps 3-12 averaged")
+CKPT = ("https://github.com/MoonshotAI/checkpoint-engine/blob/59a3c4ffa2e14c0c26e81f62642e2d3ed68253ab/"
+        "README.md#benchmark")
+CKPT_SETUP = ("examples/update.py, vLLM v0.10.2rc1, ParameterServer colocated with vLLM; 'a 256-GPU TP16 setup "
+              "means 16 vLLM instances, each TP16'; bucket size as in the table; GPUs bound to their NUMA node")
+PPLX = ("https://research.perplexity.ai/articles/weight-transfer-for-rl-post-training-in-under-2-seconds and "
+        "https://le.qun.ch/en/blog/2025/09/17/rl-weight-transfer-2")
+FP8_64 = {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                  "weight_block_size": [64, 64]}}
+GPU_MEMORY_GB = {"h100": 80, "h200": 141, "h800": 80, "h20": 96, "p5-efa": 80}
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published sync: what ran, where, how long it took, and how the model treats it."""
+
+    key: str
+    system: str
+    model: str
+    trainer: TrainerLayout
+    fleet: FleetLayout
+    profile: str
+    seconds: Optional[float]  # None: a check whose measured value is not recorded yet
+    source: str
+    read: str  # the date the source was read
+    setup: str  # as the source states it
+    guessed: tuple[str, ...]
+    variant: str
+    role: str  # "calibration" | "check"
+    seen: str = "-"  # checks: "blind" (masked while read) or "seen" (in view, not used)
+    setting: Setting = field(default_factory=Setting)
+    overrides: dict = field(default_factory=dict)
+    draft: bool = True
+
+    def hf_config(self) -> tuple[str, dict]:
+        family, config = model_named(self.model)
+        config = copy.deepcopy(config)
+        for key, value in self.overrides.items():
+            if value is None:
+                config.pop(key, None)
+            else:
+                config[key] = copy.deepcopy(value)
+        return family, config
+
+
+def smallest_engine(model: str, profile: str, overrides: dict | None = None) -> int:
+    """Return the guessed engine size (see the module doc): the smallest power-of-two TP whose shard of the
+    model's bytes fits in half of a GPU of `profile`."""
+    family, config = model_named(model)
+    config = {**config, **(overrides or {})}
+    nbytes = sum(s.nbytes for s in converter_for(family, config).tensor_specs())
+    tp = 1
+    while nbytes / tp > GPU_MEMORY_GB[profile] * 1e9 / 2:
+        tp *= 2
+    return tp
+
+
+def _miles(model: str, trainer: TrainerLayout, fleet: FleetLayout, nccl: float, rdma: float, *, stated: str,
+           guessed: tuple[str, ...] = (), overrides: dict | None = None, post_s: float = 0.0) -> tuple:
+    setup = f"{MILES_SETUP}; {stated}"
+    common = dict(model=model, trainer=trainer, fleet=fleet, profile="h100", source=MILES, read=READ, setup=setup,
+                  guessed=guessed + ("NICs: 8 x 400 Gb/s per node (the docs say InfiniBand H100 clusters)",),
+                  role="calibration", overrides=overrides or {})
+    slug = model.split("-")[0] + "-" + model.split("-")[1]
+    return (Published(f"miles-nccl/{slug}", "Miles+SGLang NCCL broadcast", seconds=nccl, variant="miles-broadcast",
+                      **common),
+            Published(f"miles-rdma/{slug}", "Miles+SGLang RDMA P2P (CPU replica)", seconds=rdma, variant="miles-p2p",
+                      setting=Setting(post_s=post_s), **common))
+
+
+def _ckpt(key: str, model: str, gpus: int, tp: int, profile: str, seconds: float | None, bucket_gib: float, *,
+          p2p: bool, role: str, seen: str = "-") -> Published:
+    updated = tp if p2p else gpus
+    fleet = FleetLayout(engines=updated // tp, tp=tp, colocated=True)
+    how = ("P2P: ParameterServer.update(ranks=range(0, TP)), 'no more than two nodes (16 GPUs) out of the "
+           "entire cluster'" if p2p else "broadcast to every rank")
+    return Published(key, f"checkpoint-engine {'P2P' if p2p else 'broadcast'}", model, TrainerLayout(dp=gpus), fleet,
+                     profile, seconds, CKPT, READ, f"{CKPT_SETUP}; {gpus}x{profile.upper()} TP{tp}; {how}",
+                     ("NICs: 8 x 400 Gb/s per node (not stated)", "the checkpoint in every rank's host memory, "
+                      "split evenly (examples/update.py splits the files)"),
+                     "checkpoint-engine", role, seen,
+                     Setting(bucket_bytes=int(bucket_gib * GIB), extra={"p2p": p2p}))
+
+
+CALIBRATION = (
+    *_miles("qwen3-30b-a3b", TrainerLayout(tp=4, dp=4, ep=8), FleetLayout(engines=2, tp=8, expert_parallel=True),
+            2.6700, 2.1602, stated="train TP=4 PP=1 CP=1 EP=8 ETP=1, 2 nodes; inference TP=8 EP=8, 2 nodes"),
+    *_miles("glm-4.5-air", TrainerLayout(pp=4, dp=8, ep=8), FleetLayout(engines=4, tp=8, expert_parallel=True),
+            5.0011, 2.6372, stated="train TP=1 PP=4 CP=1 EP=8 ETP=1, 4 nodes; inference TP=8 EP=8, 4 nodes",
+            guessed=("the engines hold the draft (MTP) layer",)),
+    *_miles("qwen3-235b-a22b", TrainerLayout(tp=4, pp=4, cp=2, dp=2, ep=16),
+            FleetLayout(engines=2, tp=32, expert_parallel=True), 10.7536, 3.1620,
+            stated="train TP=4 PP=4 CP=2 EP=16 ETP=1, 8 nodes; inference TP=32 EP=32, 8 nodes"),
+    *_miles("kimi-k2", TrainerLayout(tp=8, pp=8, cp=4, ep=32), FleetLayout(engines=8, tp=32, expert_parallel=True),
+            53.2791, 7.2273, overrides=FP8_64, post_s=0.884,
+            stated="train TP=8 PP=8 CP=4 EP=32 ETP=1, 32 nodes; inference TP=32 EP=32, 32 nodes; FP8 re-quantized "
+                   "to [64, 64] blocks; the RDMA time includes ~884 ms post_load_weights"),
+    _ckpt("ckpt-bcast/glm-4.5-air-8", "glm-4.5-air", 8, 8, "h800", 3.47, 3.02, p2p=False, role="calibration"),
+    _ckpt("ckpt-bcast/qwen3-235b-8", "qwen3-235b-a22b", 8, 8, "h800", 6.22, 2.67, p2p=False, role="calibration"),
+    _ckpt("ckpt-bcast/deepseek-v3.1-16", "deepseek-v3", 16, 16, "h20", 10.19, 5.39, p2p=False, role="calibration"),
+    _ckpt("ckpt-bcast/kimi-k2-16", "kimi-k2", 16, 16, "h20", 14.36, 5.89, p2p=False, role="calibration"),
+    _ckpt("ckpt-bcast/deepseek-v3.1-256", "deepseek-v3", 256, 16, "h20", 11.33, 8.00, p2p=False, role="calibration"),
+    _ckpt("ckpt-bcast/kimi-k2-256", "kimi-k2", 256, 16, "h20", 16.04, 8.00, p2p=False, role="calibration"),
+    Published("pplx/kimi-k2", "Perplexity RDMA WRITE", "kimi-k2", TrainerLayout(dp=256, ep=32),
+              FleetLayout(engines=4, tp=32, expert_parallel=True), "p5-efa", 1.3, PPLX, READ,
+              "Kimi-K2 (1T), 256 training GPUs (BF16, FSDP: non-MoE sharded over NVLink, MoE across nodes) to 128 "
+              "inference GPUs (FP8), 'less than 1.3 seconds'; RDMA WRITE from GPU to GPU, static schedule",
+              ("hardware: AWS p5 (H100, EFA) as their earlier post", "FSDP modelled as Megatron DP=256 EP=32",
+               "inference layout by the rule: 4 engines of TP=32 with EP (the smallest whose shard fits half of "
+               "80 GB)", "FP8 in [64, 64] blocks (the published [128, 128] do not divide TP=32; Miles' choice)"),
+              "rdma-write", "calibration", overrides=FP8_64),
+)
+
+ROWS: tuple[Published, ...] = CALIBRATION
