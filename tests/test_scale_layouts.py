@@ -13,7 +13,7 @@ from megatron_sync.scale.layouts import FleetLayout, TrainerLayout
 from megatron_sync.scale.phases import broadcast_rate, members_per_node
 from megatron_sync.scale.models import model_named
 from megatron_sync.scale.plans import ScalePlanner, ipc_refusal
-from megatron_sync.scale.timing import input_rate, predict
+from megatron_sync.scale.timing import input_rate, physical_bound, predict
 from tests.support.models import ModelSpec, hf_config
 
 GIB = 1 << 30
@@ -142,5 +142,8 @@ def test_the_bound_counts_every_link_that_feeds_a_rank():
     trainer = TrainerLayout(tp=2, dp=4, ep=8)
     apart = _small(FleetLayout(engines=2, tp=8), trainer).plan("broadcast", bucket_bytes=GIB)
     colocated = _small(FleetLayout(engines=1, tp=8, colocated=True), trainer).plan("broadcast", bucket_bytes=GIB)
-    assert input_rate(apart, h100, 0) == h100.nic_per_gpu
+    assert input_rate(apart, h100, 0) == h100.nic_per_gpu + h100.nvlink.value  # engines relay inside a node
     assert input_rate(colocated, h100, 0) == h100.nvlink.value + h100.device_copy  # one node: no NIC needed
+    shards = apart.shard_bytes
+    twice = sum(shards[:8]) - apart.model_bytes
+    assert physical_bound(apart, h100) == pytest.approx(max(sum(shards[:8]) - twice, max(shards)) / h100.node_nic)

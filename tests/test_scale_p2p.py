@@ -121,7 +121,8 @@ def test_kimi_k2_on_32_plus_32_h100_nodes_is_within_2x_its_bound_and_flat_from_4
         at = planner.with_fleet(FleetLayout(engines=engines, tp=32, expert_parallel=True))
         p = predict(at.plan("p2p", bucket_bytes=64 << 20), h100)
         times[engines] = p.seconds
-        if engines == 8:
-            assert p.seconds <= 1.5 and p.seconds <= 2 * p.physical_bound, p
-            assert abs(p.physical_bound - 0.73) < 0.01  # 33.7 GB through one 400 Gb/s NIC
+        if engines == 8:  # 33.7 GB a rank through its one 400 Gb/s NIC: 0.73 s
+            through_its_nic = max(at.shard_bytes()[0]) / h100.nic_per_gpu
+            assert abs(through_its_nic - 0.73) < 0.01 and p.seconds <= min(1.5, 2 * through_its_nic), p
+            assert p.physical_bound <= through_its_nic  # a node's 8 NICs could also share the work
     assert max(times.values()) <= 1.2 * min(times.values()), times

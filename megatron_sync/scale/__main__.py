@@ -65,8 +65,8 @@ def cmd_predict(args) -> None:
         details.append((transport, summary, p))
     print(align(["transport", "predicted s", "bound s", "x bound", "bounded by", "senders", "max send GB",
                  "max recv GB", "its tensors", "plan s"], rows))
-    print("\nbound s = the largest shard an inference rank needs over every link that can feed it (its NIC from "
-          "other nodes, NVLink from trainer GPUs of its node, a device copy when it shares its GPU with the trainer)")
+    print("\nbound s = what no transport can beat: a rank's shard over every link that feeds it (NIC, NVLink, its own "
+          "GPU when colocated), and a node's distinct bytes over its NICs (megatron_sync.scale.timing.physical_bound)")
     for line in left_out:
         print(f"not predicted: {line}")
     for transport, summary, p in details:

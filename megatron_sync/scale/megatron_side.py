@@ -26,6 +26,7 @@ from megatron_sync.scale.layouts import TrainerLayout
 from megatron_sync.trainer.source import ExpertSlot, Sharding, SourceTensor
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")  # a layer or expert index inside a dotted name
+_LOCAL_EXPERT = re.compile(r"(\.local_experts\.)\d+")  # a routed expert's index within its layer's name
 HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")  # the checkpoint's layer of an HF tensor
 _MAKE_VOCAB_DIVISIBLE_BY = 128  # Megatron's default --make-vocab-size-divisible-by
 
@@ -164,11 +165,18 @@ def stage_units(converter: Any, trainer: TrainerLayout, train_dtype: torch.dtype
         meta = torch.empty(local, dtype=train_dtype, device="meta")
         per_stage[stage].append(SourceTensor(t.name, meta, t.sharding, slot))
     units = []
+    dtypes: dict[tuple, torch.dtype] = {}  # an expert's index never changes its rule: ask once per layer and kind
     for stage, stage_tensors in enumerate(per_stage):
         layout = ParallelLayout(tp=trainer.tp, cp=trainer.cp, dp=trainer.dp, pp=trainer.pp, vpp=trainer.vpp,
                                 ep=trainer.ep, etp=trainer.etp, edp=trainer.edp, pp_rank=stage)
-        units.append([replace(u, dtype=converter.gather_dtype(u.name, u.dtype))
-                      for u in plan_gather_units(stage_tensors, layout) if not converter.is_skipped(u.name)])
+        stage_units_ = []
+        for u in plan_gather_units(stage_tensors, layout):
+            key = (_LOCAL_EXPERT.sub(r"\1#", u.name), u.dtype)
+            if key not in dtypes:
+                dtypes[key] = converter.gather_dtype(u.name, u.dtype)
+            if not converter.is_skipped(u.name):
+                stage_units_.append(u if dtypes[key] == u.dtype else replace(u, dtype=dtypes[key]))
+        units.append(stage_units_)
     return units
 
 

@@ -3,9 +3,8 @@
 Each transport is modelled with the pipelining its code really does: `timing_gpu` (broadcast, the
 built colocated `ipc`, disk-delta on GPU clusters), `timing_p2p` (device-direct P2P), `timing_local`
 (this machine, where every phase is CPU work on shared cores). Every prediction carries the physical
-bound of its layouts: the largest shard an inference rank needs over every link that can feed it (its
-NIC from other nodes, NVLink from trainer GPUs of its own node, a device copy from its own GPU when the
-jobs are colocated); no transport's prediction is below it.
+bound of its layouts (`physical_bound`: what a rank's links, and a node's NICs, must carry at least);
+no transport's prediction is below it.
 """
 
 from __future__ import annotations
@@ -38,26 +37,43 @@ def models(transport: str, profile: HardwareProfile, trainer_tp: int = 1, option
 
 
 def input_rate(summary: PlanSummary, profile: HardwareProfile, rank: int) -> float:
-    """Return the bytes/s every link that can feed inference rank `rank` carries together: its NIC (trainer
-    GPUs on other nodes), NVLink (trainer GPUs of its node), a device copy (its own GPU trains too)."""
+    """Return the bytes/s every link that can feed inference rank `rank` carries together: its NIC (GPUs on
+    other nodes), NVLink (any other GPU of its node, trainer or engine: engines relay), a device copy (its
+    own GPU trains too)."""
     trainer, fleet = summary.trainer, summary.fleet
     node, gpu = fleet.node_of(rank, trainer), fleet.first_gpu(trainer) + rank
-    on_node = [t for t in range(node * trainer.gpus_per_node, (node + 1) * trainer.gpus_per_node) if t < trainer.world]
-    rate = profile.nic_per_gpu if len(on_node) < trainer.world else 0.0
-    rate += profile.nvlink.value if any(t != gpu for t in on_node) else 0.0
-    return rate + (profile.device_copy if gpu in on_node else 0.0)
+    g = trainer.gpus_per_node
+    used = set(range(trainer.world)) | {fleet.first_gpu(trainer) + r for r in range(fleet.ranks)}
+    on_node = {x for x in used if x // g == node}
+    rate = profile.nic_per_gpu if len(on_node) < len(used) else 0.0
+    rate += profile.nvlink.value if on_node - {gpu} else 0.0
+    return rate + (profile.device_copy if gpu < trainer.world else 0.0)
 
 
 def physical_bound(summary: PlanSummary, profile: HardwareProfile) -> float:
-    """Return the time no transport can beat: the largest shard over its rank's input links (see the
-    module doc); on the CPU machine, one copy of the largest shard at the measured copy rate."""
+    """Return the time no transport can beat (on the CPU machine: one copy of the largest shard at the
+    measured copy rate). On GPU nodes the larger of: a rank's shard over every link that feeds it; and, on
+    a node without trainer GPUs, the distinct bytes its inference ranks hold (ranks of one engine hold
+    different shards, less what an engine holds twice; the same rank of several engines, one shard) over
+    the node's NICs, through which they all must come."""
     if not summary.shard_bytes:
         return 0.0
-    if profile.cpu_bound:  # every transport at least copies each byte of the shard once
+    if profile.cpu_bound:
         return max(summary.shard_bytes) * profile.cpu["copy_byte"].value
-    ranks = summary.fleet.engine_ranks  # every engine is laid out alike: one engine's ranks per node kind
-    return max(summary.shard_bytes[r] / input_rate(summary, profile, r) for r in range(len(summary.shard_bytes))
-               if r < ranks or summary.fleet.colocated or summary.fleet.shares_nodes(summary.trainer))
+    trainer, fleet, shards = summary.trainer, summary.fleet, summary.shard_bytes
+    per_engine = fleet.engine_ranks
+    twice = max(0, sum(shards[:per_engine]) - summary.model_bytes)
+    positions: dict[int, set[int]] = {}
+    for r in range(fleet.ranks):
+        positions.setdefault(fleet.node_of(r, trainer), set()).add(r % per_engine)
+    worst = 0.0
+    for node, held in positions.items():
+        first = next(r for r in range(fleet.ranks) if fleet.node_of(r, trainer) == node)
+        worst = max(worst, max(shards[p] for p in held) / input_rate(summary, profile, first))
+        if node >= trainer.nodes:  # no trainer GPU here: everything enters through the NICs
+            union = max(max(shards[p] for p in held), sum(shards[p] for p in held) - twice)
+            worst = max(worst, union / profile.node_nic)
+    return worst
 
 
 def predict(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions = SyncOptions()) -> Prediction:
