@@ -37,13 +37,15 @@ _PLANS: dict[str, dict] = {}
 
 
 def plans_for(row: Published) -> dict:
-    """Return the plans a row's variant reads, planned once per process."""
-    if row.key not in _PLANS:
+    """Return the plans a row's variant reads, planned once per process for rows of equal layouts."""
+    key = repr((row.model, sorted(row.overrides.items()), row.trainer, row.fleet, row.draft, row.setting.bucket_bytes,
+                row.variant == "ours-p2p"))
+    if key not in _PLANS:
         planner = planner_for(row)
-        _PLANS[row.key] = {"broadcast": planner.plan("broadcast", bucket_bytes=row.setting.bucket_bytes)}
+        _PLANS[key] = {"broadcast": planner.plan("broadcast", bucket_bytes=row.setting.bucket_bytes)}
         if row.variant == "ours-p2p":
-            _PLANS[row.key]["p2p"] = planner.plan("p2p", bucket_bytes=row.setting.bucket_bytes)
-    return _PLANS[row.key]
+            _PLANS[key]["p2p"] = planner.plan("p2p", bucket_bytes=row.setting.bucket_bytes)
+    return _PLANS[key]
 
 
 def compare(row: Published, constants: Constants = FITTED) -> dict:

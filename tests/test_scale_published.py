@@ -1,0 +1,45 @@
+"""The published table: every figure carries its source, the date read and the setup as stated; calibration
+rows and checks are kept apart (at least half are checks, each with a prediction recorded before its
+measured value); the fitted constants are what the calibration rows give; no measured value is below the
+physical bound of the layout its row assumes."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_sync.scale.published import compare, fit_constants, recorded
+from megatron_sync.scale.published_rows import ROWS
+from megatron_sync.scale.variants import FITTED, VARIANTS
+
+
+def test_every_row_says_where_it_comes_from_and_what_it_did_to_the_model():
+    keys = [r.key for r in ROWS]
+    assert len(set(keys)) == len(keys)
+    for row in ROWS:
+        assert row.source.startswith("https://") and row.read and row.setup, row.key
+        assert row.variant in VARIANTS and row.role in ("calibration", "check"), row.key
+        if row.role == "calibration":
+            assert row.seconds is not None and row.seen == "-", row.key
+        else:
+            assert row.seen in ("blind", "seen"), row.key
+
+
+def test_at_least_half_the_rows_are_checks_each_with_a_recorded_prediction():
+    checks = [r for r in ROWS if r.role == "check"]
+    assert 2 * len(checks) >= len(ROWS), (len(checks), len(ROWS))
+    marks = recorded()
+    assert {r.key for r in checks} <= set(marks), sorted({r.key for r in checks} - set(marks))
+
+
+@pytest.mark.timeout(900)
+def test_the_fitted_constants_are_what_the_calibration_rows_give():
+    assert fit_constants() == FITTED
+
+
+@pytest.mark.timeout(900)
+def test_no_measured_value_is_below_the_bound_of_the_layout_its_row_assumes():
+    for row in ROWS:
+        c = compare(row)
+        assert c["predicted"] >= c["bound"], (row.key, c["predicted"], c["bound"])
+        if row.seconds is not None:
+            assert row.seconds >= c["bound"], (row.key, row.seconds, c["bound"])
