@@ -37,9 +37,14 @@ def test_the_fitted_constants_are_what_the_calibration_rows_give():
 
 
 @pytest.mark.timeout(900)
-def test_no_measured_value_is_below_the_bound_of_the_layout_its_row_assumes():
+def test_no_prediction_and_no_calibration_figure_is_below_the_bound_of_its_rows_layout():
+    """A calibration row's layout is ours to fix (a figure below its bound means a wrong assumption); a check
+    row's guessed layout was fixed before its figure was read, so a check figure below its bound is reported
+    in the table ("below bound"), not mended: verl's 7B checkpoint-engine sync, 0.02 s for 15 GB, is one."""
+    below = []
     for row in ROWS:
         c = compare(row)
         assert c["predicted"] >= c["bound"], (row.key, c["predicted"], c["bound"])
-        if row.seconds is not None:
-            assert row.seconds >= c["bound"], (row.key, row.seconds, c["bound"])
+        if row.seconds is not None and row.seconds < c["bound"]:
+            below.append(row.key)
+    assert below == ["verl-async/qwen2.5-math-7b-ckpt"]

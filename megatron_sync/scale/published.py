@@ -132,24 +132,39 @@ def _stats(errors: list[float]) -> str:
             f"{100 * worst:+.0f}%, {within} of {len(errors)} within 25%")
 
 
+def groups(rows=ROWS) -> dict[str, list[tuple[Published, float, float]]]:
+    """Return (row, the prediction it is judged by, the error) per group: calibration, check (blind),
+    check (seen); a check is judged by its recorded prediction."""
+    marks = recorded()
+    out: dict[str, list] = {"calibration": [], "check (blind)": [], "check (seen)": []}
+    for row in rows:
+        if row.seconds is None:
+            continue
+        predicted = compare(row)["predicted"]
+        if row.role == "check":
+            predicted = marks.get(row.key, {}).get("predicted_s", predicted)
+        group = "calibration" if row.role == "calibration" else f"check ({row.seen})"
+        out[group].append((row, predicted, (predicted - row.seconds) / row.seconds))
+    return out
+
+
 def print_published() -> None:
     """Print every row beside its prediction (checks: the recorded one), and each group's errors."""
-    table, errors = [], {"calibration": [], "check": []}
-    marks = recorded()
+    table = []
+    judged = {row.key: (predicted, error) for rows in groups().values() for row, predicted, error in rows}
     for row in ROWS:
         c = compare(row)
-        rec = marks.get(row.key, {}).get("predicted_s")
-        predicted = rec if row.role == "check" and rec is not None else c["predicted"]
-        error = None if row.seconds is None else (predicted - row.seconds) / row.seconds
-        if error is not None:
-            errors[row.role].append(error)
+        predicted, error = judged.get(row.key, (c["predicted"], None))
+        below = row.seconds is not None and row.seconds < c["bound"]
         table.append([row.key, row.role + ("" if row.role == "calibration" else f" ({row.seen})"), row.system,
-                      row.model, row.trainer.describe(), row.fleet.describe(row.trainer), row.profile,
-                      "-" if row.seconds is None else f"{row.seconds:.2f}", f"{predicted:.2f}",
-                      "-" if error is None else f"{100 * error:+.0f}%", f"{c['bound']:.2f}", c["bounded_by"]])
+                      row.trainer.describe(), row.fleet.describe(row.trainer), row.profile,
+                      "-" if row.seconds is None else f"{row.seconds:.2f}" + (" (below bound)" if below else ""),
+                      f"{predicted:.2f}", "-" if error is None else f"{100 * error:+.0f}%", f"{c['bound']:.2f}",
+                      c["bounded_by"]])
         print(f"{row.key}: predicted {predicted:.2f} s", file=sys.stderr, flush=True)
-    print(align(["row", "role", "system", "model", "trainer", "engines", "profile", "measured s", "predicted s",
-                 "error", "bound s", "bounded by"], table))
-    for role, errs in errors.items():
-        print(f"{role}: {_stats(errs)}")
+    print(align(["row", "role", "system", "trainer", "engines", "profile", "measured s", "predicted s", "error",
+                 "bound s", "bounded by"], table))
+    for group, rows in groups().items():
+        print(f"{group}: {_stats([e for _, _, e in rows])}")
+    print(f"checks, all: {_stats([e for g, rows in groups().items() if g != 'calibration' for _, _, e in rows])}")
     print(f"constants fitted on calibration rows: {FITTED}")

@@ -144,10 +144,10 @@ NEMO = ("https://github.com/NVIDIA-NeMo/RL/blob/7ea279abfbeb698b092856d0dab61e7c
 BF16 = {"quantization_config": None}
 
 
-def _verl_ckpt(key: str, variant: str, backend: str) -> Published:
+def _verl_ckpt(key: str, variant: str, backend: str, seconds: float) -> Published:
     return Published(
         key, f"verl checkpoint engine ({backend})", "qwen3-30b-a3b", TrainerLayout(dp=2), FleetLayout(engines=30, tp=1),
-        "h100", None, VERL_CKPT, READ,
+        "h100", seconds, VERL_CKPT, READ,
         f"model Qwen/Qwen3-30B-A3B-Base; trainer: fsdp world_size=2; rollout: num_rollout=30 (only receive weight "
         f"without cuda ipc to vllm/sglang); 4*8 H100, ConnectX-7 400 Gbps (InfiniBand); backend {backend}",
         ("bucket: the default update_weights_bucket_megabytes (2048)", "the 30 rollout workers on the GPUs after "
@@ -156,10 +156,10 @@ def _verl_ckpt(key: str, variant: str, backend: str) -> Published:
 
 
 def _verl_async(key: str, model: str, trainer: TrainerLayout, fleet: FleetLayout, bucketed: bool, ranks: int,
-                guessed: tuple[str, ...]) -> Published:
+                guessed: tuple[str, ...], seconds: float) -> Published:
     return Published(
         key, f"verl fully_async {'checkpoint engine' if bucketed else 'per-tensor'} sync", model, trainer, fleet,
-        "h20", None, VERL_ASYNC, READ,
+        "h20", seconds, VERL_ASYNC, READ,
         f"'single-step parameter synchronization time of the checkpoint-engine', default checkpoint-engine "
         f"configuration, H20 machines, Megatron for training; trainer rank {ranks}, rollout rank {ranks}, "
         f"checkpoint-engine {bucketed}",
@@ -168,10 +168,10 @@ def _verl_async(key: str, model: str, trainer: TrainerLayout, fleet: FleetLayout
         "verl-async", "check", "blind", Setting(bucket_bytes=4096 << 20, extra={"bucketed": bucketed}))
 
 
-def _nemo(key: str, variant: str, bucket: int, extra: dict) -> Published:
+def _nemo(key: str, variant: str, bucket: int, extra: dict, seconds: float) -> Published:
     return Published(
         key, f"NeMo-RL {'NIXL checkpoint engine' if variant == 'nemo-nixl' else 'NCCL collective'} refit",
-        "deepseek-v3", TrainerLayout(pp=16, dp=16, ep=16), FleetLayout(engines=1, tp=32), "h100", None, NEMO, READ,
+        "deepseek-v3", TrainerLayout(pp=16, dp=16, ep=16), FleetLayout(engines=1, tp=32), "h100", seconds, NEMO, READ,
         "DeepSeek-V3 BF16; 36 eight-GPU nodes: 32 policy nodes with Megatron TP1/PP16/EP16 and four rollout nodes "
         "with vLLM TP32/PP1/EP1; NIXL: CUDA buffers, UCX over eight RDMA rails, a 4096 MiB bucket, "
         "shard_expert_weights: true; each vLLM rank loaded 45,395 destination-local tensors, 69.95 GiB; "
@@ -182,31 +182,33 @@ def _nemo(key: str, variant: str, bucket: int, extra: dict) -> Published:
 
 
 CHECKS = (
-    _ckpt("ckpt-p2p/glm-4.5-air-8", "glm-4.5-air", 8, 8, "h800", None, 3.02, p2p=True, role="check", seen="seen"),
-    _ckpt("ckpt-p2p/qwen3-235b-8", "qwen3-235b-a22b", 8, 8, "h800", None, 2.68, p2p=True, role="check", seen="seen"),
-    _ckpt("ckpt-p2p/deepseek-v3.1-16", "deepseek-v3", 16, 16, "h20", None, 5.41, p2p=True, role="check", seen="seen"),
-    _ckpt("ckpt-p2p/kimi-k2-16", "kimi-k2", 16, 16, "h20", None, 5.91, p2p=True, role="check", seen="seen"),
-    _ckpt("ckpt-p2p/deepseek-v3.1-256", "deepseek-v3", 256, 16, "h20", None, 8.00, p2p=True, role="check",
+    _ckpt("ckpt-p2p/glm-4.5-air-8", "glm-4.5-air", 8, 8, "h800", 4.12, 3.02, p2p=True, role="check", seen="seen"),
+    _ckpt("ckpt-p2p/qwen3-235b-8", "qwen3-235b-a22b", 8, 8, "h800", 7.10, 2.68, p2p=True, role="check", seen="seen"),
+    _ckpt("ckpt-p2p/deepseek-v3.1-16", "deepseek-v3", 16, 16, "h20", 11.80, 5.41, p2p=True, role="check", seen="seen"),
+    _ckpt("ckpt-p2p/kimi-k2-16", "kimi-k2", 16, 16, "h20", 17.49, 5.91, p2p=True, role="check", seen="seen"),
+    _ckpt("ckpt-p2p/deepseek-v3.1-256", "deepseek-v3", 256, 16, "h20", 11.81, 8.00, p2p=True, role="check",
           seen="seen"),
-    _ckpt("ckpt-p2p/kimi-k2-256", "kimi-k2", 256, 16, "h20", None, 8.00, p2p=True, role="check", seen="seen"),
-    _verl_ckpt("verl-ckpt/nccl", "verl-nccl", "NCCL: all_gather + broadcast"),
-    _verl_ckpt("verl-ckpt/nixl", "verl-nixl-ring", "NIXL: all_gather + ring p2p"),
+    _ckpt("ckpt-p2p/kimi-k2-256", "kimi-k2", 256, 16, "h20", 16.75, 8.00, p2p=True, role="check", seen="seen"),
+    _verl_ckpt("verl-ckpt/nccl", "verl-nccl", "NCCL: all_gather + broadcast", 7.0),  # "~7"
+    _verl_ckpt("verl-ckpt/nixl", "verl-nixl-ring", "NIXL: all_gather + ring p2p", 7.0),  # "~7"
     *(_verl_async(f"verl-async/qwen2.5-math-7b-{'ckpt' if b else 'tensor'}", "qwen2.5-math-7b",
                   TrainerLayout(tp=2, dp=2), FleetLayout(engines=4, tp=1), b, 4,
                   ("trainer TP=2 and rollout TP=1 from verl's 7B Megatron script (shell/geo3k_qwen25vl_7b_megatron_4_4.sh)",
-                   "Qwen2.5-Math-7B has Qwen2.5-7B's tensors", "the 8 GPUs on one node"))
+                   "Qwen2.5-Math-7B has Qwen2.5-7B's tensors", "the 8 GPUs on one node"), {False: 0.12, True: 0.02}[b])
       for b in (False, True)),
     *(_verl_async(f"verl-async/qwen3-30b-{'ckpt' if b else 'tensor'}", "qwen3-30b-a3b",
                   TrainerLayout(tp=2, dp=8, ep=8), FleetLayout(engines=4, tp=4), b, 16,
-                  ("trainer TP=2 EP=8 and rollout TP=4 from verl's shell/grpo_30b_a3b_base_math_megatron_96_32.sh",))
+                  ("trainer TP=2 EP=8 and rollout TP=4 from verl's shell/grpo_30b_a3b_base_math_megatron_96_32.sh",),
+                  {False: 15.76, True: 4.38}[b])
       for b in (False, True)),
     *(_verl_async(f"verl-async/qwen3-235b-{'ckpt' if b else 'tensor'}", "qwen3-235b-a22b",
                   TrainerLayout(tp=4, pp=4, cp=2, dp=2, ep=16), FleetLayout(engines=4, tp=16, expert_parallel=True),
                   b, 64, ("trainer: Miles' 64-GPU layout for this model (TP=4 PP=4 CP=2 EP=16)",
-                          "rollout by the rule: engines of TP=16 with EP (the smallest whose shard fits half of 96 GB)"))
+                          "rollout by the rule: engines of TP=16 with EP (the smallest whose shard fits half of 96 GB)"),
+                  {False: 58.57, True: 23.70}[b])
       for b in (False, True)),
-    _nemo("nemo/deepseek-v3-nixl", "nemo-nixl", 4096 << 20, {"tensors_per_rank": 45395}),
-    _nemo("nemo/deepseek-v3-nccl", "nemo-nccl", int(0.02 * 80e9), {}),
+    _nemo("nemo/deepseek-v3-nixl", "nemo-nixl", 4096 << 20, {"tensors_per_rank": 45395}, 9.25),
+    _nemo("nemo/deepseek-v3-nccl", "nemo-nccl", int(0.02 * 80e9), {}, 14.21),
 )
 
 ROWS: tuple[Published, ...] = CALIBRATION + CHECKS
