@@ -9,12 +9,16 @@ spread of the rounds stored beside it. The real code paths are timed where they 
   Megatron models laid out as the bench's trainers (MoE: EP=2, dense: TP=2), per layout two models
   (larger tensors, many small ones) fitted to seconds = a * HF bytes + b * units, and the other rank's
   CPU per byte of the stage (its casts and sends); the models are not the bench's (CALIBRATION);
-- xxh3, copy, cast: `megatron_sync.plan.bucket.checksum` and torch copies of 64 MiB;
+- xxh3, wsum64, copy, cast: `megatron_sync.core.checksum.checksum` and torch copies of 64 MiB;
 - stage + load: what an engine rank does with its slices (`layout.staging.StagingSets.write` through its
   rank layout, `ReferenceEngine.load_shards`), fitted per byte and per tensor;
 - wire: a 3-process gloo group over loopback as the bench runs it: a broadcast (CPU per byte on the
-  root and on a receiver, wall per byte), point-to-point send/recv (CPU per byte each side), one
-  agreement round (`Transport.agree` over the group) and the latency of a tiny broadcast.
+  root and on a receiver, wall per byte), point-to-point send/recv (CPU per byte each side), an
+  all-gather (CPU per byte received), one agreement round (`Transport.agree` over the group) and the
+  latency of a tiny broadcast;
+- each P2P backend's writes between two processes (`bench_scale_movers.py`: torch, mooncake, nixl);
+- a whole sync of a model of almost no bytes through the bench's own jobs, per transport (broadcast,
+  p2p with each backend, ipc, disk_delta): what a sync costs apart from its bytes and tensors.
 
     PYTHONPATH=. .venv/bin/python bench/bench_scale_rates.py            # writes megatron_sync/scale/rates_local.json
 """
@@ -35,6 +39,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_scale_local import TRANSPORTS as LOCAL_TRANSPORTS, run_point  # noqa: E402
+from bench_scale_movers import BACKENDS, measure  # noqa: E402
 from bench_sync import _MOE, MODELS, load_average, machine_description  # noqa: E402
 
 from megatron_sync.scale.hardware import RATES_FILE  # noqa: E402
@@ -104,7 +110,8 @@ def primitive_rates() -> dict[str, float]:
     raw = src.view(torch.uint8)
     return {"copy_byte": timed(lambda: dst.copy_(src))[0] / BIG,
             "cast_byte": timed(lambda: dst.copy_(src32))[0] / BIG,  # per byte written (bf16)
-            "xxh3_byte": timed(lambda: checksum(raw, "xxh3"))[0] / BIG}
+            "xxh3_byte": timed(lambda: checksum(raw, "xxh3"))[0] / BIG,
+            "wsum64_byte": timed(lambda: checksum(raw, "wsum64"))[0] / BIG}
 
 
 def trainer_walk(rank: int, world: int, cfg: dict) -> dict:
@@ -209,6 +216,8 @@ def wire(rank: int, world: int, cfg: dict) -> dict:
                     group.recv(buf, 1).wait()
 
         out["p2p"] = timed(p2p)
+        transport.agree(None, what="all-gather")
+        out["allgather"] = timed(lambda: [group._all_gather(buf[:BIG // 2]) for _ in range(2)])
         transport.agree(None, what="rounds")
         out["round"] = timed(lambda: [transport.agree(None, what="round") for _ in range(50)])
         out["message"] = timed(lambda: [group.broadcast(tiny, src=0) for _ in range(200)])
@@ -232,6 +241,21 @@ def null_sync() -> dict:
            "gather_budget_bytes": 64 * MB, "job_timeout_s": 600}
     trainers, engines = run_model(NULL_MODEL, cfg)
     return summarize(NULL_MODEL, 64.0, trainers, engines)
+
+
+def null_syncs() -> dict[str, float]:
+    """Return per transport of the bench (bench_scale_local.TRANSPORTS but broadcast) the wall seconds of a
+    sync of a model of almost no bytes (the median over its measured versions): `sync_fixed_s_<transport>`,
+    p2p per backend as `sync_fixed_s_p2p_<backend>`."""
+    null = ModelSpec(family="qwen3", hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32,
+                     ffn_hidden_size=128, vocab_size=256)
+    out = {}
+    for name in LOCAL_TRANSPORTS:
+        if name == "broadcast":
+            continue
+        row = run_point(null, {"tp": 2}, name, bucket_mb=64.0, versions=5)
+        out["sync_fixed_s_" + name.replace("-", "_")] = row["sync_s"]
+    return out
 
 
 def median_spread(values: list[float]) -> dict:
@@ -271,6 +295,8 @@ def main(argv=None) -> None:
         add("bcast_wall_byte", max(r["bcast"][1] for r in ranks) / (4 * BIG))
         add("send_byte", ranks[1]["p2p"][0] / (4 * BIG))
         add("recv_byte", ranks[0]["p2p"][0] / (4 * BIG))
+        received = 2 * (len(ranks) - 1) * (BIG // 2)  # two all-gathers of BIG / 2 from each other rank
+        add("allgather_byte", statistics.fmean(r["allgather"][0] for r in ranks) / received)
         add("round_s", max(r["round"][1] for r in ranks) / 50)
         add("message_s", max(r["message"][1] for r in ranks) / 200)
         add("bcast_op_root_cpu", ranks[0]["message"][0] / 200)
@@ -278,6 +304,11 @@ def main(argv=None) -> None:
         fixed = null_sync()
         add("sync_fixed_s", fixed["sync_s"])
         add("sync_fixed_cpu", fixed["sync_cpu"])
+        for backend in BACKENDS:
+            for key, value in (measure(backend, BIG, 4, run_distributed) or {}).items():
+                add(key, value)
+        for key, seconds in null_syncs().items():
+            add(key, seconds)
         print(f"round {rep + 1}/{args.reps} done; load average {load_average()}", flush=True)
     stats = {k: median_spread(v) for k, v in samples.items()}
     cpu = open("/proc/cpuinfo").read()
