@@ -4,15 +4,15 @@ Each row (`published_rows.ROWS`, type `published_rows.Published`) is one measure
 published, with its source, the date it was read, the setup as the source states it and the parts
 that are guessed. A row's `role` says what it did to the model: "calibration" rows were used to write
 their variant or fit a constant (they cannot test the model); "check" rows were added after the model was frozen, and their predictions were
-recorded (`published_predictions.json`, `python -m megatron_sync.scale published --record`) and
+recorded (`published_predictions.py`, `python -m megatron_sync.scale published --record`) and
 committed before their measured values were. `seen` says whether the measured value was in view when
 the check's setup was read ("blind": masked while reading).
 """
 
 from __future__ import annotations
 
-import json
 import math
+import pprint
 import os
 import statistics
 import sys
@@ -25,7 +25,7 @@ from megatron_sync.scale.published_rows import ROWS, Published
 from megatron_sync.scale.timing import physical_bound
 from megatron_sync.scale.variants import FITTED, VARIANTS, Constants
 
-PREDICTIONS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published_predictions.json")
+PREDICTIONS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published_predictions.py")
 
 
 def planner_for(row: Published) -> ScalePlanner:
@@ -101,7 +101,7 @@ def _product(values: list[float], n: int):
 
 
 def record_predictions(path: str = PREDICTIONS_FILE) -> str:
-    """Write every check row's prediction (and bound) to `path`; return the path."""
+    """Write every check row's prediction (and bound) as the module `published_predictions`; return its path."""
     out = {}
     for row in ROWS:
         if row.role == "check":
@@ -110,17 +110,20 @@ def record_predictions(path: str = PREDICTIONS_FILE) -> str:
                             "bounded_by": c["bounded_by"]}
             print(f"{row.key}: predicted {c['predicted']:.3f} s", file=sys.stderr, flush=True)
     with open(path, "w") as f:
-        json.dump(out, f, indent=1, sort_keys=True)
+        f.write('"""The check rows\' predictions, recorded by `python -m megatron_sync.scale published --record` '
+                'before their\nmeasured values were written (see `published.py`)."""\n\nRECORDED = ')
+        f.write(pprint.pformat(out, width=110, sort_dicts=True))
         f.write("\n")
     return path
 
 
 def recorded() -> dict:
     """Return the committed predictions of the check rows ({} before any were recorded)."""
-    if not os.path.isfile(PREDICTIONS_FILE):
+    try:
+        from megatron_sync.scale.published_predictions import RECORDED
+    except ImportError:
         return {}
-    with open(PREDICTIONS_FILE) as f:
-        return json.load(f)
+    return RECORDED
 
 
 def _stats(errors: list[float]) -> str:
