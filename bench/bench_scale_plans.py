@@ -84,7 +84,8 @@ def main(argv=None) -> None:
         timed = run_case(name, trainer, fleet, False)
         traced = run_case(name, trainer, fleet, True)
         for (what, seconds, _, note), (_, _, peak, _) in zip(timed, traced):
-            table.append([name, f"{trainer.nodes}+{fleet.nodes(trainer)}", what, f"{seconds:.1f}", f"{peak / 2**20:,.0f}", note])
+            table.append([name, f"{trainer.nodes}+{fleet.nodes(trainer)}", what, f"{seconds:.1f}",
+                          f"{peak / 2**20:,.0f}", note])
         print(f"{name} done; load average {load_average()}", file=sys.stderr, flush=True)
     print(align(["model", "nodes", "planner", "seconds", "peak MiB (tracemalloc)", "what it planned"], table))
     print(f"load average at end: {load_average()}")

@@ -3,8 +3,8 @@
 Each row (`published_rows.ROWS`, type `published_rows.Published`) is one measurement a project
 published, with its source, the date it was read, the setup as the source states it and the parts
 that are guessed. A row's `role` says what it did to the model: "calibration" rows were used to write
-their variant or fit a constant (they cannot test the model); "check" rows were added after the model was frozen, and their predictions were
-recorded (`published_predictions.py`, `python -m megatron_sync.scale published --record`) and
+their variant or fit a constant (they cannot test the model); "check" rows were added after the model
+was frozen, and their predictions were recorded (`published_predictions.py`, `python -m megatron_sync.scale published --record`) and
 committed before their measured values were. `seen` says whether the measured value was in view when
 the check's setup was read ("blind": masked while reading).
 """

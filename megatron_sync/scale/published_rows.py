@@ -193,7 +193,8 @@ CHECKS = (
     _verl_ckpt("verl-ckpt/nixl", "verl-nixl-ring", "NIXL: all_gather + ring p2p", 7.0),  # "~7"
     *(_verl_async(f"verl-async/qwen2.5-math-7b-{'ckpt' if b else 'tensor'}", "qwen2.5-math-7b",
                   TrainerLayout(tp=2, dp=2), FleetLayout(engines=4, tp=1), b, 4,
-                  ("trainer TP=2 and rollout TP=1 from verl's 7B Megatron script (shell/geo3k_qwen25vl_7b_megatron_4_4.sh)",
+                  ("trainer TP=2 and rollout TP=1 from verl's 7B Megatron script "
+                   "(shell/geo3k_qwen25vl_7b_megatron_4_4.sh)",
                    "Qwen2.5-Math-7B has Qwen2.5-7B's tensors", "the 8 GPUs on one node"), {False: 0.12, True: 0.02}[b])
       for b in (False, True)),
     *(_verl_async(f"verl-async/qwen3-30b-{'ckpt' if b else 'tensor'}", "qwen3-30b-a3b",
@@ -204,7 +205,8 @@ CHECKS = (
     *(_verl_async(f"verl-async/qwen3-235b-{'ckpt' if b else 'tensor'}", "qwen3-235b-a22b",
                   TrainerLayout(tp=4, pp=4, cp=2, dp=2, ep=16), FleetLayout(engines=4, tp=16, expert_parallel=True),
                   b, 64, ("trainer: Miles' 64-GPU layout for this model (TP=4 PP=4 CP=2 EP=16)",
-                          "rollout by the rule: engines of TP=16 with EP (the smallest whose shard fits half of 96 GB)"),
+                          "rollout by the rule: engines of TP=16 with EP (the smallest whose shard fits half "
+                          "of 96 GB)"),
                   {False: 58.57, True: 23.70}[b])
       for b in (False, True)),
     _nemo("nemo/deepseek-v3-nixl", "nemo-nixl", 4096 << 20, {"tensors_per_rank": 45395}, 9.25),
