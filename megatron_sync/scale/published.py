@@ -45,6 +45,7 @@ def plans_for(row: Published) -> dict:
         _PLANS[key] = {"broadcast": planner.plan("broadcast", bucket_bytes=row.setting.bucket_bytes)}
         if row.variant == "ours-p2p":
             _PLANS[key]["p2p"] = planner.plan("p2p", bucket_bytes=row.setting.bucket_bytes)
+        _PLANS[key]["bound"] = physical_bound(_PLANS[key]["broadcast"], profile_named(row.profile))
     return _PLANS[key]
 
 
@@ -53,7 +54,7 @@ def compare(row: Published, constants: Constants = FITTED) -> dict:
     profile = profile_named(row.profile)
     plans = plans_for(row)
     modelled = VARIANTS[row.variant](plans, profile, row.setting, constants)
-    bound = physical_bound(plans["broadcast"], profile)
+    bound = plans["bound"]
     error = None if row.seconds is None else (modelled.seconds - row.seconds) / row.seconds
     return {"row": row, "predicted": modelled.seconds, "bound": bound, "bounded_by": modelled.bound,
             "parts": modelled.parts, "regressors": modelled.regressors, "error": error}
