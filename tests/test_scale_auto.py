@@ -129,14 +129,16 @@ def test_an_inference_job_with_auto_adopts_the_trainers_choice_at_the_rendezvous
 @pytest.mark.timeout(400)
 def test_transport_auto_end_to_end_on_this_machine():
     """Both jobs say `transport: auto` with this machine's measured profile: the trainer resolves it (the
-    profile models what its rates file measured), the engines adopt the same transport and bucket size from
-    the session, and every engine shard equals its slice of what the trainer sent, for two versions."""
-    from tests.support.jobs import run_pair, shards_not_sent
+    profile models what its rates file measured) as `resolve` does here, the engines adopt the same
+    transport and bucket size from the session, and every engine shard equals its slice of what the trainer
+    sent, for two versions."""
+    from tests.support.jobs import case_hf_config, run_pair, shards_not_sent, sync_config
 
     case = {"spec": {"family": "qwen3"}, "layout": {"tp": 2}, "versions": 2, "engines": 1, "engine_tp": 2,
             "weight_sync": {"transport": "auto", "hardware_profile": "local"}}
+    expected = resolve(sync_config({**case, "port": 1}), TrainerLayout(tp=2), "qwen3", case_hf_config(case))
     trainers, engines = run_pair(case, timeout=360)
     chosen = {(r["transport"], r["bucket_size_mb"]) for r in trainers + engines}
-    assert len(chosen) == 1 and next(iter(chosen))[0] == "broadcast", chosen
+    assert chosen == {(expected.transport, expected.bucket_size_mb)}, (chosen, expected.describe())
     assert all([h["version"] for h in engine["held"]] == [1, 2] for engine in engines)
     assert shards_not_sent(engines, trainers[0]["sent"], case["spec"]) == []
