@@ -262,6 +262,47 @@ def median_spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def one_round(add) -> None:
+    """Measure every rate once, passing (key, value) to `add`."""
+    for key, value in run_distributed(single_process, 1, {}, timeout=900)[0].items():
+        add(key, value)
+    for axis, names in LAYOUTS.items():
+        source, peer = run_distributed(trainer_walk, 2, {"layout": {axis: 2}, "models": names}, timeout=900)
+        per_byte, per_unit = fit([source[n] for n in names])
+        add(f"produce_{axis}_byte", per_byte)
+        add(f"produce_{axis}_unit", per_unit)
+        add(f"peer_{axis}_byte", sum(peer[n][2] for n in names) / sum(source[n][0] for n in names))
+    engine = run_distributed(engine_ranks, 2, {"models": list(CALIBRATION)}, timeout=900)[0]
+    for phase in ("stage", "load"):
+        per_byte, per_tensor = fit(engine[phase])
+        add(f"{phase}_byte", per_byte)
+        add(f"{phase}_tensor", per_tensor)
+    wire_rates(run_distributed(wire, 3, {"port": free_port()}, timeout=600), add)
+    fixed = null_sync()
+    add("sync_fixed_s", fixed["sync_s"])
+    add("sync_fixed_cpu", fixed["sync_cpu"])
+    for backend in BACKENDS:
+        for key, value in (measure(backend, BIG, 4, run_distributed) or {}).items():
+            add(key, value)
+    for key, seconds in null_syncs().items():
+        add(key, seconds)
+
+
+def wire_rates(ranks: list[dict], add) -> None:
+    """Pass the loopback group's rates (`wire` on three ranks) to `add`."""
+    add("bcast_root_byte", ranks[0]["bcast"][0] / (4 * BIG))
+    add("bcast_recv_byte", statistics.fmean(r["bcast"][0] for r in ranks[1:]) / (4 * BIG))
+    add("bcast_wall_byte", max(r["bcast"][1] for r in ranks) / (4 * BIG))
+    add("send_byte", ranks[1]["p2p"][0] / (4 * BIG))
+    add("recv_byte", ranks[0]["p2p"][0] / (4 * BIG))
+    received = 2 * (len(ranks) - 1) * (BIG // 2)  # two all-gathers of BIG / 2 from each other rank
+    add("allgather_byte", statistics.fmean(r["allgather"][0] for r in ranks) / received)
+    add("round_s", max(r["round"][1] for r in ranks) / 50)
+    add("message_s", max(r["message"][1] for r in ranks) / 200)
+    add("bcast_op_root_cpu", ranks[0]["message"][0] / 200)
+    add("bcast_op_recv_cpu", statistics.fmean(r["message"][0] for r in ranks[1:]) / 200)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=5, help="rounds of every measurement (median kept)")
@@ -269,53 +310,16 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     print("command: python " + " ".join(sys.argv))
     print(machine_description(), flush=True)
-    models = list(CALIBRATION)
     samples: dict[str, list[float]] = {}
-
-    def add(key: str, value: float) -> None:
-        samples.setdefault(key, []).append(value)
-
     for rep in range(args.reps):
-        for key, value in run_distributed(single_process, 1, {}, timeout=900)[0].items():
-            add(key, value)
-        for axis, names in LAYOUTS.items():
-            source, peer = run_distributed(trainer_walk, 2, {"layout": {axis: 2}, "models": names}, timeout=900)
-            per_byte, per_unit = fit([source[n] for n in names])
-            add(f"produce_{axis}_byte", per_byte)
-            add(f"produce_{axis}_unit", per_unit)
-            add(f"peer_{axis}_byte", sum(peer[n][2] for n in names) / sum(source[n][0] for n in names))
-        engine = run_distributed(engine_ranks, 2, {"models": models}, timeout=900)[0]
-        for phase in ("stage", "load"):
-            per_byte, per_tensor = fit(engine[phase])
-            add(f"{phase}_byte", per_byte)
-            add(f"{phase}_tensor", per_tensor)
-        ranks = run_distributed(wire, 3, {"port": free_port()}, timeout=600)
-        add("bcast_root_byte", ranks[0]["bcast"][0] / (4 * BIG))
-        add("bcast_recv_byte", statistics.fmean(r["bcast"][0] for r in ranks[1:]) / (4 * BIG))
-        add("bcast_wall_byte", max(r["bcast"][1] for r in ranks) / (4 * BIG))
-        add("send_byte", ranks[1]["p2p"][0] / (4 * BIG))
-        add("recv_byte", ranks[0]["p2p"][0] / (4 * BIG))
-        received = 2 * (len(ranks) - 1) * (BIG // 2)  # two all-gathers of BIG / 2 from each other rank
-        add("allgather_byte", statistics.fmean(r["allgather"][0] for r in ranks) / received)
-        add("round_s", max(r["round"][1] for r in ranks) / 50)
-        add("message_s", max(r["message"][1] for r in ranks) / 200)
-        add("bcast_op_root_cpu", ranks[0]["message"][0] / 200)
-        add("bcast_op_recv_cpu", statistics.fmean(r["message"][0] for r in ranks[1:]) / 200)
-        fixed = null_sync()
-        add("sync_fixed_s", fixed["sync_s"])
-        add("sync_fixed_cpu", fixed["sync_cpu"])
-        for backend in BACKENDS:
-            for key, value in (measure(backend, BIG, 4, run_distributed) or {}).items():
-                add(key, value)
-        for key, seconds in null_syncs().items():
-            add(key, seconds)
+        one_round(lambda key, value: samples.setdefault(key, []).append(value))
         print(f"round {rep + 1}/{args.reps} done; load average {load_average()}", flush=True)
     stats = {k: median_spread(v) for k, v in samples.items()}
     cpu = open("/proc/cpuinfo").read()
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("model name")), "?")
     record = {"machine": f"{len(os.sched_getaffinity(0))} cores ({model}), {platform.platform()}",
               "date": datetime.date.today().isoformat(), "cores": len(os.sched_getaffinity(0)),
-              "load_average_end": load_average(), "torch": torch.__version__, "models": models,
+              "load_average_end": load_average(), "torch": torch.__version__, "models": list(CALIBRATION),
               "rates": {k: s["median"] for k, s in stats.items()}, "spread": stats}
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
@@ -326,7 +330,6 @@ def main(argv=None) -> None:
         print(f"{key:>{width}}  {s['median'] * scale:10.3f} {unit}  (min {s['min'] * scale:.3f}, max "
               f"{s['max'] * scale:.3f}, {s['n']} rounds)")
     print(f"wrote {args.out}")
-
 
 if __name__ == "__main__":
     main()
