@@ -65,11 +65,16 @@ gpu-check:
 bench: setup
 	PYTHONPATH=. $(BIN)/python bench/bench_sync.py
 
-# The scale model (issue 16): Kimi-K2 from 32 trainer nodes into 32 inference nodes of H100s per transport,
-# predicted sync time against model size and node count (bench/scale.png), published syncs of other systems.
+# The scale model: Kimi-K2 from 32 trainer nodes into 32 inference nodes of H100s per transport, what
+# transport: auto chooses on three setups, predicted sync time against model size and node count
+# (bench/scale.png), and published syncs of other systems (calibration rows and checks).
 scale: setup
 	$(BIN)/python -m megatron_sync.scale predict --model kimi-k2 --profile h100 --trainer tp=8,pp=8,cp=4,ep=32 \
-	    --fleet engines=8,tp=32,ep --fp8-block 64 --phases
+	    --fleet engines=8,tp=32,ep --fp8-block 64 --bucket-mb 64 --phases
+	$(BIN)/python -m megatron_sync.scale auto --model qwen3-30b-a3b --trainer tp=2,dp=4,ep=8 --fleet engines=1,tp=8,colocated
+	$(BIN)/python -m megatron_sync.scale auto --model qwen3-30b-a3b --trainer tp=4,dp=4,ep=8 --fleet engines=2,tp=8,ep
+	$(BIN)/python -m megatron_sync.scale auto --model kimi-k2 --fp8-block 64 --trainer tp=8,pp=8,cp=4,ep=32 \
+	    --fleet engines=8,tp=32,ep
 	$(BIN)/python -m megatron_sync.scale sweep --profile h100 --plot bench/scale.png
 	$(BIN)/python -m megatron_sync.scale published
 

@@ -9,12 +9,16 @@ spread of the rounds stored beside it. The real code paths are timed where they 
   Megatron models laid out as the bench's trainers (MoE: EP=2, dense: TP=2), per layout two models
   (larger tensors, many small ones) fitted to seconds = a * HF bytes + b * units, and the other rank's
   CPU per byte of the stage (its casts and sends); the models are not the bench's (CALIBRATION);
-- xxh3, copy, cast: `megatron_sync.plan.bucket.checksum` and torch copies of 64 MiB;
+- xxh3, wsum64, copy, cast: `megatron_sync.core.checksum.checksum` and torch copies of 64 MiB;
 - stage + load: what an engine rank does with its slices (`layout.staging.StagingSets.write` through its
   rank layout, `ReferenceEngine.load_shards`), fitted per byte and per tensor;
 - wire: a 3-process gloo group over loopback as the bench runs it: a broadcast (CPU per byte on the
-  root and on a receiver, wall per byte), point-to-point send/recv (CPU per byte each side), one
-  agreement round (`Transport.agree` over the group) and the latency of a tiny broadcast.
+  root and on a receiver, wall per byte), point-to-point send/recv (CPU per byte each side), an
+  all-gather (CPU per byte received), one agreement round (`Transport.agree` over the group) and the
+  latency of a tiny broadcast;
+- each P2P backend's writes between two processes (`bench_scale_movers.py`: torch, mooncake, nixl);
+- a whole sync of a model of almost no bytes through the bench's own jobs, per transport (broadcast,
+  p2p with each backend, ipc, disk_delta): what a sync costs apart from its bytes and tensors.
 
     PYTHONPATH=. .venv/bin/python bench/bench_scale_rates.py            # writes megatron_sync/scale/rates_local.json
 """
@@ -35,6 +39,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_scale_local import TRANSPORTS as LOCAL_TRANSPORTS, run_point  # noqa: E402
+from bench_scale_movers import BACKENDS, measure  # noqa: E402
 from bench_sync import _MOE, MODELS, load_average, machine_description  # noqa: E402
 
 from megatron_sync.scale.hardware import RATES_FILE  # noqa: E402
@@ -104,7 +110,8 @@ def primitive_rates() -> dict[str, float]:
     raw = src.view(torch.uint8)
     return {"copy_byte": timed(lambda: dst.copy_(src))[0] / BIG,
             "cast_byte": timed(lambda: dst.copy_(src32))[0] / BIG,  # per byte written (bf16)
-            "xxh3_byte": timed(lambda: checksum(raw, "xxh3"))[0] / BIG}
+            "xxh3_byte": timed(lambda: checksum(raw, "xxh3"))[0] / BIG,
+            "wsum64_byte": timed(lambda: checksum(raw, "wsum64"))[0] / BIG}
 
 
 def trainer_walk(rank: int, world: int, cfg: dict) -> dict:
@@ -209,6 +216,8 @@ def wire(rank: int, world: int, cfg: dict) -> dict:
                     group.recv(buf, 1).wait()
 
         out["p2p"] = timed(p2p)
+        transport.agree(None, what="all-gather")
+        out["allgather"] = timed(lambda: [group._all_gather(buf[:BIG // 2]) for _ in range(2)])
         transport.agree(None, what="rounds")
         out["round"] = timed(lambda: [transport.agree(None, what="round") for _ in range(50)])
         out["message"] = timed(lambda: [group.broadcast(tiny, src=0) for _ in range(200)])
@@ -234,8 +243,64 @@ def null_sync() -> dict:
     return summarize(NULL_MODEL, 64.0, trainers, engines)
 
 
+def null_syncs() -> dict[str, float]:
+    """Return per transport of the bench (bench_scale_local.TRANSPORTS but broadcast) the wall seconds of a
+    sync of a model of almost no bytes (the median over its measured versions): `sync_fixed_s_<transport>`,
+    p2p per backend as `sync_fixed_s_p2p_<backend>`."""
+    null = ModelSpec(family="qwen3", hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32,
+                     ffn_hidden_size=128, vocab_size=256)
+    out = {}
+    for name in LOCAL_TRANSPORTS:
+        if name == "broadcast":
+            continue
+        row = run_point(null, {"tp": 2}, name, bucket_mb=64.0, versions=5)
+        out["sync_fixed_s_" + name.replace("-", "_")] = row["sync_s"]
+    return out
+
+
 def median_spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def one_round(add) -> None:
+    """Measure every rate once, passing (key, value) to `add`."""
+    for key, value in run_distributed(single_process, 1, {}, timeout=900)[0].items():
+        add(key, value)
+    for axis, names in LAYOUTS.items():
+        source, peer = run_distributed(trainer_walk, 2, {"layout": {axis: 2}, "models": names}, timeout=900)
+        per_byte, per_unit = fit([source[n] for n in names])
+        add(f"produce_{axis}_byte", per_byte)
+        add(f"produce_{axis}_unit", per_unit)
+        add(f"peer_{axis}_byte", sum(peer[n][2] for n in names) / sum(source[n][0] for n in names))
+    engine = run_distributed(engine_ranks, 2, {"models": list(CALIBRATION)}, timeout=900)[0]
+    for phase in ("stage", "load"):
+        per_byte, per_tensor = fit(engine[phase])
+        add(f"{phase}_byte", per_byte)
+        add(f"{phase}_tensor", per_tensor)
+    wire_rates(run_distributed(wire, 3, {"port": free_port()}, timeout=600), add)
+    fixed = null_sync()
+    add("sync_fixed_s", fixed["sync_s"])
+    add("sync_fixed_cpu", fixed["sync_cpu"])
+    for backend in BACKENDS:
+        for key, value in (measure(backend, BIG, 4, run_distributed) or {}).items():
+            add(key, value)
+    for key, seconds in null_syncs().items():
+        add(key, seconds)
+
+
+def wire_rates(ranks: list[dict], add) -> None:
+    """Pass the loopback group's rates (`wire` on three ranks) to `add`."""
+    add("bcast_root_byte", ranks[0]["bcast"][0] / (4 * BIG))
+    add("bcast_recv_byte", statistics.fmean(r["bcast"][0] for r in ranks[1:]) / (4 * BIG))
+    add("bcast_wall_byte", max(r["bcast"][1] for r in ranks) / (4 * BIG))
+    add("send_byte", ranks[1]["p2p"][0] / (4 * BIG))
+    add("recv_byte", ranks[0]["p2p"][0] / (4 * BIG))
+    received = 2 * (len(ranks) - 1) * (BIG // 2)  # two all-gathers of BIG / 2 from each other rank
+    add("allgather_byte", statistics.fmean(r["allgather"][0] for r in ranks) / received)
+    add("round_s", max(r["round"][1] for r in ranks) / 50)
+    add("message_s", max(r["message"][1] for r in ranks) / 200)
+    add("bcast_op_root_cpu", ranks[0]["message"][0] / 200)
+    add("bcast_op_recv_cpu", statistics.fmean(r["message"][0] for r in ranks[1:]) / 200)
 
 
 def main(argv=None) -> None:
@@ -245,46 +310,16 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     print("command: python " + " ".join(sys.argv))
     print(machine_description(), flush=True)
-    models = list(CALIBRATION)
     samples: dict[str, list[float]] = {}
-
-    def add(key: str, value: float) -> None:
-        samples.setdefault(key, []).append(value)
-
     for rep in range(args.reps):
-        for key, value in run_distributed(single_process, 1, {}, timeout=900)[0].items():
-            add(key, value)
-        for axis, names in LAYOUTS.items():
-            source, peer = run_distributed(trainer_walk, 2, {"layout": {axis: 2}, "models": names}, timeout=900)
-            per_byte, per_unit = fit([source[n] for n in names])
-            add(f"produce_{axis}_byte", per_byte)
-            add(f"produce_{axis}_unit", per_unit)
-            add(f"peer_{axis}_byte", sum(peer[n][2] for n in names) / sum(source[n][0] for n in names))
-        engine = run_distributed(engine_ranks, 2, {"models": models}, timeout=900)[0]
-        for phase in ("stage", "load"):
-            per_byte, per_tensor = fit(engine[phase])
-            add(f"{phase}_byte", per_byte)
-            add(f"{phase}_tensor", per_tensor)
-        ranks = run_distributed(wire, 3, {"port": free_port()}, timeout=600)
-        add("bcast_root_byte", ranks[0]["bcast"][0] / (4 * BIG))
-        add("bcast_recv_byte", statistics.fmean(r["bcast"][0] for r in ranks[1:]) / (4 * BIG))
-        add("bcast_wall_byte", max(r["bcast"][1] for r in ranks) / (4 * BIG))
-        add("send_byte", ranks[1]["p2p"][0] / (4 * BIG))
-        add("recv_byte", ranks[0]["p2p"][0] / (4 * BIG))
-        add("round_s", max(r["round"][1] for r in ranks) / 50)
-        add("message_s", max(r["message"][1] for r in ranks) / 200)
-        add("bcast_op_root_cpu", ranks[0]["message"][0] / 200)
-        add("bcast_op_recv_cpu", statistics.fmean(r["message"][0] for r in ranks[1:]) / 200)
-        fixed = null_sync()
-        add("sync_fixed_s", fixed["sync_s"])
-        add("sync_fixed_cpu", fixed["sync_cpu"])
+        one_round(lambda key, value: samples.setdefault(key, []).append(value))
         print(f"round {rep + 1}/{args.reps} done; load average {load_average()}", flush=True)
     stats = {k: median_spread(v) for k, v in samples.items()}
     cpu = open("/proc/cpuinfo").read()
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("model name")), "?")
     record = {"machine": f"{len(os.sched_getaffinity(0))} cores ({model}), {platform.platform()}",
               "date": datetime.date.today().isoformat(), "cores": len(os.sched_getaffinity(0)),
-              "load_average_end": load_average(), "torch": torch.__version__, "models": models,
+              "load_average_end": load_average(), "torch": torch.__version__, "models": list(CALIBRATION),
               "rates": {k: s["median"] for k, s in stats.items()}, "spread": stats}
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
@@ -295,7 +330,6 @@ def main(argv=None) -> None:
         print(f"{key:>{width}}  {s['median'] * scale:10.3f} {unit}  (min {s['min'] * scale:.3f}, max "
               f"{s['max'] * scale:.3f}, {s['n']} rounds)")
     print(f"wrote {args.out}")
-
 
 if __name__ == "__main__":
     main()

@@ -80,6 +80,7 @@ class HardwareProfile:
     message_s: Value  # per collective / message latency
     apply_tensor_s: Value  # engine load per HF tensor
     pause_resume_s: Value  # engine pause + resume around a sync
+    switch_s: Value  # an engine's switch to its other staging set (P2P's apply: no copy)
     cpu_bound: bool = False  # True: every phase, the wire included, is work on `cores` shared CPU cores
     cores: Value = field(default_factory=lambda: _v(0, "n/a"))
     cpu: dict[str, Value] = field(default_factory=dict)  # cpu_bound profiles: seconds per byte / per item
@@ -137,7 +138,8 @@ def _gpu_node(name: str, description: str, *, gpus: int, nics: int, nic_gbps: fl
         delta_decode=_v(3.0 * GB, "measured here, bench/RESULTS.md (disk-delta): decode 2.6-3.7 GB/s per thread"),
         round_s=_v(0.005, ASSUMED_ROUND), message_s=_v(20e-6, ASSUMED_MSG),
         apply_tensor_s=_v(30e-6, ASSUMED_APPLY),
-        pause_resume_s=_v(0.05, "assumed: vLLM /pause + /resume with few requests in flight"))
+        pause_resume_s=_v(0.05, "assumed: vLLM /pause + /resume with few requests in flight"),
+        switch_s=_v(0.001, "assumed: repointing an engine's params at its other staging set (no copy)"))
 
 
 PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (

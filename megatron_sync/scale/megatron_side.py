@@ -26,7 +26,8 @@ from megatron_sync.scale.layouts import TrainerLayout
 from megatron_sync.trainer.source import ExpertSlot, Sharding, SourceTensor
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")  # a layer or expert index inside a dotted name
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")  # the checkpoint's layer of an HF tensor
+_LOCAL_EXPERT = re.compile(r"(\.local_experts\.)\d+")  # a routed expert's index within its layer's name
+HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")  # the checkpoint's layer of an HF tensor
 _MAKE_VOCAB_DIVISIBLE_BY = 128  # Megatron's default --make-vocab-size-divisible-by
 
 
@@ -95,7 +96,7 @@ def _producer(converter: Any, hf_name: str, cache: dict, main_layers: int):
     """Return (rule, captures in the rule's Megatron terms) of the first rule that outputs `hf_name`: a draft
     rule for a layer past the main ones (its depth is the layer minus `main_layers`), else a main one. Names
     that differ only in their indices share their rule (looked up once per such shape of name)."""
-    layer = _HF_LAYER.match(hf_name)
+    layer = HF_LAYER.match(hf_name)
     draft = layer is not None and int(layer.group(1)) >= main_layers
     key = (_INDEX.sub("#", hf_name), draft)
     found = cache.get(key)
@@ -123,9 +124,14 @@ def _padded_vocab(rows: int, tp: int) -> int:
     return -(-rows // step) * step
 
 
-def _stage_of_layers(num_layers: int, pp: int, vpp: int) -> list[int]:
-    """Return each layer's pipeline stage: layers split as evenly as possible over pp*vpp virtual chunks
-    (earlier chunks take the remainder), chunk c on stage c % pp (Megatron's interleaved schedule)."""
+def _stage_of_layers(num_layers: int, trainer: TrainerLayout) -> list[int]:
+    """Return each layer's pipeline stage: with `first_layers` / `last_layers` (Megatron's
+    --decoder-first/last-pipeline-num-layers) those stages hold that many and the others split the rest
+    evenly; otherwise layers split as evenly as possible over pp*vpp virtual chunks (earlier chunks take
+    the remainder), chunk c on stage c % pp (Megatron's interleaved schedule)."""
+    pp, vpp = trainer.pp, trainer.vpp
+    if trainer.first_layers or trainer.last_layers:
+        return trainer.stage_layers(num_layers)
     chunks = pp * vpp
     base, extra = divmod(num_layers, chunks)
     stage = []
@@ -139,7 +145,7 @@ def stage_units(converter: Any, trainer: TrainerLayout, train_dtype: torch.dtype
     parameters: EP rank 0's local experts), skipped names removed, each in its gather dtype."""
     tensors = megatron_tensors(converter, trainer.tp)
     layers = 1 + max((t.layer for t in tensors if t.layer is not None and not t.draft), default=-1)
-    stage_of = _stage_of_layers(layers, trainer.pp, trainer.vpp)
+    stage_of = _stage_of_layers(layers, trainer)
     num_experts = 1 + max((t.expert for t in tensors if t.expert is not None), default=-1)
     num_local = num_experts // trainer.ep if num_experts else 0
     if num_experts and num_experts % trainer.ep:
@@ -159,11 +165,18 @@ def stage_units(converter: Any, trainer: TrainerLayout, train_dtype: torch.dtype
         meta = torch.empty(local, dtype=train_dtype, device="meta")
         per_stage[stage].append(SourceTensor(t.name, meta, t.sharding, slot))
     units = []
+    dtypes: dict[tuple, torch.dtype] = {}  # an expert's index never changes its rule: ask once per layer and kind
     for stage, stage_tensors in enumerate(per_stage):
         layout = ParallelLayout(tp=trainer.tp, cp=trainer.cp, dp=trainer.dp, pp=trainer.pp, vpp=trainer.vpp,
                                 ep=trainer.ep, etp=trainer.etp, edp=trainer.edp, pp_rank=stage)
-        units.append([replace(u, dtype=converter.gather_dtype(u.name, u.dtype))
-                      for u in plan_gather_units(stage_tensors, layout) if not converter.is_skipped(u.name)])
+        stage_units_ = []
+        for u in plan_gather_units(stage_tensors, layout):
+            key = (_LOCAL_EXPERT.sub(r"\1#", u.name), u.dtype)
+            if key not in dtypes:
+                dtypes[key] = converter.gather_dtype(u.name, u.dtype)
+            if not converter.is_skipped(u.name):
+                stage_units_.append(u if dtypes[key] == u.dtype else replace(u, dtype=dtypes[key]))
+        units.append(stage_units_)
     return units
 
 

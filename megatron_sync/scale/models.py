@@ -51,6 +51,9 @@ MODELS: dict[str, ModelEntry] = {m.name: m for m in (
                "https://huggingface.co/moonshotai/Moonlight-16B-A3B/blob/main/config.json"),
     ModelEntry("glm-4.5-air", "glm4_5_air.json", "glm4_moe", "106B (12B)",
                "https://huggingface.co/zai-org/GLM-4.5-Air/blob/main/config.json"),
+    ModelEntry("qwen2.5-math-7b", "qwen2_5_7b.json", "qwen2", "7.6B",
+               "https://huggingface.co/Qwen/Qwen2.5-Math-7B/blob/main/config.json (the tensor-defining values, equal "
+               "to Qwen2.5-7B's: quoted in full in Lightning-AI/lightning-thunder's benchmark of Qwen2.5-7B-Instruct)"),
 )}
 
 

@@ -6,18 +6,14 @@ receiver moves (`scale.summary`):
 
 - the converter (`megatron_sync.convert`): the HF checkpoint's tensors, shard roles, quantized outputs;
 - the Megatron side (`scale.megatron_side`): every stage's gather units from `gather.plan_gather_units`;
-- broadcast: `plan.build_plan` (buckets per stage, keep-together groups);
-- P2P: `p2p.replica.replica_units` + `p2p.assign.assign_replica` (the distributed replica) and
-  `p2p.plan.build_transfer_plan` over the engines' role-based layouts (`layout.roles.RoleLayout`);
-- disk-delta: `delta.chain.plan_chain` (what a reader applies per sync) and the writer's chunking;
-- colocated IPC at scale (a design, not the built transport): the P2P plan with each inference rank on the
-  trainer GPU of its number. The built `transport: ipc` hands each stage source's buckets to the engine
-  ranks of its own host through one shared segment; it is not modelled across hosts.
+- broadcast, and colocated `ipc` on one host: `plan.build_plan` (buckets per stage, keep-together groups);
+  ipc hands the same buckets to the engine ranks of the stage source's host through shared memory;
+- P2P (device-direct): `transports.p2p.holders` + `balance` (`scale.p2p_plan`) over the engines'
+  role-based layouts (`scale.layouts.EngineLayout`);
+- disk-delta: `delta.chain.plan_chain` (what a reader applies per sync) and the writer's chunking.
 
-Full-scale fast paths (each proven equal to the full planner on mid-size cases by tests/test_scale_plans.py):
-the fleet's engines are identical and tensors of one kind are cut alike, so the transfer plan's totals
-are computed once per engine and tensor kind without `Range` objects; the replica assignment indexes
-candidates by (stage, EP owner) instead of scanning every rank per unit (`assign_balanced`).
+The fleet's engines are identical and tensors of one kind are cut alike, so the engines' regions are
+computed once per tensor kind (`RegionTable`).
 """
 
 from __future__ import annotations
@@ -26,36 +22,21 @@ import copy
 import time
 import tracemalloc
 from collections import defaultdict
-from dataclasses import replace
 from typing import Any, Callable, Sequence
 
+from megatron_sync.core.meta import dtype_from_name
+from megatron_sync.layout.regions import Region, TensorSpec
+from megatron_sync.plan.buckets import build_plan
+from megatron_sync.trainer.gather import GatherUnit
 from megatron_sync.transports.disk_delta.chain import Held, VersionInfo, plan_chain
 from megatron_sync.transports.disk_delta.options import WriterOptions
-from megatron_sync.trainer.gather import GatherUnit
-from megatron_sync.layout.rank import Placement
-from megatron_sync.layout.regions import VOCAB_BLOCKS, VOCAB_WHOLE, Region, Sharding, TensorSpec
-from megatron_sync.layout.roles import RoleLayout
-from megatron_sync.core.meta import dtype_from_name
-from megatron_sync.transports.p2p.assign import ReplicaAssignment, ReplicaUnit, TrainerRank, assign_replica, candidates
-from megatron_sync.transports.p2p.plan import Receiver, build_transfer_plan, send_bytes_per_tensor
-from megatron_sync.transports.p2p.replica import replica_units
-from megatron_sync.plan.buckets import build_plan
-from megatron_sync.scale.layouts import FleetLayout, TrainerLayout
-from megatron_sync.scale.megatron_side import flows, stage_units
+from megatron_sync.scale.layouts import EngineLayout, FleetLayout, TrainerLayout
+from megatron_sync.scale.megatron_side import HF_LAYER, flows, stage_units
 from megatron_sync.scale.models import converter_for
+from megatron_sync.scale.p2p_plan import P2POptions, endpoints, plan_p2p
 from megatron_sync.scale.summary import Endpoint, PlanSummary, Traffic
 
 TRANSPORTS = ("broadcast", "p2p", "disk_delta", "ipc")
-
-
-# ---------------------------------------------------------------- engine layouts (role-based)
-
-
-def engine_layout(fleet: FleetLayout, num_kv_heads: int) -> RoleLayout:
-    """Return the role-based layout of one engine of `fleet` (vocabulary in padded blocks unless the
-    engine keeps it whole, routed experts whole on their EP rank with expert parallelism)."""
-    sharding = Sharding(fleet.tp, num_kv_heads=num_kv_heads, vocab=VOCAB_BLOCKS if fleet.vocab_parallel else VOCAB_WHOLE)
-    return RoleLayout(sharding, expert_parallel=fleet.expert_parallel)
 
 
 def _nbytes(region: Region, spec: TensorSpec) -> int:
@@ -67,7 +48,7 @@ class RegionTable:
     equal shape, dtype, role and quantization cut (and, with expert parallelism, equal expert) get equal
     regions."""
 
-    def __init__(self, layout: RoleLayout, specs: Sequence[TensorSpec], ranks: int):
+    def __init__(self, layout: EngineLayout, specs: Sequence[TensorSpec], ranks: int):
         self.specs, self.ranks = list(specs), ranks
         num_experts = 1 + max((s.expert for s in self.specs if s.expert is not None), default=-1)
         cache: dict[tuple, list[Region | None]] = {}
@@ -99,17 +80,6 @@ class RegionTable:
                     tensors[r] += n
         return nbytes, tensors
 
-    def sent_bytes(self) -> dict[str, int]:
-        """Return the bytes each HF tensor is sent to one engine (its holder's sending cost)."""
-        per_kind: dict[tuple, int] = {}
-        for spec, kind in zip(self.specs, self.kind):
-            if kind not in per_kind:
-                per_kind[kind] = sum(_nbytes(r, spec) for r in self.regions[kind] if r is not None)
-        return {spec.name: per_kind[kind] for spec, kind in zip(self.specs, self.kind)}
-
-
-# ---------------------------------------------------------------- the planner
-
 
 class ScalePlanner:
     """Plans one sync of a model between two layouts, on metadata, with the project's planners."""
@@ -117,25 +87,41 @@ class ScalePlanner:
     def __init__(self, family: str, hf_config: dict, trainer: TrainerLayout, fleet: FleetLayout, *,
                  dtype: str = "bfloat16", train_dtype: str = "bfloat16", draft: bool = True):
         self.trainer, self.fleet = trainer, fleet
+        fleet.first_gpu(trainer)  # refuses colocated engines that do not fit on the trainer's GPUs
         started = time.perf_counter()
         self.converter = converter_for(family, hf_config, dtype=dtype, draft=draft)
         self.specs: list[TensorSpec] = self.converter.tensor_specs()
         self.units = stage_units(self.converter, trainer, dtype_from_name(train_dtype))
         outputs = {u.name: self.converter.convert_meta(u.name, u.full_shape, u.dtype) for us in self.units for u in us}
         self.unit_hf_bytes = {name: sum(m.nbytes for m in metas) for name, metas in outputs.items()}
-        self._known = _KnownOutputs(outputs)
+        self.known_outputs = _KnownOutputs(outputs)
         self.stage_metas = [[m for u in units for m in outputs[u.name]] for units in self.units]
         self.converter.check_complete(m.name for metas in self.stage_metas for m in metas)
-        self.engine = engine_layout(fleet, self.converter.config.get("num_key_value_heads") or 1)
-        self.regions = RegionTable(self.engine, self.specs, fleet.tp)
+        self.engine = fleet.engine_layout(self.converter.config.get("num_key_value_heads") or 1)
+        self.regions = RegionTable(self.engine, self.specs, fleet.engine_ranks)
         self._shards: tuple[list[int], list[int]] | None = None
         self._source_traffic: dict[int, Traffic] | None = None
         self.stage_bytes = [sum(m.nbytes for m in metas) for metas in self.stage_metas]
         self.setup_seconds = time.perf_counter() - started
 
+    def with_fleet(self, fleet: FleetLayout) -> "ScalePlanner":
+        """Return this planner for another fleet of the same trainer (the trainer's side is reused)."""
+        other = copy.copy(self)
+        fleet.first_gpu(self.trainer)
+        other.fleet = fleet
+        other.engine = fleet.engine_layout(self.converter.config.get("num_key_value_heads") or 1)
+        other.regions = RegionTable(other.engine, self.specs, fleet.engine_ranks)
+        other._shards = None
+        return other
+
     @property
     def model_bytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
+
+    def draft_bytes(self) -> int:
+        """Return the bytes of the draft (MTP) layers the engines hold (0 without them)."""
+        main = self.converter.config["num_hidden_layers"]
+        return sum(s.nbytes for s in self.specs if (m := HF_LAYER.match(s.name)) and int(m.group(1)) >= main)
 
     def shard_bytes(self) -> tuple[list[int], list[int]]:
         """Return per inference rank (the whole fleet) its shard bytes and HF tensors (from its layout)."""
@@ -168,9 +154,9 @@ class ScalePlanner:
         summary.seconds, summary.peak_bytes = time.perf_counter() - started, peak
         return summary
 
-    # ---- broadcast: one source per stage, every inference rank receives every bucket
+    # ---- broadcast (and ipc): one source per stage, every inference rank receives every bucket
 
-    def _broadcast(self, bucket_bytes: int) -> PlanSummary:
+    def _broadcast(self, bucket_bytes: int, transport: str = "broadcast") -> PlanSummary:
         plan = build_plan(self.stage_metas, bucket_bytes, self.converter.keep_together)
         senders, stage_of = [], {}
         for stage in range(self.trainer.pp):
@@ -182,62 +168,30 @@ class ScalePlanner:
                                     max((e.nbytes for b in buckets for e in b.entries), default=0),
                                     self.fleet.ranks))
         largest = max(s.largest for s in senders)
-        receivers = [Endpoint(r, self.fleet.node_of(r), plan.total_bytes, len(self.specs), len(plan.buckets),
-                              largest, len(senders)) for r in range(self.fleet.ranks)]
+        receivers = [Endpoint(r, self.fleet.node_of(r, self.trainer), plan.total_bytes, len(self.specs),
+                              len(plan.buckets), largest, len(senders)) for r in range(self.fleet.ranks)]
         shard, shard_tensors = self.shard_bytes()
-        return PlanSummary("broadcast", self.trainer, self.fleet, self.model_bytes, len(self.specs), bucket_bytes, senders, receivers,
-                           self._to_stage_sources(), shard, shard_tensors, stage_of, {"buckets": len(plan.buckets),
-                                                            "max_bucket": plan.max_bucket_bytes})
+        return PlanSummary(transport, self.trainer, self.fleet, self.model_bytes, len(self.specs), bucket_bytes,
+                           senders, receivers, self._to_stage_sources(), shard, shard_tensors, stage_of,
+                           {"buckets": len(plan.buckets), "max_bucket": plan.max_bucket_bytes})
 
-    # ---- P2P: every trainer rank holds a share and writes straight into the receivers' staging memory
+    def _ipc(self, bucket_bytes: int) -> PlanSummary:
+        why = ipc_refusal(self.trainer, self.fleet)
+        if why:
+            raise ValueError(f"transport ipc cannot run these layouts: {why}")
+        return self._broadcast(bucket_bytes, "ipc")
 
-    def assignment(self, fast: bool = True) -> ReplicaAssignment:
-        """Return the distributed replica's assignment, balanced by bytes sent to the whole fleet."""
-        units = [u for stage, us in enumerate(self.units) for u in replica_units(us, self._known, stage)]
-        per_engine = (self.regions.sent_bytes() if fast else
-                      send_bytes_per_tensor(self.specs, [r.layout for r in self._one_engine()]))
-        cost = {name: sent * self.fleet.engines for name, sent in per_engine.items()}
-        assign = assign_balanced if fast else assign_replica
-        return assign(units, self.trainer.ranks(), cost=cost)
+    # ---- P2P: trainer ranks write straight into the head engines' GPUs, engines forward along chains
 
-    def _one_engine(self) -> list[Receiver]:
-        return [Receiver(0, r, self.engine.rank_layout(self.specs, r)) for r in range(self.fleet.tp)]
-
-    def _p2p(self, bucket_bytes: int, fast: bool = True, colocated: bool = False) -> PlanSummary:
-        assignment = self.assignment(fast)
-        holders = assignment.hf_holders()
-        if fast:
-            senders, recv, pair_bytes = _fast_transfer_totals(self.specs, self.regions, holders, self.fleet,
-                                                              bucket_bytes)
-        else:
-            layouts = [receiver.layout for receiver in self._one_engine()]
-            receivers = [Receiver(e, r, layout) for e in range(self.fleet.engines) for r, layout in enumerate(layouts)]
-            plan = build_transfer_plan(self.specs, holders, receivers, bucket_bytes)
-            senders, recv = _transfer_totals(plan, 1, self.fleet.tp, self.fleet.ranks)
-            pair_bytes = defaultdict(int)
-            for r in plan.ranges:
-                pair_bytes[(r.sender, r.receiver)] += r.nbytes
-        node_of_receiver = self.trainer.node_of if colocated else self.fleet.node_of
-        for s in senders.values():
-            s.node = self.trainer.node_of(s.rank)
-        for r in recv:
-            r.node = node_of_receiver(r.rank)
-        holder_of = assignment.holder_of()
-        gather = self._gather_traffic(lambda unit, stage: holder_of[unit.name])
+    def _p2p(self, bucket_bytes: int, window_bytes: int = 0, arena_bytes: int = 0, forward: bool = True) -> PlanSummary:
+        options = P2POptions(bucket_bytes, window_bytes, arena_bytes, forward)
+        totals = plan_p2p(self, options)
+        senders, receivers = endpoints(self, totals, options)
         shard, shard_tensors = self.shard_bytes()
-        local = sum(n for (sender, receiver), n in pair_bytes.items()
-                    if self.trainer.node_of(sender) == node_of_receiver(receiver))
-        extra = {"ranges": sum(r.tensors for r in recv), "messages": sum(r.messages for r in recv),
-                 "local_bytes": local}
-        return PlanSummary("ipc" if colocated else "p2p", self.trainer, self.fleet, self.model_bytes,
-                           len(self.specs), bucket_bytes, sorted(senders.values(), key=lambda e: e.rank), recv,
-                           gather, shard, shard_tensors, extra=extra)
-
-    def _ipc(self, bucket_bytes: int, fast: bool = True) -> PlanSummary:
-        if self.fleet.ranks != self.trainer.world:
-            raise ValueError(f"colocated ipc runs every inference rank on a trainer GPU: the fleet has "
-                             f"{self.fleet.ranks} ranks, the trainer {self.trainer.world}; make them equal")
-        return self._p2p(bucket_bytes, fast, colocated=True)
+        extra = {"p2p": totals, "options": options, "egress": sum(totals.balance.load.values()),
+                 "busiest_over_mean": totals.balance.busiest_over_mean()}
+        return PlanSummary("p2p", self.trainer, self.fleet, self.model_bytes, len(self.specs), bucket_bytes,
+                           senders, receivers, totals.gather, shard, shard_tensors, extra=extra)
 
     # ---- disk-delta: stage sources publish deltas to shared storage, one applier per inference host reads
 
@@ -251,14 +205,16 @@ class ScalePlanner:
             sizes = [m.nbytes for m in metas]
             chunks = sum(max(1, -(-n // options.chunk_bytes)) for n in sizes)
             senders.append(Endpoint(rank, self.trainer.node_of(rank), int(self.stage_bytes[stage] * delta_fraction),
-                                    len(metas), chunks, max(sizes), self.fleet.nodes))
+                                    len(metas), chunks, max(sizes), self.fleet.ranks))
         read = sum(int(s.bytes * (len(steps.steps))) for s in senders)
-        hosts = [Endpoint(n * self.fleet.gpus_per_node, n, read, len(self.specs),
+        first = self.fleet.node_of(0, self.trainer)
+        hosts = [Endpoint(n * self.fleet.gpus_per_node, first + n, read, len(self.specs),
                           sum(s.messages for s in senders) * len(steps.steps), max(s.largest for s in senders),
-                          len(senders)) for n in range(self.fleet.nodes)]
+                          len(senders)) for n in range(self.fleet.nodes(self.trainer))]
         shard, shard_tensors = self.shard_bytes()
-        return PlanSummary("disk_delta", self.trainer, self.fleet, self.model_bytes, len(self.specs), options.chunk_bytes, senders, hosts,
-                           self._to_stage_sources(), shard, shard_tensors, {s.rank: i for i, s in enumerate(senders)},
+        return PlanSummary("disk_delta", self.trainer, self.fleet, self.model_bytes, len(self.specs),
+                           options.chunk_bytes, senders, hosts, self._to_stage_sources(), shard, shard_tensors,
+                           {s.rank: i for i, s in enumerate(senders)},
                            {"delta_fraction": delta_fraction, "chain": [(s.version, s.part) for s in steps.steps],
                             "raw_stage_bytes": list(self.stage_bytes)})
 
@@ -289,6 +245,17 @@ class ScalePlanner:
         return dict(traffic)
 
 
+def ipc_refusal(trainer: TrainerLayout, fleet: FleetLayout) -> str:
+    """Return why the built `transport: ipc` cannot run these layouts ('' when it can): it hands a stage
+    source's buckets to the engine ranks of its own host, so both jobs must be colocated on one host."""
+    if not fleet.colocated:
+        return "the engines run on GPUs of their own (ipc needs the jobs colocated on the trainer's GPUs)"
+    if trainer.nodes > 1:
+        return (f"the trainer spans {trainer.nodes} nodes (ipc hands buckets over through one host's shared "
+                "memory; use p2p or broadcast across hosts)")
+    return ""
+
+
 class _KnownOutputs:
     """`convert_meta` answered from the outputs the planner already computed (planners that take a
     converter ask it once more per unit)."""
@@ -298,85 +265,6 @@ class _KnownOutputs:
 
     def convert_meta(self, name: str, shape: Any, dtype: Any) -> list[Any]:
         return self._outputs[name]
-
-
-def _transfer_totals(plan: Any, repeat: int, engine_ranks: int, fleet_ranks: int) -> tuple[dict[int, Endpoint], list[Endpoint]]:
-    """Return per-sender and per-receiver totals of a full transfer plan (`repeat` 1: every receiver in it)."""
-    senders: dict[int, Endpoint] = {}
-    receivers = [Endpoint(r, 0) for r in range(len(plan.receivers))]
-    pairs: set[tuple[int, int]] = set()
-    for r in plan.ranges:
-        s = senders.get(r.sender)
-        if s is None:
-            s = senders[r.sender] = Endpoint(r.sender, 0)
-        rec = receivers[r.receiver]
-        s.bytes += r.nbytes
-        s.tensors += 1
-        rec.bytes += r.nbytes
-        rec.tensors += 1
-        s.largest = max(s.largest, r.nbytes)
-        rec.largest = max(rec.largest, r.nbytes)
-        pairs.add((r.sender, r.receiver))
-    for m in plan.messages:
-        senders[m.sender].messages += 1
-        receivers[m.receiver].messages += 1
-    for sender, receiver in pairs:
-        senders[sender].peers += 1
-        receivers[receiver].peers += 1
-    return senders, receivers
-
-
-def _fast_transfer_totals(specs: Sequence[TensorSpec], regions: RegionTable, holders: dict[str, int],
-                          fleet: FleetLayout, bucket_bytes: int):
-    """Return what `_transfer_totals(build_transfer_plan(...))` returns for the whole fleet, and the bytes per
-    (sender, receiver) pair, without building ranges: every engine is the same, so one engine's totals
-    stand for all; a tensor kind's row ranges on a rank (`p2p.plan._row_ranges`) are cut once; messages
-    are packed per pair in plan order exactly as `p2p.plan._messages` packs them."""
-    from megatron_sync.transports.p2p.plan import _row_ranges
-
-    cut: dict[tuple, list[int]] = {}
-    senders: dict[int, Endpoint] = {}
-    receivers = [Endpoint(r, 0) for r in range(regions.ranks)]
-    open_bytes: dict[tuple[int, int], int] = {}  # pair -> bytes of its message being packed
-    pair_bytes: dict[tuple[int, int], int] = defaultdict(int)
-    for i, spec in enumerate(specs):
-        sender = holders[spec.name]
-        s = senders.get(sender)
-        if s is None:
-            s = senders[sender] = Endpoint(sender, 0)
-        for rank, region in enumerate(regions.of(i)):
-            if region is None:
-                continue
-            key = (regions.kind[i], rank)
-            sizes = cut.get(key)
-            if sizes is None:
-                placement = Placement(spec.name, region, spec.name, 0, _nbytes(region, spec))
-                sizes = cut[key] = [n for _, _, _, n in _row_ranges(spec, placement, bucket_bytes)]
-            rec, pair = receivers[rank], (sender, rank)
-            for n in sizes:
-                s.bytes += n
-                s.tensors += 1
-                rec.bytes += n
-                rec.tensors += 1
-                s.largest = max(s.largest, n)
-                rec.largest = max(rec.largest, n)
-                pair_bytes[pair] += n
-                held = open_bytes.get(pair)
-                if held is None or held + n > bucket_bytes:
-                    s.messages += 1
-                    rec.messages += 1
-                    open_bytes[pair] = n
-                else:
-                    open_bytes[pair] = held + n
-    for sender, rank in pair_bytes:
-        senders[sender].peers += 1
-        receivers[rank].peers += 1
-    for s in senders.values():
-        s.bytes, s.tensors, s.messages, s.peers = (v * fleet.engines for v in (s.bytes, s.tensors, s.messages, s.peers))
-    fleet_receivers = [replace(receivers[r % regions.ranks], rank=r) for r in range(fleet.ranks)]
-    fleet_pairs = {(sender, rank + e * regions.ranks): n for (sender, rank), n in pair_bytes.items()
-                   for e in range(fleet.engines)}
-    return senders, fleet_receivers, fleet_pairs
 
 
 def _steady_chain(snapshot_every: int, behind: int):
@@ -389,44 +277,4 @@ def _steady_chain(snapshot_every: int, behind: int):
     return plan_chain(published, held, target)
 
 
-# ---------------------------------------------------------------- fast replica assignment
-
-
-def assign_balanced(units: Sequence[ReplicaUnit], ranks: Sequence[TrainerRank], *,
-                    cost: dict[str, int] | None = None) -> ReplicaAssignment:
-    """Return what `assign_replica` returns, with candidates indexed by (stage, EP owner) once instead of
-    scanned per unit, and each group's least-loaded rank kept in a heap (ties: lowest rank)."""
-    import heapq
-
-    ranks = tuple(sorted(ranks, key=lambda r: r.rank))
-    names = [u.name for u in units]
-    if len(set(names)) != len(names):
-        raise ValueError("unit names must be unique across stages")
-
-    def unit_cost(u: ReplicaUnit) -> int:
-        return u.nbytes if cost is None else sum(cost[name] for name, _ in u.hf)
-
-    order = sorted(range(len(units)), key=lambda i: (units[i].owner_ep is None, -unit_cost(units[i]), i))
-    load = {r.rank: 0 for r in ranks}
-    heaps: dict[tuple, list] = {}
-    holders: list[int | None] = [None] * len(units)
-    for i in order:
-        unit = units[i]
-        key = (unit.stage, unit.owner_ep)
-        heap = heaps.get(key)
-        if heap is None:
-            heap = heaps[key] = [(0, r.rank) for r in candidates(unit, ranks)]
-            heapq.heapify(heap)
-        while True:  # a rank's load may have grown through another group: refresh stale entries
-            held, rank = heap[0]
-            if held == load[rank]:
-                break
-            heapq.heapreplace(heap, (load[rank], rank))
-        holders[i] = rank
-        load[rank] += unit_cost(unit)
-        heapq.heapreplace(heap, (load[rank], rank))
-    return ReplicaAssignment(tuple(units), tuple(holders), ranks)
-
-
-__all__ = ["ScalePlanner", "PlanSummary", "Endpoint", "Traffic", "engine_layout", "RegionTable", "assign_balanced",
-           "TRANSPORTS"]
+__all__ = ["ScalePlanner", "PlanSummary", "Endpoint", "Traffic", "RegionTable", "TRANSPORTS", "ipc_refusal"]

@@ -1,0 +1,211 @@
+"""The device-direct P2P schedule at full size: who writes what, from the transport's own planners.
+
+`transports.p2p.build.build_schedule` cuts every head placement into pieces and balances them with
+`transports.p2p.balance.balance` over `transports.p2p.holders.Holders`. At full size that is millions
+of pieces, so this module builds the same `Item`s without pieces, from the role-based region tables
+(`scale.plans.RegionTable`): per HF tensor, its bytes to the head engines; a tensor whose bytes to the
+heads exceed the piece size becomes one item per (head rank, run of rows) (`build.row_cuts`), in the
+order `build_schedule` gives them (the unit order of `build._where`); and calls `balance` itself.
+`tests/test_scale_p2p.py` proves the loads equal `build_schedule`'s on mid-size models.
+
+From the balance it derives what the time model needs: bytes and items per sender, the all-gathers each
+sender's TP / ETP group runs (a dense unit is gathered by every replica group one of whose ranks sends
+a piece of it), the bytes each sender converts, what crosses nodes, and the chain of engines that
+forward (engines of one layout: the trainer writes the first, every later one receives from the one
+before it, round by round).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from megatron_sync.core.grid import ParallelLayout
+from megatron_sync.layout.rank import Placement
+from megatron_sync.transports.p2p.balance import Balance, Item, balance
+from megatron_sync.transports.p2p.build import _where, row_cuts
+from megatron_sync.transports.p2p.holders import Holders, SourceUnit, source_units
+from megatron_sync.scale.summary import Endpoint, Traffic
+
+
+ROUND_PIECES = 4
+"""Pieces per forwarding round when the staging set is the receive window (the runtime's choice)."""
+
+
+@dataclass(frozen=True)
+class P2POptions:
+    """The schedule's sizes (weight_sync.bucket_size_mb, p2p_window_mb, p2p_arena_mb, p2p_forward), bytes."""
+
+    piece_bytes: int
+    window_bytes: int = 0
+    arena_bytes: int = 0
+    forward: bool = True
+
+    @property
+    def round_bytes(self) -> int:
+        """Bytes of one forwarding round: the bounded window, else four pieces (buckets) of the staging set,
+        as the runtime cuts them (`transports/p2p/sender.py` `schedule_options`)."""
+        return self.window_bytes or ROUND_PIECES * self.piece_bytes
+
+
+@dataclass
+class P2PTotals:
+    """What the schedule moves, per trainer rank and per head inference rank."""
+
+    balance: Balance
+    items: int
+    heads: int  # engines the trainer writes
+    chain: int  # engines per forwarding chain (1: no forwarding)
+    sent_items: dict[int, int] = field(default_factory=dict)
+    largest: dict[int, int] = field(default_factory=dict)
+    gather: dict[int, Traffic] = field(default_factory=dict)
+    local_sent: dict[int, int] = field(default_factory=dict)  # bytes a sender writes to GPUs of its own node
+    local_received: dict[int, int] = field(default_factory=dict)  # per head inference rank
+
+
+def trainer_units(planner: Any) -> list[SourceUnit]:
+    """Return every stage's units as the P2P planners see them (`holders.source_units`), in walk order."""
+    t = planner.trainer
+    out: list[SourceUnit] = []
+    for stage, units in enumerate(planner.units):
+        layout = ParallelLayout(tp=t.tp, cp=t.cp, dp=t.dp, pp=t.pp, vpp=t.vpp, ep=t.ep, etp=t.etp, edp=t.edp,
+                                pp_rank=stage)
+        out += source_units(units, planner.known_outputs, layout)
+    return out
+
+
+class _Dest:
+    """Where an item's bytes land: every head rank holding the tensor (a whole item) or one rank."""
+
+    __slots__ = ("spec", "head", "rank")
+
+    def __init__(self, spec: int, head: int | None, rank: int | None):
+        self.spec, self.head, self.rank = spec, head, rank
+
+
+def build_items(planner: Any, units: Sequence[SourceUnit], options: P2POptions,
+                heads: int) -> tuple[list[Item], list[_Dest]]:
+    """Return the items `build_schedule` balances for `heads` head engines, and where each one lands."""
+    regions = planner.regions
+    index = {s.name: i for i, s in enumerate(planner.specs)}
+    where = _where(units)
+    order = sorted(where, key=lambda name: where[name][0])
+    kind_bytes: dict[tuple, int] = {}
+    cuts: dict[tuple, list[int]] = {}
+    items: list[Item] = []
+    dests: list[_Dest] = []
+    for name in order:
+        i = index[name]
+        spec, kind, unit = planner.specs[i], regions.kind[i], where[name][1]
+        if kind not in kind_bytes:
+            kind_bytes[kind] = sum(r.numel * spec.dtype.itemsize for r in regions.of(i) if r is not None)
+        total = kind_bytes[kind] * heads
+        if total <= options.piece_bytes:
+            if total:
+                items.append(Item(total, unit))
+                dests.append(_Dest(i, None, None))
+            continue
+        for head in range(heads):
+            for rank, region in enumerate(regions.of(i)):
+                if region is None:
+                    continue
+                sizes = cuts.get((kind, rank))
+                if sizes is None:
+                    placement = Placement(spec.name, region, spec.name, 0, region.numel * spec.dtype.itemsize)
+                    sizes = cuts[(kind, rank)] = [n for *_, n in row_cuts(spec, placement, options.piece_bytes)]
+                for n in sizes:
+                    items.append(Item(n, unit))
+                    dests.append(_Dest(i, head, rank))
+    return items, dests
+
+
+def plan_p2p(planner: Any, options: P2POptions) -> P2PTotals:
+    """Return the balanced schedule's totals for `planner`'s layouts (see the module doc)."""
+    fleet, trainer = planner.fleet, planner.trainer
+    heads = 1 if options.forward else fleet.engines
+    units = trainer_units(planner)
+    items, dests = build_items(planner, units, options, heads)
+    shares = balance(items, Holders(trainer.ranks()), slack_bytes=options.piece_bytes)
+    totals = P2PTotals(shares, len(items), heads, fleet.engines // heads)
+    for item, sender in zip(items, shares.senders):
+        totals.sent_items[sender] = totals.sent_items.get(sender, 0) + 1
+        totals.largest[sender] = max(totals.largest.get(sender, 0), item.nbytes)
+    totals.gather = gather_traffic(planner, units, shares, items)
+    if fleet.shares_nodes(trainer):
+        totals.local_sent, totals.local_received = _local_bytes(planner, items, dests, shares.senders, heads)
+    return totals
+
+
+def gather_traffic(planner: Any, units: Sequence[SourceUnit], shares: Balance,
+                   items: Sequence[Item]) -> dict[int, Traffic]:
+    """Return per trainer rank its all-gather traffic (every group a sender's piece needs gathers the unit
+    whole on all its ranks) and the bytes it converts (each unit it sends a piece of, once)."""
+    t = planner.trainer
+    gathered = {u.name: u for stage in planner.units for u in stage}
+    by_group: dict[tuple, int] = defaultdict(int)  # (dense?, group key) -> full bytes gathered
+    for unit in units:
+        if unit.gather is None:
+            continue
+        for key in shares.gathering.get(unit.name, ()):
+            by_group[(unit.owner_ep is None, key)] += gathered[unit.name].nbytes
+    traffic: dict[int, Traffic] = {}
+    for rank in t.ranks():
+        dense = by_group.get((True, (rank.pp, rank.cp, rank.dp)), 0) * (t.tp - 1) // t.tp
+        expert = by_group.get((False, (rank.pp, rank.ep, rank.edp)), 0) * (t.etp - 1) // t.etp
+        inter_dense = t.tp > t.gpus_per_node or t.gpus_per_node % t.tp
+        inter_expert = t.etp > t.gpus_per_node or t.gpus_per_node % t.etp
+        cell = Traffic()
+        for nbytes, inter in ((dense, inter_dense), (expert, inter_expert)):
+            if inter:
+                cell.in_inter += nbytes
+                cell.out_inter += nbytes
+            else:
+                cell.in_intra += nbytes
+                cell.out_intra += nbytes
+        traffic[rank.rank] = cell
+    converted: set[tuple[int, str]] = set()
+    for item, sender in zip(items, shares.senders):
+        if (sender, item.unit.name) not in converted:
+            converted.add((sender, item.unit.name))
+            unit = gathered[item.unit.name]
+            traffic[sender].converted += unit.nbytes + item.unit.nbytes
+            traffic[sender].units += 1
+    return traffic
+
+
+def _local_bytes(planner: Any, items: Sequence[Item], dests: Sequence[_Dest], senders: Sequence[int],
+                 heads: int) -> tuple[dict[int, int], dict[int, int]]:
+    """Return the bytes each sender writes to, and each head rank receives from, a GPU of its own node."""
+    trainer, fleet, regions = planner.trainer, planner.fleet, planner.regions
+    sent: dict[int, int] = defaultdict(int)
+    received: dict[int, int] = defaultdict(int)
+    for item, dest, sender in zip(items, dests, senders):
+        node = trainer.node_of(sender)
+        if dest.rank is not None:
+            targets = [(dest.head * fleet.engine_ranks + dest.rank, item.nbytes)]
+        else:
+            spec = planner.specs[dest.spec]
+            targets = [(h * fleet.engine_ranks + rank, r.numel * spec.dtype.itemsize)
+                       for h in range(heads) for rank, r in enumerate(regions.of(dest.spec)) if r is not None]
+        for receiver, nbytes in targets:
+            if fleet.node_of(receiver, trainer) == node:
+                sent[sender] += nbytes
+                received[receiver] += nbytes
+    return dict(sent), dict(received)
+
+
+def endpoints(planner: Any, totals: P2PTotals, options: P2POptions) -> tuple[list[Endpoint], list[Endpoint]]:
+    """Return the summary's senders (every trainer rank that writes) and receivers (every inference rank:
+    the bytes it receives from the trainer or from the engine before it in its chain)."""
+    trainer, fleet = planner.trainer, planner.fleet
+    senders = [Endpoint(rank, trainer.node_of(rank), nbytes, totals.sent_items.get(rank, 0),
+                        totals.sent_items.get(rank, 0), totals.largest.get(rank, 0), 0)
+               for rank, nbytes in sorted(totals.balance.load.items()) if nbytes]
+    shard, tensors = planner.shard_bytes()
+    receivers = []
+    for r in range(fleet.ranks):
+        rounds = max(1, math.ceil(shard[r] / options.round_bytes))
+        receivers.append(Endpoint(r, fleet.node_of(r, trainer), shard[r], tensors[r], rounds, 0, 0))
+    return senders, receivers

@@ -1,0 +1,102 @@
+"""Device-direct P2P on GPU clusters (`transport: p2p` with NIXL or Mooncake): the time its schedule takes.
+
+What the code does per version (`transports/p2p/schedule.py`, `build.py`, `balance.py`):
+
+- every trainer rank that writes all-gathers over its TP / ETP group (NVLink inside a node) the units
+  its group sends, converts them on the GPU, copies each of its pieces into its registered arena and
+  checksums it there (`wsum64`); a message is posted as soon as its pieces are staged, so gather,
+  convert, staging and checksum overlap the wire, one NIC per GPU (GPUDirect RDMA), NVLink to a GPU
+  of its own node;
+- the head engine of each chain receives every byte it needs once, straight into its staging set (or a
+  bounded receive window copied into it round by round), at its NIC; each later engine of the chain
+  receives the same rounds from the engine before it, pipelined: it ends one round after the one
+  before it;
+- the last round is verified on the GPU (wsum64), then two agreement rounds and the switch to the other
+  staging set (no copy).
+
+So the sync takes max(the busiest sender's production and writes, a head receiver's ingress) plus
+(chain length - 1) rounds, the last round's verification and the agreement. NIXL and Mooncake both
+write over RDMA from registered GPU memory here, so they share this model (`local` measures each).
+"""
+
+from __future__ import annotations
+
+import math
+
+from megatron_sync.scale.hardware import HardwareProfile
+from megatron_sync.scale.phases import Phase, SyncOptions, device_checksum_rate, engine_tail, gather_seconds, rate_of
+from megatron_sync.scale.summary import PlanSummary
+
+
+def _sender(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions, s) -> dict[str, float]:
+    """Return one sender's phases: its production (sequential on its GPU) and its writes."""
+    totals = summary.extra["p2p"]
+    traffic = summary.gather.get(s.rank)
+    local = totals.local_sent.get(s.rank, 0)
+    return {"gather (all-gather of its group's units)": gather_seconds(traffic, profile),
+            "convert": (traffic.converted if traffic else 0) / profile.hbm.value,
+            "stage into arena": s.bytes / profile.device_copy,
+            "checksum (wsum64)": s.bytes / device_checksum_rate(profile, options.checksum),
+            "write": ((s.bytes - local) / profile.nic_per_gpu + local / profile.nvlink.value
+                      + s.messages * profile.message_s.value)}
+
+
+def _sender_end(phases: dict[str, float], nbytes: int, piece: int) -> float:
+    """Return when a sender's last write lands: production and writes overlap, a piece at a time."""
+    produce = sum(v for k, v in phases.items() if k != "write")
+    part = min(1.0, piece / max(1, nbytes))
+    return max(produce + phases["write"] * part, phases["write"] + produce * part)
+
+
+def _hop_rate(summary: PlanSummary, profile: HardwareProfile) -> tuple[float, str]:
+    """Return the rate and the link of a forward from rank r of one engine to rank r of the next."""
+    fleet, trainer = summary.fleet, summary.trainer
+    same = fleet.engines > 1 and all(fleet.node_of(r, trainer) == fleet.node_of(r + fleet.engine_ranks, trainer)
+                                     for r in range(fleet.engine_ranks))
+    return (profile.nvlink.value, "nvlink") if same else (profile.nic_per_gpu, "nic")
+
+
+def p2p_gpu(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions):
+    """Return the phases, total, bound and (no) CPU-seconds of a device-direct P2P sync (module doc)."""
+    totals, opts = summary.extra["p2p"], summary.extra["options"]
+    ends = []
+    for s in summary.senders:
+        phases = _sender(summary, profile, options, s)
+        ends.append((_sender_end(phases, s.bytes, opts.piece_bytes), s.rank, phases))
+    send_end, busiest, sender_phases = max(ends)
+    links = {"gather (all-gather of its group's units)": "nvlink", "convert": "hbm", "stage into arena": "copy",
+             "checksum (wsum64)": "wsum64", "write": "nic"}
+    out = [Phase(name, seconds, f"trainer rank {busiest}", rate_of(profile, links[name]))
+           for name, seconds in sender_phases.items()]
+    heads = [r for r in summary.receivers if r.rank < totals.heads * summary.fleet.engine_ranks]
+    ingress = max(((r.bytes - totals.local_received.get(r.rank, 0)) / profile.nic_per_gpu, r.rank) for r in heads)
+    local_in = max((totals.local_received.get(r.rank, 0) / profile.nvlink.value, r.rank) for r in heads)
+    out.append(Phase("receive (head engine)", ingress[0], f"inference rank {ingress[1]}", rate_of(profile, "nic")))
+    if local_in[0]:
+        out.append(Phase("receive from its node", local_in[0], f"inference rank {local_in[1]}",
+                         rate_of(profile, "nvlink")))
+    hop_rate, hop_link = _hop_rate(summary, profile)
+    round_bytes = min(opts.round_bytes, max(r.bytes for r in summary.receivers))
+    hop = round_bytes / hop_rate + profile.message_s.value
+    out.append(Phase("forward along the chain", (totals.chain - 1) * hop,
+                     f"{totals.chain} engines per chain, rounds of {round_bytes / 2**20:,.0f} MiB",
+                     rate_of(profile, hop_link)))
+    window = round_bytes / profile.device_copy if opts.window_bytes else 0.0
+    if window:
+        out.append(Phase("copy the last round out of the window", window, "last engine", rate_of(profile, "copy")))
+    verify = round_bytes / device_checksum_rate(profile, options.checksum)
+    out.append(Phase("verify the last round (wsum64)", verify, "last engine", rate_of(profile, "wsum64")))
+    transfer = max(send_end, ingress[0], local_in[0])
+    tail = engine_tail(summary, profile, 2, options, copy=False)
+    total = transfer + (totals.chain - 1) * hop + window + verify + sum(p.seconds for p in tail)
+    if send_end >= max(ingress[0], local_in[0]):
+        bound = f"trainer rank {busiest}: production and writes ({send_end:.2f} s)"
+    else:
+        bound = f"receive (head engine) (inference rank {ingress[1]}: its shard through its NIC)"
+    return out + tail, total, bound, None
+
+
+def sender_rounds(summary: PlanSummary) -> int:
+    """Return how many forwarding rounds a head receiver's shard is cut into (for the report)."""
+    opts = summary.extra["options"]
+    return max(1, math.ceil(max(r.bytes for r in summary.receivers) / opts.round_bytes))
