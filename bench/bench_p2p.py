@@ -1,21 +1,24 @@
-"""Benchmark: the P2P transport against broadcast, same model, into 1, 2 and 4 inference ranks, one run.
+"""Benchmark: device-direct P2P against the raw writes of the same bytes, and against broadcast, one run.
 
-Topology per point: a Megatron trainer (qwen3 dense, TP=2: 2 gloo processes, one stage) and one
-reference engine of N ranks (TP=N; 2 KV heads, replicated at TP=4), started as separate jobs
-that meet at the weight-sync rendezvous, exactly as `tests/support/jobs.py::run_pair` runs them
-through the unchanged drivers. Per transport ("broadcast"; "p2p" with the torch mover and with
-Mooncake over TCP) and N: `--versions` syncs with a training step between them; the first is a
-warm-up. Reported per point (medians over the measured syncs):
+Topology per point: a Megatron trainer (qwen3 dense, TP=2: 2 gloo processes, one stage) and `engines`
+reference engines of N ranks each, started as separate jobs that meet at the weight-sync rendezvous,
+exactly as `tests/support/jobs.py::run_pair` runs them through the unchanged drivers. Per point:
+`--versions` syncs with a training step between them; the first is a warm-up. After each measured sync
+every trainer rank writes the same messages again from its arena, the wire alone (`P2PSender.replay_last`:
+no gather, conversion, staging, checksums, reports or agreement), `--replays` times; that is the raw
+transport of the same bytes over the same mover between the same processes. Reported (medians):
 
-- sync s: the slowest trainer rank's `TrainerWeightSync.sync()` (returns after every engine
-  rank committed), and its phases; recv MB: bytes each inference rank received at the transport;
-- wire MB: all bytes received by all inference ranks; host replica MB per trainer rank.
+- sync s: the slowest trainer rank's `TrainerWeightSync.sync()` (returns after every engine rank
+  committed), and its phases; raw s and sync / raw (one-sided movers: nixl, mooncake);
+- recv MB: bytes each inference rank received at the transport;
+- egress / model: the bytes all trainer ranks wrote in one version over the model's bytes (engines of one
+  layout form a chain: 1.00 whatever their number; broadcast: not counted).
 
-Machine caveat: 2 + N processes share this machine's cores (2 here): with more processes than
-cores every figure is CPU-bound (memcpy, checksums, loopback TCP), not network-bound.
+Machine caveat: 2 + N processes share this machine's cores (2 here): with more processes than cores
+every figure is CPU-bound (memcpy, checksums, loopback TCP), not network-bound.
 
-    PYTHONPATH=. python bench/bench_p2p.py                     # N = 1, 2, 4; 3 transports
-    PYTHONPATH=. python bench/bench_p2p.py --ranks 1,2 --transports broadcast,p2p-torch
+    PYTHONPATH=. python bench/bench_p2p.py                     # the default points
+    PYTHONPATH=. python bench/bench_p2p.py --points nixl:1x2,broadcast:1x2 --versions 5
 """
 
 from __future__ import annotations
@@ -33,17 +36,23 @@ SPEC = dict(family="qwen3", hidden_size=512, num_layers=8, num_heads=8, num_kv_h
             ffn_hidden_size=1536, vocab_size=8192)  # 32.5 M parameters: 65 MB in bf16
 TRANSPORTS = {
     "broadcast": {"transport": "broadcast"},
-    "p2p-torch": {"transport": "p2p", "p2p_backend": "torch"},
-    "p2p-mooncake": {"transport": "p2p", "p2p_backend": "mooncake", "p2p_local_hostname": "127.0.0.1"},
+    "nixl": {"transport": "p2p", "p2p": {"backend": "nixl"}},
+    "mooncake": {"transport": "p2p", "p2p": {"backend": "mooncake", "local_hostname": "127.0.0.1"}},
+    "torch": {"transport": "p2p", "p2p": {"backend": "torch"}},
 }
+ONE_SIDED = ("nixl", "mooncake")
+DEFAULT_POINTS = "nixl:1x2,mooncake:1x2,torch:1x2,broadcast:1x2,nixl:3x1,broadcast:3x1"
+"""transport:ENGINESxTP: one engine of TP=2 per mover and broadcast; three engines of one layout (a chain)."""
 MB = 1e6
 
 
 def run_point(transport: str, *, engines: int = 1, engine_tp: int = 1, versions: int = 4, bucket_mb: float = 8.0,
-              dtype: str = "bfloat16") -> dict:
+              replays: int = 3, dtype: str = "bfloat16") -> dict:
     """Run one trainer job (TP=2) and `engines` engines of `engine_tp` ranks over `transport`; return medians."""
+    raw = replays if transport in ONE_SIDED else 0
     case = {"spec": SPEC, "layout": {"tp": 2}, "engines": engines, "engine_tp": engine_tp, "versions": versions,
-            "receiver_metrics": True, "keep_tensors": False, "timeout_s": 600.0,
+            "receiver_metrics": True, "keep_tensors": False, "timeout_s": 600.0, "raw_replays": raw,
+            "env": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"} if transport == "nixl" else {},
             "weight_sync": {"dtype": dtype, "bucket_size_mb": bucket_mb, **TRANSPORTS[transport]}}
     start = time.monotonic()
     trainers, _ = run_pair(case, timeout=1800)
@@ -55,45 +64,71 @@ def run_point(transport: str, *, engines: int = 1, engine_tp: int = 1, versions:
     def slowest(v):
         return max(syncs[v], key=lambda m: m["phases_s"]["total"])
 
-    phases = {p: statistics.median(slowest(v)["phases_s"][p] for v in measured)
-              for p in ("gather", "convert", "pack", "transfer", "commit", "total")}
+    phases = {p: statistics.median(slowest(v)["phases_s"].get(p, 0.0) for v in measured)
+              for p in ("gather", "convert", "pack", "checksum", "transfer", "commit", "total")}
     recv = [m["bytes"] for m in sorted(received[-1], key=lambda m: m["rank"])]
-    # broadcast: the stage source holds the whole stage, which is what every inference rank receives
-    replica = [t["replica"]["held"] for t in trainers] if "replica" in trainers[0] else [recv[0], 0]
-    return {"transport": transport, "ranks": engines * engine_tp, "sync_s": phases["total"], "phases": phases,
-            "warmup_s": slowest(0)["phases_s"]["total"], "recv": recv, "wire": sum(recv), "replica": replica,
-            "wall": wall}
+    # every rank's replay runs from one barrier to the next: the slowest rank's time is the replay's
+    raw_s = statistics.median(max(t["raw_s"][k][r] for t in trainers) for k in range(len(measured))
+                              for r in range(raw)) if raw else None
+    share = trainers[0].get("share")
+    egress = sum(statistics.median(syncs[v][i]["bytes"] for v in measured) for i in range(len(trainers)))
+    return {"transport": transport, "engines": engines, "tp": engine_tp, "sync_s": phases["total"], "phases": phases,
+            "warmup_s": slowest(0)["phases_s"]["total"], "recv": recv, "raw_s": raw_s, "wall": wall,
+            "egress_over_model": egress / MODEL_BYTES if share else None}
+
+
+MODEL_BYTES = None  # filled from the converter by main(): the HF checkpoint's bytes in the sync dtype
+
+
+def model_bytes(dtype: str) -> int:
+    """Return the bytes of the HF checkpoint the engines receive, in `dtype`."""
+    from megatron_sync.convert import get_converter
+    from megatron_sync.core.meta import dtype_from_name
+    from tests.support import models
+
+    spec = models.ModelSpec(**SPEC)
+    converter = get_converter(SPEC["family"], models.hf_config(spec))
+    size = dtype_from_name(dtype).itemsize
+    return sum(s.numel * size for s in converter.tensor_specs())
 
 
 def format_rows(rows: list[dict]) -> str:
-    header = ["transport", "N", "sync s", "warm-up s", "gather", "convert", "pack", "transfer", "commit",
-              "recv MB/rank", "wire MB", "replica MB/trainer rank"]
+    header = ["transport", "engines x TP", "sync s", "raw s", "sync/raw", "warm-up s", "gather", "convert", "pack",
+              "checksum", "transfer", "commit", "recv MB/rank", "egress/model"]
     lines = []
     for r in rows:
         p = r["phases"]
-        lines.append([r["transport"], str(r["ranks"]), f"{r['sync_s']:.3f}", f"{r['warmup_s']:.3f}",
-                      *(f"{p[k]:.3f}" for k in ("gather", "convert", "pack", "transfer", "commit")),
-                      "/".join(f"{b / MB:.1f}" for b in r["recv"]), f"{r['wire'] / MB:.1f}",
-                      "/".join(f"{b / MB:.1f}" for b in r["replica"])])
+        raw = r["raw_s"]
+        lines.append([r["transport"], f"{r['engines']}x{r['tp']}", f"{r['sync_s']:.3f}",
+                      "-" if raw is None else f"{raw:.3f}", "-" if raw is None else f"{r['sync_s'] / raw:.2f}",
+                      f"{r['warmup_s']:.3f}", *(f"{p[k]:.3f}" for k in ("gather", "convert", "pack", "checksum",
+                                                                          "transfer", "commit")),
+                      "/".join(f"{b / MB:.1f}" for b in r["recv"]),
+                      "-" if r["egress_over_model"] is None else f"{r['egress_over_model']:.3f}"])
     return align(header, lines)
 
 
 def main(argv=None) -> None:
+    global MODEL_BYTES
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", default="1,2,4", help="inference ranks (one engine of that TP)")
-    parser.add_argument("--transports", default=",".join(TRANSPORTS))
+    parser.add_argument("--points", default=DEFAULT_POINTS, help="transport:ENGINESxTP, comma-separated")
     parser.add_argument("--versions", type=int, default=4, help="syncs per point; the first is a warm-up")
+    parser.add_argument("--replays", type=int, default=3, help="raw replays of the writes after each measured sync")
     parser.add_argument("--bucket-mb", type=float, default=8.0)
     args = parser.parse_args(argv)
+    MODEL_BYTES = model_bytes("bfloat16")
     print(machine_description())
-    print(f"model: {SPEC}; trainer TP=2 (2 processes) -> one reference engine of N ranks; bf16; "
-          f"bucket {args.bucket_mb:g} MB; {args.versions} syncs per point (first = warm-up), medians")
+    print(f"model: {SPEC} ({MODEL_BYTES / MB:.1f} MB in bf16); trainer TP=2 (2 processes, one stage); bucket "
+          f"{args.bucket_mb:g} MB; {args.versions} syncs per point (first = warm-up), medians; raw = "
+          f"{args.replays} replays of the same writes after each measured sync")
     rows = []
-    for ranks in map(int, args.ranks.split(",")):
-        for transport in args.transports.split(","):
-            rows.append(run_point(transport, engine_tp=ranks, versions=args.versions, bucket_mb=args.bucket_mb))
-            r = rows[-1]
-            print(f"  {transport} N={ranks}: sync {r['sync_s']:.3f}s ({r['wall']:.0f}s wall with start-up)", flush=True)
+    for point in args.points.split(","):
+        transport, sizes = point.split(":")
+        engines, tp = map(int, sizes.split("x"))
+        rows.append(run_point(transport, engines=engines, engine_tp=tp, versions=args.versions,
+                              bucket_mb=args.bucket_mb, replays=args.replays))
+        r = rows[-1]
+        print(f"  {point}: sync {r['sync_s']:.3f}s ({r['wall']:.0f}s wall with start-up)", flush=True)
     print(format_rows(rows))
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in __import__('os').getloadavg())}")
 

@@ -63,33 +63,6 @@ def fusing(tp: int, *, expert_parallel: bool = False) -> Engine:
     return make
 
 
-def receivers_of(engines: Sequence[Engine], specs: list[TensorSpec], kv: int):
-    """Return the plan's receivers: every rank of every engine, in order, with its layout."""
-    from megatron_sync.transports.p2p.plan import Receiver
-
-    return tuple(Receiver(e, r, layout) for e, make in enumerate(engines) for r, layout in enumerate(make(specs, kv)))
-
-
-def synthetic_plan(family: str, engines: Sequence[Engine], senders: int, bucket: int, *, kv: int = 2,
-                   balance_sends: bool = True):
-    """Return (specs, receivers, holders, plan) for a tiny model of `family` and engine layout factories.
-
-    Every HF tensor is its own unit; holders balance the bytes sent (or the bytes held).
-    """
-    from megatron_sync.convert import get_converter
-    from megatron_sync.transports.p2p.assign import ReplicaUnit, TrainerRank, assign_replica
-    from megatron_sync.transports.p2p.plan import build_transfer_plan, send_bytes_per_tensor
-    from tests.support import models
-
-    cfg = models.hf_config(models.ModelSpec(family=family, num_kv_heads=kv))
-    specs = get_converter(family, cfg).tensor_specs()
-    receivers = receivers_of(engines, specs, kv)
-    units = [ReplicaUnit(s.name, 0, ((s.name, s.nbytes),)) for s in specs]
-    cost = send_bytes_per_tensor(specs, [r.layout for r in receivers]) if balance_sends else None
-    holders = assign_replica(units, [TrainerRank(r) for r in range(senders)], cost=cost).hf_holders()
-    return specs, receivers, holders, build_transfer_plan(specs, holders, receivers, bucket)
-
-
 def seeded_full(spec: TensorSpec) -> torch.Tensor:
     """Return a full tensor for `spec` whose values depend only on its name."""
     import zlib

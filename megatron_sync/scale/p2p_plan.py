@@ -5,7 +5,7 @@
 of pieces, so this module builds the same `Item`s without pieces, from the role-based region tables
 (`scale.plans.RegionTable`): per HF tensor, its bytes to the head engines; a tensor whose bytes to the
 heads exceed the piece size becomes one item per (head rank, run of rows) (`build.row_cuts`), in the
-order `build_schedule` gives them (the unit order of `build._where`); and calls `balance` itself.
+order `build_schedule` gives them (the unit order of `build.placements_by_name`); and calls `balance` itself.
 `tests/test_scale_p2p.py` proves the loads equal `build_schedule`'s on mid-size models.
 
 From the balance it derives what the time model needs: bytes and items per sender, the all-gathers each
@@ -25,7 +25,7 @@ from typing import Any, Sequence
 from megatron_sync.core.grid import ParallelLayout
 from megatron_sync.layout.rank import Placement
 from megatron_sync.transports.p2p.balance import Balance, Item, balance
-from megatron_sync.transports.p2p.build import _where, row_cuts
+from megatron_sync.transports.p2p.build import placements_by_name, row_cuts
 from megatron_sync.transports.p2p.holders import Holders, SourceUnit, source_units
 from megatron_sync.scale.summary import Endpoint, Traffic
 
@@ -90,7 +90,7 @@ def build_items(planner: Any, units: Sequence[SourceUnit], options: P2POptions,
     """Return the items `build_schedule` balances for `heads` head engines, and where each one lands."""
     regions = planner.regions
     index = {s.name: i for i, s in enumerate(planner.specs)}
-    where = _where(units)
+    where = placements_by_name(units)
     order = sorted(where, key=lambda name: where[name][0])
     kind_bytes: dict[tuple, int] = {}
     cuts: dict[tuple, list[int]] = {}

@@ -51,14 +51,15 @@ class StoreBoard:
         except (RuntimeError, dist.DistStoreError) as e:
             raise self._failure(f"posting {key!r}", e) from e
 
-    def fetch(self, key: str, timeout_s: Optional[float] = None) -> bytes:
-        """Return the value posted under `key`, waiting up to `timeout_s` (None: the board's timeout)."""
+    def fetch(self, key: str, timeout_s: Optional[float] = None, *, max_pause_s: float = 0.1) -> bytes:
+        """Return the value posted under `key`, waiting up to `timeout_s` (None: the board's timeout) and looking
+        at least every `max_pause_s` (a wait inside a sync, where each pause is latency, asks for less)."""
         full_key = self._prefix + key
         limit = self.timeout_s if timeout_s is None else timeout_s
         deadline = Deadline.after(limit)
         try:
             poll(lambda: self._store.check([full_key], bound=deadline.remaining()), within=deadline,
-                 what=f"a value under {key!r}", max_pause_s=0.1, timeout=lambda _: PeerFailureError(
+                 what=f"a value under {key!r}", max_pause_s=max_pause_s, timeout=lambda _: PeerFailureError(
                      f"[rank {self.rank}] nothing was posted under {key!r} within {limit:g}s"))
             return self._store.get(full_key, bound=deadline.remaining())
         except SyncError:

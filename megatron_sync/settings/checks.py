@@ -26,10 +26,10 @@ def check_int(name: str, value: Any, *, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def check_number(name: str, value: Any, *, positive: bool, what: str = "a number") -> None:
-    """Raise unless `value` is a number > 0 (`positive`) or >= 0."""
+def check_number(name: str, value: Any, *, positive: bool, what: str = "a number", note: str = "") -> None:
+    """Raise unless `value` is a number > 0 (`positive`) or >= 0; `note` says what 0 means."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (value <= 0 if positive else value < 0):
-        raise ValueError(f"{name} must be {what} {'> 0' if positive else '>= 0'}, got {value!r}")
+        raise ValueError(f"{name} must be {what} {'> 0' if positive else '>= 0'}{note}, got {value!r}")
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -137,7 +137,7 @@ def _p2p(c: Config) -> None:
     check_choice("p2p_backend", c.p2p_backend, P2P_BACKENDS)
     check_choice("p2p_protocol", c.p2p_protocol, P2P_PROTOCOLS)
     for name in ("p2p_arena_mb", "p2p_window_mb"):
-        check_number(name, getattr(c, name), positive=False, what="a number of MiB (0: unbounded)")
+        check_number(name, getattr(c, name), positive=False, what="a number of MiB", note=" (0: unbounded)")
     check_bool("p2p_forward", c.p2p_forward)
     if not isinstance(c.p2p_device_name, str):
         raise ValueError("p2p_device_name must be a string of RDMA device names, e.g. 'mlx5_0,mlx5_1' (or '')")
@@ -156,7 +156,7 @@ def _proof(c: Config) -> None:
         object.__setattr__(c, "canary_tokens", tuple(int(t) for t in c.canary_tokens))
     except (TypeError, ValueError):
         raise ValueError(f"canary_tokens must be token ids (integers), got {c.canary_tokens!r}") from None
-    check_number("max_logprob_drift", c.max_logprob_drift, positive=False, what="a number (0: record only)")
+    check_number("max_logprob_drift", c.max_logprob_drift, positive=False, note=" (0: record only)")
     check_choice("on_drift", c.on_drift, DRIFT_ACTIONS)
 
 

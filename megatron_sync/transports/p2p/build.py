@@ -56,7 +56,7 @@ def _cuts(units: Sequence[SourceUnit], tensors: Sequence[TensorSpec], receivers:
           heads: Sequence[int], piece_bytes: int) -> list[_Cut]:
     """Return every head placement cut into pieces, in schedule order."""
     specs = {t.name: t for t in tensors}
-    where = _where(units)
+    where = placements_by_name(units)
     cuts = []
     for index in heads:
         receiver = receivers[index]
@@ -182,7 +182,7 @@ def row_cuts(spec: TensorSpec, placement: Placement, piece_bytes: int) -> list[t
             for row in range(0, shape[0], step)]
 
 
-def _where(units: Sequence[SourceUnit]) -> dict[str, tuple[tuple, SourceUnit]]:
+def placements_by_name(units: Sequence[SourceUnit]) -> dict[str, tuple[tuple, SourceUnit]]:
     """Return HF name -> (order key of its unit in its stage's walk, the unit)."""
     stage_total: dict[int, int] = {}
     for u in units:

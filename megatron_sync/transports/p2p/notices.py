@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 ABORT = b"abort"
+PAUSE_S = 0.01
+"""The longest pause between two looks for a notice: a sync waits on them, so each pause is latency (and a
+look is one small store request)."""
 
 
 class Board(Protocol):
@@ -26,7 +29,7 @@ class Board(Protocol):
 
     def post(self, key: str, value: bytes) -> None: ...
 
-    def fetch(self, key: str, timeout_s: Optional[float] = None) -> bytes: ...
+    def fetch(self, key: str, timeout_s: Optional[float] = None, *, max_pause_s: float = 0.1) -> bytes: ...
 
     def delete(self, key: str) -> None: ...
 
@@ -77,7 +80,7 @@ class Notices:
     def take_report(self, source: str, to: int, round_: int, timeout_s: float) -> Report:
         """Return (and delete) `source`'s report of `round_` to receiver `to`, waiting up to `timeout_s`."""
         key = self._key("report", to, round_, source)
-        report = Report.from_bytes(self.board.fetch(key, timeout_s))
+        report = Report.from_bytes(self.board.fetch(key, timeout_s, max_pause_s=PAUSE_S))
         self.board.delete(key)
         return report
 
@@ -87,7 +90,7 @@ class Notices:
 
     def released(self, index: int, round_: int, timeout_s: float) -> bool:
         """Wait until receiver `index` released `round_`; return False when it gave up instead."""
-        return self.board.fetch(self._key("release", index, round_), timeout_s) != ABORT
+        return self.board.fetch(self._key("release", index, round_), timeout_s, max_pause_s=PAUSE_S) != ABORT
 
     def post_base(self, index: int, base: int) -> None:
         """Post where receiver `index`'s target set starts in its window this version (what a rank forwarding
@@ -96,7 +99,7 @@ class Notices:
 
     def base(self, index: int, timeout_s: float) -> int:
         """Return receiver `index`'s posted `post_base`, waiting up to `timeout_s`."""
-        return int(self.board.fetch(self._key("base", index), timeout_s))
+        return int(self.board.fetch(self._key("base", index), timeout_s, max_pause_s=PAUSE_S))
 
     def forget(self, index: int, rounds: int) -> None:
         """Delete receiver `index`'s releases and base of this attempt (every writer is past them once the

@@ -97,6 +97,13 @@ class P2PSender(Sender):
                 self._sent[name] = full.clone()
             yield name, full
 
+    def replay_last(self) -> int:
+        """Write this rank's messages of the last version again, the wire alone (`ShareWriter.replay`; for
+        benchmarks: the raw transport of the same bytes), into the staging set the next version overwrites;
+        return the bytes. Every trainer rank calls it at once, between syncs."""
+        offsets = {i: self._target * r.layout.nbytes for i, r in enumerate(self.schedule.receivers)}
+        return self.writer.replay(offsets)
+
     def agree_only(self, version: int) -> None:
         """Take part in `version`'s agreement rounds without writing (an engine fed by another engine: a
         fleet's chain); keeps the attempt and staging-set counters in step with the receivers."""

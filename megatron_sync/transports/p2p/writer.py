@@ -85,6 +85,20 @@ class ShareWriter:
             raise
         return run.stats
 
+    def replay(self, set_offsets: Mapping[int, int]) -> int:
+        """Write every message of this rank again from the arena as it stands, wait until all landed, and return
+        the bytes: the wire alone (no walk, staging, checksums or reports), the baseline a benchmark divides a
+        sync by. Receivers are not told; the bytes land in the staging set the next version overwrites. Only for
+        one-sided movers and an arena that holds the whole share (one arena round)."""
+        if self.mover.two_sided or self.bounded or any(p.arena_round for p in self.queue):
+            raise ValueError("replay needs a one-sided mover (nixl, mooncake) and unbounded arena and window")
+        run = _Run(self, None, set_offsets)  # type: ignore[arg-type] — replay posts no notices
+        pending = [self.mover.write(receiver(m.receiver), self.arena, run._spans(m))
+                   for m in self.schedule.sender_messages(self.rank)]
+        for p in pending:
+            p.wait(self.timeout_s)
+        return sum(m.nbytes for m in self.schedule.sender_messages(self.rank))
+
     def fail_version(self, notices: Notices, error: str) -> None:
         """Tell every receiver of this rank that it sends nothing of this version (`error` says why)."""
         _Run(self, notices, {}).give_up(error)
