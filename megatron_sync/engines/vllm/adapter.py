@@ -227,7 +227,8 @@ def _repacks(module: torch.nn.Module) -> bool:
     experts packed for the CPU kernel, quantized methods), so the check looks at the values handed to it."""
     method = getattr(module, "quant_method", None)
     name = type(method).__name__ if method is not None else ""
-    return "MoE" in type(module).__name__ or (bool(name) and not name.startswith("Unquantized"))
+    fused_moe = "MoE" in name or any(word in type(module).__name__ for word in ("MoE", "Experts"))
+    return fused_moe or (bool(name) and not name.startswith("Unquantized"))
 
 
 def _cause(error: BaseException) -> str:
