@@ -5,7 +5,7 @@ import torch
 
 from megatron_sync.trainer.gather import merge_strided_shards, plan_gather_units, split_strided_shard
 from megatron_sync.core.grid import ParallelLayout
-from megatron_sync.trainer.source import ExpertSlot, Sharding, SourceTensor
+from megatron_sync.trainer.source import ExpertSlot, Split, SourceTensor
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
@@ -45,15 +45,15 @@ def test_unequal_pieces_shard_holds_its_part_of_every_piece():
 def _expert(layer, j, kind, num_local=2):
     template = f"decoder.layers.{layer}.mlp.experts.local_experts.{{expert}}.{kind}.weight"
     slot = ExpertSlot(layer=layer, template=template, local_index=j, num_local=num_local)
-    return SourceTensor(template.format(expert=j), torch.zeros(2, 2), Sharding(), slot)
+    return SourceTensor(template.format(expert=j), torch.zeros(2, 2), Split(), slot)
 
 
 def test_units_list_every_global_expert_in_order_on_every_ep_rank():
     tensors = [
-        SourceTensor("decoder.layers.0.mlp.router.weight", torch.zeros(4, 2), Sharding()),
+        SourceTensor("decoder.layers.0.mlp.router.weight", torch.zeros(4, 2), Split()),
         _expert(0, 0, "linear_fc1"), _expert(0, 0, "linear_fc2"),
         _expert(0, 1, "linear_fc1"), _expert(0, 1, "linear_fc2"),
-        SourceTensor("decoder.final_layernorm.weight", torch.zeros(2), Sharding()),
+        SourceTensor("decoder.final_layernorm.weight", torch.zeros(2), Split()),
     ]
     for ep_rank in range(2):
         layout = ParallelLayout(ep=2, ep_rank=ep_rank, dp=2, dp_rank=ep_rank)

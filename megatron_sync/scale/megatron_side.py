@@ -23,7 +23,7 @@ from megatron_sync.convert.layout import gate_up, vocab
 from megatron_sync.trainer.gather import GatherUnit, plan_gather_units
 from megatron_sync.core.grid import ParallelLayout
 from megatron_sync.scale.layouts import TrainerLayout
-from megatron_sync.trainer.source import ExpertSlot, Sharding, SourceTensor
+from megatron_sync.trainer.source import ExpertSlot, Split, SourceTensor
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")  # a layer or expert index inside a dotted name
 _LOCAL_EXPERT = re.compile(r"(\.local_experts\.)\d+")  # a routed expert's index within its layer's name
@@ -37,7 +37,7 @@ class MegatronTensor:
 
     name: str
     shape: tuple[int, ...]
-    sharding: Sharding
+    sharding: Split
     layer: int | None  # the checkpoint's layer (a draft layer's is num_hidden_layers + its depth)
     expert: int | None
     template: str | None  # experts: the name with "{expert}" open
@@ -85,7 +85,7 @@ def megatron_tensors(converter: Any, tp: int) -> list[MegatronTensor]:
             shape = (_padded_vocab(shape[0], tp), *shape[1:])
         dim = _MEGATRON_SPLIT_IN_LAYER.get(_in_layer(rule.megatron), _MEGATRON_SPLIT.get(converter.shard_role(names[0])))
         expert = captures.get("expert")
-        sharding = Sharding() if dim is None else Sharding("etp" if expert is not None else "tp", dim,
+        sharding = Split() if dim is None else Split("etp" if expert is not None else "tp", dim,
                                                            2 if rule.transform is gate_up else 1)
         template = None if expert is None else rule.megatron.replace("{layer}", str(captures["layer"]))
         out.append(MegatronTensor(megatron, shape, sharding, layer, expert, template, rule.draft))

@@ -36,7 +36,7 @@ def _rated(profile: HardwareProfile, phases: list[Phase]) -> list[Phase]:
             for p in phases]
 from megatron_sync.scale.summary import PlanSummary
 
-DELTA_POLL_S = 0.05  # disk_delta: one poll interval per control message and agreement round (README)
+DELTA_ROUND_S = 0.05  # disk_delta: one round through files per control message and agreement round (docs/scale.md)
 
 
 def _produce(summary: PlanSummary, profile: HardwareProfile, sender, device_checksum: float) -> dict[str, float]:
@@ -141,6 +141,6 @@ def disk_delta_gpu(summary: PlanSummary, profile: HardwareProfile, options: Sync
                Phase("decode into local copy", decode, f"inference node {host.node}"),
                Phase("verify digests", verify, f"inference node {host.node}"),
                Phase("load from local copy", load, "every inference rank")]
-    tail = engine_tail(summary, profile, 0, options) + [Phase("commit", 3 * DELTA_POLL_S, "3 rounds through files")]
+    tail = engine_tail(summary, profile, 0, options) + [Phase("commit", 3 * DELTA_ROUND_S, "3 rounds through files")]
     total = max(p[0] for p in publish) + read + decode + verify + load + sum(p.seconds for p in tail)
     return _rated(profile, phases + tail), total, bound_of(phases, {p.name for p in phases}), None

@@ -104,29 +104,29 @@ class TransportGroup:
             f"to take part: {error}"
         )
 
-    def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> "Pending":
+    def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> "PendingOp":
         """Broadcast `tensor` in place from group rank `src`; return a handle (already waited unless async)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         try:
-            pending = Pending(self, f"broadcast from rank {src}", self._backend().broadcast([tensor], opts))
+            pending = PendingOp(self, f"broadcast from rank {src}", self._backend().broadcast([tensor], opts))
         except RuntimeError as e:
             raise self._fail(f"broadcast from rank {src}", e) from e
         if not async_op:
             pending.wait()
         return pending
 
-    def send(self, tensor: torch.Tensor, dst: int, *, tag: int = 0) -> "Pending":
+    def send(self, tensor: torch.Tensor, dst: int, *, tag: int = 0) -> "PendingOp":
         """Start sending `tensor` to group rank `dst`; return the in-flight handle (bounded `wait`)."""
         try:
-            return Pending(self, f"send to rank {dst}", self._backend().send([tensor], dst, tag))
+            return PendingOp(self, f"send to rank {dst}", self._backend().send([tensor], dst, tag))
         except RuntimeError as e:
             raise self._fail(f"send to rank {dst}", e) from e
 
-    def recv(self, tensor: torch.Tensor, src: int, *, tag: int = 0) -> "Pending":
+    def recv(self, tensor: torch.Tensor, src: int, *, tag: int = 0) -> "PendingOp":
         """Start receiving into `tensor` from group rank `src`; return the in-flight handle (bounded `wait`)."""
         try:
-            return Pending(self, f"receive from rank {src}", self._backend().recv([tensor], src, tag))
+            return PendingOp(self, f"receive from rank {src}", self._backend().recv([tensor], src, tag))
         except RuntimeError as e:
             raise self._fail(f"receive from rank {src}", e) from e
 
@@ -137,7 +137,7 @@ class TransportGroup:
             work = self._backend().allgather([out], [mine])
         except RuntimeError as e:
             raise self._fail("all_gather", e) from e
-        Pending(self, "all_gather", work).wait()
+        PendingOp(self, "all_gather", work).wait()
         return out
 
     def all_gather_int64(self, values: Sequence[int]) -> list[list[int]]:
@@ -192,7 +192,7 @@ class TransportGroup:
             self._owned_session = None
 
 
-class Pending:
+class PendingOp:
     """An in-flight collective; `wait()` turns backend errors into PeerFailureError.
 
     `done_at` is the `time.perf_counter()` at which the backend finished it

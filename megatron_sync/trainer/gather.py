@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_sync.core.grid import ParallelLayout, group_rank0_global
-from megatron_sync.trainer.source import Sharding, SourceTensor
+from megatron_sync.trainer.source import Split, SourceTensor
 
 
 def _piece_sizes(stride: int | tuple[int, ...], length: int, size: int) -> list[int]:
-    """Return the sizes of the pieces one shard of `length` holds along its dim (see `Sharding.stride`)."""
+    """Return the sizes of the pieces one shard of `length` holds along its dim (see `Split.stride`)."""
     if isinstance(stride, int):
         return [length // stride] * stride
     return [piece // size for piece in stride]
@@ -100,7 +100,7 @@ class GatherUnit:
     name: str
     full_shape: tuple[int, ...]
     dtype: torch.dtype
-    sharding: Sharding
+    sharding: Split
     local: torch.Tensor | None
     device: torch.device
     owner_ep: int | None = None  # routed experts only

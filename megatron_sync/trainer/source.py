@@ -30,7 +30,7 @@ _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12]\.(?:weight|bias))(\
 
 
 @dataclass(frozen=True)
-class Sharding:
+class Split:
     """How a local tensor is split: over which axis ("tp", "etp" or None), along which dim,
     and with which stride: an int s when each shard holds s equal pieces (2 for gated
     linear_fc1, whose shards each hold [gate_r; up_r]), or the sizes, in the full tensor, of
@@ -42,13 +42,13 @@ class Sharding:
     stride: int | tuple[int, ...] = 1
 
 
-def _gdn_in_proj_pieces(gdn) -> Sharding:
-    return Sharding("tp", 0, (gdn.qk_dim, gdn.qk_dim, gdn.v_dim, gdn.v_dim,
+def _gdn_in_proj_pieces(gdn) -> Split:
+    return Split("tp", 0, (gdn.qk_dim, gdn.qk_dim, gdn.v_dim, gdn.v_dim,
                               gdn.num_value_heads, gdn.num_value_heads))
 
 
-def _gdn_conv_pieces(gdn) -> Sharding:
-    return Sharding("tp", 0, (gdn.qk_dim, gdn.qk_dim, gdn.v_dim))
+def _gdn_conv_pieces(gdn) -> Split:
+    return Split("tp", 0, (gdn.qk_dim, gdn.qk_dim, gdn.v_dim))
 
 
 # Parameters whose TP split megatron-core 0.16.1 declares only in its modules' sharded_state_dict
@@ -57,17 +57,17 @@ def _gdn_conv_pieces(gdn) -> Sharding:
 # gated delta net's per-head A_log / dt_bias, and its in_proj / conv1d, whose TP shards each hold
 # a part of every q/k/v(/z/beta/alpha) piece.
 _DECLARED_SHARDING = {
-    ("DotProductAttention", "softmax_offset"): lambda m: Sharding("tp", 0),
-    ("TEDotProductAttention", "softmax_offset"): lambda m: Sharding("tp", 0),
-    ("GatedDeltaNet", "A_log"): lambda m: Sharding("tp", 0),
-    ("GatedDeltaNet", "dt_bias"): lambda m: Sharding("tp", 0),
+    ("DotProductAttention", "softmax_offset"): lambda m: Split("tp", 0),
+    ("TEDotProductAttention", "softmax_offset"): lambda m: Split("tp", 0),
+    ("GatedDeltaNet", "A_log"): lambda m: Split("tp", 0),
+    ("GatedDeltaNet", "dt_bias"): lambda m: Split("tp", 0),
     ("GatedDeltaNet", "in_proj.weight"): _gdn_in_proj_pieces,
     ("GatedDeltaNet", "conv1d.weight"): _gdn_conv_pieces,
     ("GatedDeltaNet", "conv1d.bias"): _gdn_conv_pieces,
 }
 
 
-def _declared_shardings(model: torch.nn.Module) -> dict[str, Sharding]:
+def _declared_shardings(model: torch.nn.Module) -> dict[str, Split]:
     """Return local parameter name -> split for the parameters `_DECLARED_SHARDING` describes."""
     declared = {}
     for module_name, module in model.named_modules():
@@ -94,7 +94,7 @@ class SourceTensor:
 
     name: str
     tensor: torch.Tensor
-    sharding: Sharding
+    sharding: Split
     expert: ExpertSlot | None = None
 
 
@@ -177,10 +177,10 @@ def _global_name(local_name: str, chunk: _ChunkIndex) -> tuple[str, ExpertSlot |
     return found if found else (prefix + rest, None)
 
 
-def _sharding_of(param: torch.Tensor, is_expert: bool) -> Sharding:
+def _sharding_of(param: torch.Tensor, is_expert: bool) -> Split:
     if not getattr(param, "tensor_model_parallel", False):
-        return Sharding()
-    return Sharding(
+        return Split()
+    return Split(
         axis="etp" if is_expert else "tp",
         dim=int(getattr(param, "partition_dim")),
         stride=int(getattr(param, "partition_stride", 1)),

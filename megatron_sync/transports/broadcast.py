@@ -21,7 +21,7 @@ from megatron_sync.plan.buckets import BucketPlan
 from megatron_sync.transports.base import BucketHeader, PendingBucket
 from megatron_sync.transports.buckets.transport import PlanBucketTransport
 from megatron_sync.session.control import StoreControlChannel
-from megatron_sync.session.group import Pending, TransportGroup, transport_group_over
+from megatron_sync.session.group import PendingOp, TransportGroup, transport_group_over
 
 if TYPE_CHECKING:
     from megatron_sync.settings.config import WeightSyncConfig
@@ -131,7 +131,7 @@ class BroadcastTransport(PlanBucketTransport):
 class _BroadcastSend:
     """The two broadcasts (payload, header) of one sent bucket."""
 
-    def __init__(self, payload: Pending, header: Pending, header_t: torch.Tensor) -> None:
+    def __init__(self, payload: PendingOp, header: PendingOp, header_t: torch.Tensor) -> None:
         self._payload, self._header, self._header_t = payload, header, header_t  # keep the header alive
 
     @property
@@ -151,7 +151,7 @@ class _BroadcastSend:
 class _BroadcastReceive(PendingBucket):
     """The two broadcasts (header, payload) of one bucket."""
 
-    def __init__(self, header_pending: Pending, header: torch.Tensor, payload_pending: Pending,
+    def __init__(self, header_pending: PendingOp, header: torch.Tensor, payload_pending: PendingOp,
                  payload: torch.Tensor) -> None:
         self._parts = (header_pending, header, payload_pending, payload)
 

@@ -34,7 +34,7 @@ log = logging.getLogger("megatron_sync")
 
 
 @dataclass(frozen=True)
-class PausePlan:
+class SGLangPause:
     """How one in-flight policy pauses SGLang and whether the radix cache is flushed after the update."""
 
     mode: str
@@ -42,9 +42,9 @@ class PausePlan:
 
 
 PAUSE_PLANS = {
-    "abort": PausePlan("abort", flush=True),
-    "recompute": PausePlan("retract", flush=True),
-    "keep": PausePlan("in_place", flush=False),
+    "abort": SGLangPause("abort", flush=True),
+    "recompute": SGLangPause("retract", flush=True),
+    "keep": SGLangPause("in_place", flush=False),
 }
 
 
@@ -54,7 +54,7 @@ class SGLangEngineClient:
     def __init__(self, url: str, *, timeout_s: float = 300.0) -> None:
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
         self.inflight_policy: Optional[str] = None
-        self.plan: Optional[PausePlan] = None
+        self.plan: Optional[SGLangPause] = None
         self._rendezvous: Optional[Rendezvous] = None
         self._info: Optional[dict] = None
         self.partially_updated = False

@@ -45,7 +45,7 @@ def receiver(index: int) -> str:
 
 
 @dataclass
-class Report:
+class RoundReport:
     """What a writer tells a receiver about one round: checksums by piece index, bytes moved, or an error."""
 
     checksums: dict[int, int] = field(default_factory=dict)
@@ -57,7 +57,7 @@ class Report:
                            "error": self.error}).encode()
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> "Report":
+    def from_bytes(cls, raw: bytes) -> "RoundReport":
         d = json.loads(raw)
         return cls({int(i): int(s) for i, s in d["checksums"]}, int(d["bytes"]), d["error"])
 
@@ -73,14 +73,14 @@ class Notices:
     def _key(self, *parts: object) -> str:
         return "/".join(["p2p", f"v{self.version}.{self.attempt}", *map(str, parts)])
 
-    def report(self, source: str, to: int, round_: int, report: Report) -> None:
+    def report(self, source: str, to: int, round_: int, report: RoundReport) -> None:
         """Post `source`'s report of `round_` to receiver `to`."""
         self.board.post(self._key("report", to, round_, source), report.to_bytes())
 
-    def take_report(self, source: str, to: int, round_: int, timeout_s: float) -> Report:
+    def take_report(self, source: str, to: int, round_: int, timeout_s: float) -> RoundReport:
         """Return (and delete) `source`'s report of `round_` to receiver `to`, waiting up to `timeout_s`."""
         key = self._key("report", to, round_, source)
-        report = Report.from_bytes(self.board.fetch(key, timeout_s, max_pause_s=PAUSE_S))
+        report = RoundReport.from_bytes(self.board.fetch(key, timeout_s, max_pause_s=PAUSE_S))
         self.board.delete(key)
         return report
 

@@ -28,7 +28,7 @@ import torch
 from megatron_sync.core.checksum import checksum
 from megatron_sync.core.errors import CorruptBucketError, PeerFailureError, SenderFailedError, SyncError
 from megatron_sync.transports.p2p.movers import ByteMover, Span
-from megatron_sync.transports.p2p.notices import ABORT, Notices, Report, receiver, trainer
+from megatron_sync.transports.p2p.notices import ABORT, Notices, RoundReport, receiver, trainer
 from megatron_sync.transports.p2p.schedule import TRAINER, Piece, Schedule
 
 
@@ -185,7 +185,7 @@ class RoundReceiver:
         before = self.mover.bytes_written.get(route.next, 0)
         self.mover.write(route.next, self.window, spans).wait(self.timeout_s)
         moved = self.mover.bytes_written.get(route.next, 0) - before
-        notices.report(route.name, route.next_index, round_, Report(sums, moved))
+        notices.report(route.name, route.next_index, round_, RoundReport(sums, moved))
         return moved
 
     def _give_up(self, notices: Notices, route: Route, failed_round: int, error: str, posted: list) -> None:
@@ -198,7 +198,7 @@ class RoundReceiver:
                     spans = [Span(p.window, p.window, p.nbytes) for p in self._pieces[round_]]
                     if self.mover.two_sided:
                         self.mover.abandon(route.next, self.window, spans).wait(self.timeout_s)
-                    route.next_notices.report(route.name, route.next_index, round_, Report(error=error))
+                    route.next_notices.report(route.name, route.next_index, round_, RoundReport(error=error))
             if self.bounded:
                 releases, me = (route.feed_notices, route.me) if route.feed is not None else (notices, self.index)
                 for round_ in range(failed_round, self.rounds):

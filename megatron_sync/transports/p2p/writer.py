@@ -25,7 +25,7 @@ import torch
 from megatron_sync.core.checksum import checksum
 from megatron_sync.core.errors import PeerFailureError
 from megatron_sync.transports.p2p.movers import ByteMover, Pending, Span
-from megatron_sync.transports.p2p.notices import Notices, Report, receiver, trainer
+from megatron_sync.transports.p2p.notices import Notices, RoundReport, receiver, trainer
 from megatron_sync.transports.p2p.schedule import Message, Piece, Schedule
 
 Group = tuple[int, int]  # (receiver, round)
@@ -179,7 +179,7 @@ class _Run:
 
     def _report(self, group: Group) -> None:
         to, round_ = group
-        self.notices.report(trainer(self.w.rank), to, round_, Report(self.sums.get(group, {}), self.moved[group]))
+        self.notices.report(trainer(self.w.rank), to, round_, RoundReport(self.sums.get(group, {}), self.moved[group]))
         self.reported.add(group)
         self.stats.bytes_per_peer[to] = self.stats.bytes_per_peer.get(to, 0) + self.moved[group]
 
@@ -209,5 +209,5 @@ class _Run:
         self.pending = []
         for group in sorted(set(self.w.group_size) - self.reported):
             to, round_ = group
-            self.notices.report(trainer(self.w.rank), to, round_, Report(error=error))
+            self.notices.report(trainer(self.w.rank), to, round_, RoundReport(error=error))
             self.reported.add(group)

@@ -17,7 +17,7 @@ import torch
 
 from megatron_sync.engines.sglang import requests
 from megatron_sync.plan.buckets import BucketPlan
-from megatron_sync.session.group import Pending, TransportGroup
+from megatron_sync.session.group import PendingOp, TransportGroup
 from megatron_sync.transports.base import BucketHeader
 from megatron_sync.transports.sglang.group import group_over
 
@@ -33,7 +33,7 @@ def stage_group(store: Any, num_stages: int, stage: int, *, port: int, backend: 
 class SentToLeader:
     """A later stage's bucket on its way to rank 0: payload, then header."""
 
-    def __init__(self, payload: Pending, header: Pending) -> None:
+    def __init__(self, payload: PendingOp, header: PendingOp) -> None:
         self._payload, self._header = payload, header
         self.done_at: Optional[float] = None
 
