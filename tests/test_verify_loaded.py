@@ -38,6 +38,23 @@ def test_a_changed_byte_is_named_by_param_and_region_and_equal_params_pass():
     assert "of b.weight" in problem and "a.weight" not in problem
 
 
+@pytest.mark.parametrize("algorithm", ["xxh3", "crc32"])
+def test_checking_live_weights_leaves_them_releasable(algorithm):
+    """A colocated engine frees its live weights with `resize_(0)`; reading them for a digest must not pin
+    their storage (numpy's view would), and a digest of a strided view equals its contiguous copy's."""
+    from megatron_sync.core.checksum import checksum
+
+    def flat(t):
+        return t.contiguous().view(-1).view(torch.uint8)
+
+    live = torch.randn(64, 32)
+    assert checksum(flat(live)[4:100], algorithm) == checksum(flat(live.clone())[4:100], algorithm)
+    assert checksum(flat(live), algorithm) == checksum(flat(live.clone()), algorithm) != checksum(flat(live + 1), algorithm)
+    assert checksum(flat(live.t()), algorithm) == checksum(flat(live.t().contiguous()), algorithm)
+    live.untyped_storage().resize_(0)
+    assert live.untyped_storage().nbytes() == 0
+
+
 def test_pieces_land_in_the_param_their_staging_offset_is_in():
     _, layout = _layout()
     staged = torch.arange(layout.nbytes, dtype=torch.int32).to(torch.uint8)

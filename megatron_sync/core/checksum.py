@@ -17,6 +17,7 @@ Every value is a signed 64-bit integer, so it travels in an int64 header.
 
 from __future__ import annotations
 
+import ctypes
 import zlib
 from dataclasses import dataclass
 from typing import Callable
@@ -29,9 +30,16 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
 
 
-def _host_bytes(data: torch.Tensor):
-    host = data if data.device.type == "cpu" else data.cpu()
-    return memoryview(host.contiguous().numpy())
+def _digest_bytes(data: torch.Tensor, digest: Callable[[object], int]) -> int:
+    """Return `digest` of the tensor's bytes, without copying a contiguous CPU tensor. The bytes are read
+    through their address, not `.numpy()`: torch marks a storage numpy has seen as not resizable, and an
+    engine's live weights must stay resizable (a colocated engine frees them with `resize_(0)` while the
+    trainer trains). `host` keeps a copied tensor alive while `digest` reads it."""
+    host = (data if data.device.type == "cpu" else data.cpu()).contiguous()
+    nbytes = host.numel() * host.element_size()
+    if nbytes == 0:
+        return digest(b"")
+    return digest(memoryview((ctypes.c_char * nbytes).from_address(host.data_ptr())).cast("B"))
 
 
 def _signed64(value: int) -> int:
@@ -40,12 +48,12 @@ def _signed64(value: int) -> int:
 
 def xxh3_checksum(data: torch.Tensor) -> int:
     """Return XXH3-64 of the bytes as a signed int64."""
-    return _signed64(xxhash.xxh3_64_intdigest(_host_bytes(data)))
+    return _signed64(_digest_bytes(data, xxhash.xxh3_64_intdigest))
 
 
 def crc32_checksum(data: torch.Tensor) -> int:
     """Return the CRC-32 of the bytes (unsigned 32-bit)."""
-    return zlib.crc32(_host_bytes(data)) & 0xFFFFFFFF
+    return _digest_bytes(data, zlib.crc32) & 0xFFFFFFFF
 
 
 def _signed(value: int) -> int:
