@@ -34,9 +34,9 @@ MAX_MODEL_LEN = 8192  # the module server's context: room for generations a sync
 LONG_GENERATION = 1000  # tokens the "wait" policy lets finish before its sync
 # Tokens of a generation a sync must land in ("abort", "recompute"): the sync follows the first streamed tokens
 # at once (the trainer's next weights are ready), and one loaded CI run still generated 1000 tokens before
-# the pause arrived; these take several times longer than any sync's start here.
-ABORTED_GENERATION = 7000
-RECOMPUTED_GENERATION = 4000
+# the pause arrived, another all of 4000 before a recompute sync's commit: both use the server's whole context.
+ABORTED_GENERATION = MAX_MODEL_LEN - len(PROMPTS[1]) - 1
+RECOMPUTED_GENERATION = MAX_MODEL_LEN - len(PROMPTS[1]) - 1
 
 
 class Served:
