@@ -48,6 +48,7 @@ from megatron_sync.drivers.sync import InferenceWeightSync
 from megatron_sync.transports import get_transport
 from megatron_sync.session.control import Report
 from megatron_sync.session.rendezvous import Identity
+from megatron_sync.session.secret import SessionSecret
 from megatron_sync.session.session import report_failure
 
 log = logging.getLogger("megatron_sync")
@@ -160,7 +161,8 @@ class MegatronSyncTransferEngine(WeightTransferEngine[JoinInfo, UpdateInfo]):
         me = Identity(job=init_info.job_id, role="inference", member=init_info.first_inference_rank + self.worker_rank,
                       session=config.run_id)
         report_failure(config.master_address, config.master_port, me,
-                       f"{self.adapter.label}: {type(error).__name__}: {error}", timeout_s=config.timeout_s)
+                       f"{self.adapter.label}: {type(error).__name__}: {error}", timeout_s=config.timeout_s,
+                       secret=SessionSecret.from_environment())
 
     def _refuse(self, route: str, error: Exception) -> None:
         """Log `error` of `route`; raise it only when this engine has one worker (module doc)."""
