@@ -534,7 +534,9 @@ class InferenceWeightSync:
             return self.transport.control.next(timeout_s)
         except PeerFailureError as e:
             where = f"{self.config.master_address}:{self.config.master_port}"
-            if isinstance(e, StoreSilentError):
+            if isinstance(e, TrainerGoneError):  # the transport saw it go (disk_delta: its writers' locks)
+                what = f"the trainer went away while this engine was idle: {e}"
+            elif isinstance(e, StoreSilentError):
                 what = (f"the trainer stopped answering while this engine was idle: its rendezvous at {where} accepts "
                         f"connections but has not answered for {self.config.timeout_s:g}s (the trainer is stopped, "
                         "e.g. SIGSTOP, or hung)")
