@@ -361,3 +361,27 @@ def test_an_engine_whose_job_was_killed_is_superseded_by_its_restart():
         engine.kill()
         host.close()
     assert error is None and restarted.generation == 1 and admitted == {0: (1, "E2")}, error
+
+
+def test_the_inference_driver_presents_the_secret_of_its_environment(monkeypatch):
+    """`InferenceWeightSync` reads MEGATRON_SYNC_SECRET once and proves it: with another value in its
+    environment it is refused by name, within seconds, before anything else is built."""
+    from megatron_sync.drivers.sync import InferenceWeightSync
+    from tests.support.fakes import FakeEngine
+    from tests.support.fleet_fakes import METAS, fleet_config
+
+    port = free_port()
+    config = fleet_config(port, engine_id=0).replace(timeout_s=TIMEOUT_S)
+    trainer = Identity(job="T", role="trainer", member=0, session="run-1",
+                       expects=expectations(config, trainer_stages=1, backend="gloo"))
+    host = SyncSession.host("127.0.0.1", port, trainer, members={"trainer": 1}, engine_ranks=1,
+                            timeout_s=TIMEOUT_S, secret=SessionSecret(SECRET_VALUE))
+    monkeypatch.setenv("MEGATRON_SYNC_SECRET", "not-the-trainers")
+    try:
+        host.wait_ready()
+        _, error = _outcome(InferenceWeightSync, config, FakeEngine(METAS, 0, 1), num_trainer_stages=1,
+                            inference_rank=0, job_id="E")
+    finally:
+        host.close()
+    assert isinstance(error, RendezvousError) and "refused this rank: inference rank 0 of engine 0 (job 'E') " \
+        "presents another session secret than session 'run-1''s" in str(error), error
