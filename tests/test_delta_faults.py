@@ -305,3 +305,39 @@ def test_disk_full_mid_write_publishes_nothing_and_the_next_version_recovers(tmp
     assert staged.version == 3
     assert_same_bytes(staged.tensors, sparse_update(small_model(), 3))
     reader.close()
+
+
+_HOLDS_A_WRITER = """
+import sys
+from megatron_sync.transports.disk_delta.writer import DeltaWriter
+writer = DeltaWriter(sys.argv[1])
+print("writing", flush=True)
+sys.stdin.read()  # keeps its writer until the test kills it
+"""
+
+
+@pytest.mark.multiproc
+def test_readers_see_a_writer_that_died_as_gone_and_a_new_writer_still_starts(tmp_path):
+    """A writer process holds its store; readers see it live. Killed (SIGKILL, nothing said), it is gone at
+    once: the lock died with it. A new writer then takes the store."""
+    import subprocess
+    import sys
+
+    from megatron_sync.transports.disk_delta.session import trainer_gone
+    from megatron_sync.transports.disk_delta.writer import DeltaWriter
+
+    root = str(tmp_path / "stage-0")
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDS_A_WRITER, root], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "writing"
+        live = trainer_gone([root])
+        holder.kill()
+        holder.wait(timeout=CHILD_TIMEOUT)
+        dead = trainer_gone([root])
+    finally:
+        holder.kill()
+    assert live is None
+    assert dead is not None and f"no process holds {os.path.join(root, 'writer.lock')}" in dead, dead
+    with DeltaWriter(root) as writer:
+        assert trainer_gone([root]) is None and writer.last_version == 0

@@ -236,7 +236,7 @@ def test_an_engine_that_fails_at_start_up_fails_the_trainer_within_seconds_quoti
     train_code, serve_code = _failed_pair(train, serve)
     why = "Qwen3ForCausalLM cannot be instantiated under `dtype=torch.int8`"
     assert serve_code != 0 and "[inference rank 0] failed while starting: ValueError: " in serve.output
-    assert "(reported to the trainer)" in serve.output, serve.output[-4000:]
+    assert "[inference rank 0] its start-up failure was reported to the trainer" in serve.output, serve.output[-4000:]
     assert train_code != 0 and re.search(r"inference rank 0 of job 'inference-\w+' failed while starting: "
                                          r"ValueError: .*" + re.escape(why), train.output), train.output[-4000:]
     assert_nothing_left(config)

@@ -10,6 +10,7 @@ performance figure), the engines hold exactly the previous version, and no proce
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import sys
 
@@ -247,8 +248,10 @@ def test_after_an_engine_rank_died_mid_sync_the_trainer_does_not_wait_timeout_s_
 
 def test_an_engine_failing_at_start_up_after_the_trainer_died_says_so_at_once(tmp_path):
     """The trainer hosted its rendezvous and was killed; an inference job then fails while starting (an
-    engine that cannot compute in int8). It reports its own error and exits after waiting REPORT_WAIT_S
-    (30 s) for a trainer to tell, not timeout_s (120 s here)."""
+    engine that cannot compute in int8). It prints its error at once and, within a few seconds of it, that no
+    trainer's rendezvous answers where it reports to; it exits after waiting REPORT_WAIT_S (30 s) for a trainer
+    launched alongside to listen, not timeout_s (120 s here)."""
+    from megatron_sync.session.reach import NOTICE_AFTER_S
     from tests.support.launched import Launched
     from tests.test_lifecycle import TIMEOUT_S
 
@@ -261,13 +264,105 @@ def test_an_engine_failing_at_start_up_after_the_trainer_died_says_so_at_once(tm
         serve = Launched(["bash", "launch/serve.sh", "--engine", "reference", "--model-dir", model_dir, "--config",
                           config, "--weight-sync-dtype", "int8"], env={"PYTHON": sys.executable, "NPROC": "1",
                                                                        "MASTER_PORT": str(free_port())})
+        failed = serve.when(r"\[inference rank 0\] failed while starting: ValueError: .*int8")
+        serve.when(r"no trainer's rendezvous answers at 127\.0\.0\.1:\d+ \(connection refused: nothing listens "
+                   r"there\); waiting up to 30s to report this rank's start-up failure",
+                   by=within_bound(failed, NOTICE_AFTER_S + MARGIN_S / 2))
         # start-up and REPORT_WAIT_S (30 s): not start-up + timeout_s (120 s)
         serve_code, _ = serve.wait(TIMEOUT_S - MARGIN_S)
     finally:
         train.kill()
     out = serve.output
     assert serve_code != 0
-    assert re.search(r"\[inference rank 0\] failed while starting: ValueError: .*int8.* \(not reported: the "
-                     r"trainer's rendezvous at 127\.0\.0\.1:\d+ could not be reached\)", out), out[-4000:]
+    assert re.search(r"\[inference rank 0\] its start-up failure was not reported: the trainer's rendezvous at "
+                     r"127\.0\.0\.1:\d+ could not be reached", out), out[-4000:]
     assert "nothing answered for 30s (connection refused" in out, out[-4000:]  # REPORT_WAIT_S, not timeout_s
     assert_nothing_left(config)
+
+
+def _trainer_whose_disk_fills(rank: int, world_size: int, case: dict) -> dict:
+    """A disk-delta trainer job: version 1 is published; then its disk fills (RLIMIT_FSIZE) and the writer
+    cannot publish version 2; the sync of version 3 raises that failure and the job leaves its `with` block.
+    The failing sync and the leaving (the engines acknowledge "stop", else it waits timeout_s) are bounded."""
+    import resource
+    import signal
+
+    import torch
+
+    from megatron_sync.core.grid import ParallelLayout
+    from megatron_sync.core.wait import poll
+    from megatron_sync.drivers.callback import WeightSyncCallback
+    from megatron_sync.transports.disk_delta.storedir import failed_versions
+    from tests.support import models
+    from tests.support.dist import init_megatron
+    from tests.support.jobs import case_hf_config, sync_config
+    from tests.support.timing import scaled
+
+    init_megatron(seed=3)
+    spec = models.ModelSpec(**case["spec"])
+    chunks = models.build_model_chunks(spec)
+    models.load_reference_weights(chunks, models.reference_weights(spec, seed=3), spec)
+    failure, warnings = None, _Warnings()
+    logging.getLogger("megatron_sync").addHandler(warnings)
+    with contextlib.ExitStack() as stack:
+        callback = stack.enter_context(WeightSyncCallback.from_config(
+            sync_config(case), chunks, hf_config=case_hf_config(case), layout=ParallelLayout.from_megatron()))
+        callback.sync_now()  # version 1
+        writer = callback.syncer.transport.writer
+        writer.flush(timeout=case["timeout_s"])  # published
+        with torch.no_grad():
+            for param in chunks[0].parameters():
+                param.add_(0.01)  # version 2 differs everywhere: its delta is far larger than the limit
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        callback.sync_now()  # version 2: handed over; publishing it fails on the writer's thread
+        poll(lambda: failed_versions(writer.root), within=scaled(case["timeout_s"]), what="version 2 failing")
+        with bounded(MARGIN_S, "the sync after the failed publish"):
+            try:
+                callback.sync_now()  # version 3: the writer raises version 2's failure
+            except Exception as e:  # noqa: BLE001 — the test reads it
+                failure = f"{type(e).__name__}: {e}"
+        with bounded(MARGIN_S, "leaving the with block after the writer failed"):
+            stack.close()  # "stop"; the engines, no longer waiting for a version, acknowledge at once
+    return {"failure": failure, "warnings": warnings.lines}
+
+
+class _Warnings(logging.Handler):
+    """The library's warnings in this process, as lines."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _engines_serving(rank: int, world_size: int, case: dict) -> dict:
+    """The inference job (`megatron_sync.drivers.serve`'s loop); returns its exit code and the version held."""
+    from megatron_sync.drivers.serve import join, serve
+    from tests.support.jobs import case_hf_config, sync_config
+
+    config = sync_config(case)
+    me = join(config, case_hf_config(case))
+    return {"code": serve(me, config, num_trainer_stages=1), "version": me.engine.version}
+
+
+@pytest.mark.multiproc
+def test_when_the_disk_delta_writer_fails_the_engines_leave_at_once_on_their_version(tmp_path):
+    """disk_delta: the trainer's writer cannot publish version 2 (a full disk), and the trainer's next sync,
+    whose version the writer will not take, fails and the job stops. Neither version is waited for: both are
+    recorded as failed in the store, so the engines abort each at once, read "stop" and exit 0 on version 1;
+    the trainer, leaving, gets their acknowledgements within MARGIN_S (not timeout_s, 120 s here)."""
+    from tests.support.jobs import run_pair
+
+    case = {"spec": {"family": "qwen3"}, "engines": 1, "engine_tp": 2, "timeout_s": 120.0,
+            "weight_sync": {"transport": "disk_delta", "delta_dir": str(tmp_path / "shared"),
+                            "delta_local_dir": str(tmp_path / "host0")}}
+    trainer, engines = run_pair(case, timeout=300, trainer=_trainer_whose_disk_fills, engine=_engines_serving,
+                                outcomes=True)
+    (status, result), = trainer.values()
+    assert status == "ok", result
+    assert result["failure"] is not None and "StoreWriteError" in result["failure"], result["failure"]
+    assert not [w for w in result["warnings"] if "did not all acknowledge 'stop'" in w], result["warnings"]
+    assert engines == {0: ("ok", {"code": 0, "version": 1}), 1: ("ok", {"code": 0, "version": 1})}, engines

@@ -23,6 +23,8 @@ from megatron_sync.core.errors import RendezvousError
 from megatron_sync.convert.model_digest import model_fields
 from megatron_sync.session.group import init_transport_group, transport_group_over
 from megatron_sync.session.rendezvous import Identity, expectations
+from megatron_sync.session.liveness import LIVE_WITHIN_S
+from megatron_sync.session.secret import SessionSecret
 from megatron_sync.session.session import SyncSession, report_failure
 from tests.support.dist import free_port
 from tests.support.models import ModelSpec, hf_config
@@ -38,22 +40,26 @@ def _config(**changes) -> WeightSyncConfig:
 
 
 def _identity(role: str, member: int, job: str, config: WeightSyncConfig, *, stages: int = 1,
-              model=None, session=None) -> Identity:
-    return Identity(job=job, role=role, member=member, session=session,
+              model=None, session=None, engine: Optional[int] = None) -> Identity:
+    return Identity(job=job, role=role, member=member, session=session, engine=engine,
                     expects=expectations(config, trainer_stages=stages, backend="gloo"),
                     model=model_fields(model if model is not None else hf_config(ModelSpec("qwen3"))))
 
 
-def _host(port: int, config: WeightSyncConfig, *, stages: int = 1, model=None) -> SyncSession:
+def _host(port: int, config: WeightSyncConfig, *, stages: int = 1, model=None,
+          secret: Optional[SessionSecret] = None) -> SyncSession:
     me = _identity("trainer", 0, "T", config, stages=stages, model=model, session="run-1")
-    return SyncSession.host("127.0.0.1", port, me, members={"trainer": 1, "inference": config.num_inference_ranks},
-                            timeout_s=TIMEOUT_S)
+    fleet = {"members": {"trainer": 1}, "engine_ranks": config.engine_tp_size} if config.fleet else \
+        {"members": {"trainer": 1, "inference": config.num_inference_ranks}}
+    return SyncSession.host("127.0.0.1", port, me, timeout_s=TIMEOUT_S, secret=secret, **fleet)
 
 
-def _join(port: int, member: int, job: str, config: WeightSyncConfig, **kw) -> SyncSession:
+def _join(port: int, member: int, job: str, config: WeightSyncConfig, *, secret: Optional[SessionSecret] = None,
+          ready: bool = True, **kw) -> SyncSession:
     session = SyncSession.join("127.0.0.1", port, _identity("inference", member, job, config, **kw),
-                               timeout_s=TIMEOUT_S)
-    session.wait_ready()
+                               timeout_s=TIMEOUT_S, secret=secret)
+    if ready:
+        session.wait_ready()
     return session
 
 
@@ -230,3 +236,152 @@ def test_a_bare_group_refuses_a_rank_beyond_its_world_size():
     assert isinstance(error, RendezvousError), error
     assert "member expects a transport group of 2 ranks, this member job has 3" in str(error)
     assert isinstance(host_error, RendezvousError)
+
+
+# ---- a session secret ----
+
+SECRET_VALUE = "test-only-secret-7f3a"
+
+
+def test_a_joiner_without_the_session_secret_or_with_another_is_refused_by_name_and_the_session_goes_on(caplog):
+    """The trainer hosts with a secret. A job without one, and a job with another, are each refused within
+    seconds naming the variable; the job with the secret then forms the session. The secret appears in no
+    log line, no error and nothing the store holds."""
+    caplog.set_level("INFO", logger="megatron_sync")
+    port, config = free_port(), _config()
+    host = _host(port, config, secret=SessionSecret(SECRET_VALUE))
+    try:
+        _, without = _outcome(_join, port, 0, "X", config, ready=False)
+        _, other = _outcome(_join, port, 0, "Y", config, ready=False, secret=SessionSecret("some-other-secret"))
+        with ThreadPoolExecutor(2) as pool:
+            joining = [pool.submit(_join, port, m, "E", config, secret=SessionSecret(SECRET_VALUE)) for m in (0, 1)]
+            _, hosted = _outcome(host.wait_ready)
+            joined = [f.result(timeout=TIMEOUT_S) for f in joining]
+        stored = [host.store.get("rdzv/session")] + [host.store.get(f"rdzv/ticket/{n}") for n in range(1, 5)]
+        for session in joined:
+            session.close()
+    finally:
+        host.close()
+    assert isinstance(without, RendezvousError) and (
+        "refused this rank: inference rank 0 of job 'X' presents no session secret, but session 'run-1' requires "
+        "one: set MEGATRON_SYNC_SECRET in this job's environment to the trainer's") in str(without), without
+    assert isinstance(other, RendezvousError) and (
+        "inference rank 0 of job 'Y' presents another session secret than session 'run-1''s: set "
+        "MEGATRON_SYNC_SECRET to the same value on both jobs") in str(other), other
+    assert hosted is None  # the refusals failed nothing: the rightful job completed the session
+    shown = caplog.text + str(without) + str(other) + b"".join(stored).decode()
+    assert "presents no session secret" in caplog.text and SECRET_VALUE not in shown
+
+
+def test_a_job_with_a_secret_does_not_join_a_host_without_one():
+    port, config = free_port(), _config()
+    host = _host(port, config)
+    try:
+        _, error = _outcome(_join, port, 0, "E", config, ready=False, secret=SessionSecret(SECRET_VALUE))
+    finally:
+        host.close()
+    assert isinstance(error, RendezvousError) and "refused this rank: inference rank 0 of job 'E' presents a " \
+        "session secret, but session 'run-1' runs without one: set MEGATRON_SYNC_SECRET on the trainer too" \
+        in str(error), error
+
+
+# ---- a fleet: one live job per engine id ----
+
+def _fleet_config() -> WeightSyncConfig:
+    return _config(fleet=True, num_inference_ranks=1, engine_tp_size=1)
+
+
+def test_a_second_live_engine_with_the_same_id_is_refused_and_one_that_left_is_superseded():
+    """Engine job E1 holds engine id 0 and answers: E2 presenting id 0 is refused at once, naming E1, and E1
+    keeps its seat. Once E1 has left, E3 presenting id 0 is admitted as its next generation."""
+    port, config = free_port(), _fleet_config()
+    host = _host(port, config)
+    try:
+        host.wait_ready()  # a fleet's session is ready with the trainer alone; engines join whenever they come
+        first, _ = _outcome(_join, port, 0, "E1", config, engine=0)
+        _, duplicate = _outcome(_join, port, 0, "E2", config, engine=0)
+        held = host.admitted_engines()
+        first.close()  # E1 leaves (it says so): its seat is free at once
+        restarted, error = _outcome(_join, port, 0, "E3", config, engine=0)
+        admitted = host.admitted_engines()
+        if restarted is not None:
+            restarted.close()
+    finally:
+        host.close()
+    assert first is not None and first.generation == 0
+    assert isinstance(duplicate, RendezvousError) and (
+        "engine 0 of session 'run-1' is held by job 'E1' (generation 0), which still answers; this job 'E2' "
+        "presenting the same engine id is refused") in str(duplicate), duplicate
+    assert held == {0: (0, "E1")}
+    assert error is None and restarted.generation == 1 and admitted == {0: (1, "E3")}, error
+
+
+KILLED_ENGINE = """
+import sys
+from megatron_sync.settings.config import WeightSyncConfig
+from megatron_sync.session.rendezvous import Identity, expectations
+from megatron_sync.session.session import SyncSession
+config = WeightSyncConfig.from_dict({config!r})
+me = Identity(job="E1", role="inference", member=0, engine=0, expects=expectations(config, trainer_stages=1,
+              backend="gloo"))
+SyncSession.join("127.0.0.1", {port}, me, timeout_s={timeout})
+print("joined", flush=True)
+sys.stdin.read()  # holds engine 0 until the test kills it
+"""
+
+
+@pytest.mark.multiproc
+def test_an_engine_whose_job_was_killed_is_superseded_by_its_restart():
+    """E1 holds engine 0 and is killed (SIGKILL: it says nothing). E2, its restart, is admitted as generation 1
+    once E1's rank has not answered within LIVE_WITHIN_S."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    port, config = free_port(), _fleet_config()
+    host = SyncSession.host("127.0.0.1", port, Identity(job="T", role="trainer", member=0, session="run-1",
+                                                         expects=expectations(config, trainer_stages=1,
+                                                                              backend="gloo")),
+                            members={"trainer": 1}, engine_ranks=1, timeout_s=TIMEOUT_S)
+    host.wait_ready()
+    script = KILLED_ENGINE.format(config=dataclasses.asdict(config), port=port, timeout=TIMEOUT_S)
+    engine = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert engine.stdout.readline().strip() == "joined"
+        engine.kill()
+        engine.wait(timeout=30)
+        me = Identity(job="E2", role="inference", member=0, engine=0,
+                      expects=expectations(config, trainer_stages=1, backend="gloo"))
+        restarted, error = _outcome(SyncSession.join, "127.0.0.1", port, me, timeout_s=TIMEOUT_S,
+                                    bound_s=LIVE_WITHIN_S + QUICK_S)
+        admitted = host.admitted_engines()
+        if restarted is not None:
+            restarted.close()
+    finally:
+        engine.kill()
+        host.close()
+    assert error is None and restarted.generation == 1 and admitted == {0: (1, "E2")}, error
+
+
+def test_the_inference_driver_presents_the_secret_of_its_environment(monkeypatch):
+    """`InferenceWeightSync` reads MEGATRON_SYNC_SECRET once and proves it: with another value in its
+    environment it is refused by name, within seconds, before anything else is built."""
+    from megatron_sync.drivers.sync import InferenceWeightSync
+    from tests.support.fakes import FakeEngine
+    from tests.support.fleet_fakes import METAS, fleet_config
+
+    port = free_port()
+    config = fleet_config(port, engine_id=0).replace(timeout_s=TIMEOUT_S)
+    trainer = Identity(job="T", role="trainer", member=0, session="run-1",
+                       expects=expectations(config, trainer_stages=1, backend="gloo"))
+    host = SyncSession.host("127.0.0.1", port, trainer, members={"trainer": 1}, engine_ranks=1,
+                            timeout_s=TIMEOUT_S, secret=SessionSecret(SECRET_VALUE))
+    monkeypatch.setenv("MEGATRON_SYNC_SECRET", "not-the-trainers")
+    try:
+        host.wait_ready()
+        _, error = _outcome(InferenceWeightSync, config, FakeEngine(METAS, 0, 1), num_trainer_stages=1,
+                            inference_rank=0, job_id="E")
+    finally:
+        host.close()
+    assert isinstance(error, RendezvousError) and "refused this rank: inference rank 0 of engine 0 (job 'E') " \
+        "presents another session secret than session 'run-1''s" in str(error), error

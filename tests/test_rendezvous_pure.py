@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
+
 import pytest
 
 from megatron_sync.settings.config import WeightSyncConfig
 from megatron_sync.convert.model_digest import defining_field_names, model_digest, model_fields
-from megatron_sync.session.rendezvous import Admission, Identity, expectations
+from megatron_sync.session.rendezvous import Admission, Identity, expectations, host_unproven, signed
+from megatron_sync.session.secret import SECRET_ENV, SessionSecret
 
 CONFIG = WeightSyncConfig(family="qwen3", num_inference_ranks=2, engine_tp_size=2, dtype="float32")
 QWEN3 = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -227,3 +231,100 @@ def test_a_config_json_and_the_loaded_config_give_the_same_fields():
     assert model_fields(QWEN3) == model_fields(loaded)
     assert model_fields(QWEN3)["rope_parameters.rope_theta"] == 1000000.0  # old-style key, new-style field
     assert {name.split(".")[0] for name in model_fields(loaded)} <= set(defining_field_names())
+
+
+# ---- the session secret ----
+
+SECRETS = {"A": SessionSecret("correct-horse-battery"), "B": SessionSecret("another-horse-entirely")}
+SECRET_VALUES = ("correct-horse-battery", "another-horse-entirely")
+
+SECRET_CASES = [  # (the host's secret, the joiner's, words of the refusal; None: admitted)
+    ("A", "A", None),
+    (None, None, None),
+    ("A", None, "inference rank 0 of job 'E' presents no session secret, but session 'S' requires one: set "
+                "MEGATRON_SYNC_SECRET in this job's environment to the trainer's"),
+    ("A", "B", "inference rank 0 of job 'E' presents another session secret than session 'S''s: set "
+               "MEGATRON_SYNC_SECRET to the same value on both jobs"),
+    (None, "A", "inference rank 0 of job 'E' presents a session secret, but session 'S' runs without one: set "
+                "MEGATRON_SYNC_SECRET on the trainer too (the same value), or on neither job"),
+]
+
+
+def _secret_admission(host_secret) -> Admission:
+    secret = SECRETS.get(host_secret)
+    return Admission("S", signed(_trainer(), secret), {"trainer": 1, "inference": 2}, secret=secret)
+
+
+@pytest.mark.parametrize("host, joiner, words", SECRET_CASES, ids=["same", "neither", "missing", "another",
+                                                                    "host-has-none"])
+def test_a_joiner_without_the_session_secret_is_refused_by_name_and_the_session_is_untouched(host, joiner, words):
+    admission = _secret_admission(host)
+    presented = signed(_engine(0), SECRETS.get(joiner), admission.host)
+    decision = admission.decide(presented)
+    if words is None:
+        assert decision.accepted, decision.reason
+        return
+    assert not decision.accepted and not decision.fatal and decision.reason == words, decision.reason
+    assert admission.failure is None and admission.presented == {} and admission.admitted == {"trainer": {0: "T"}}
+    rightful = signed(_engine(0, job="E2"), SECRETS.get(host), admission.host)  # the session goes on
+    assert admission.decide(rightful).accepted and admission.job_of("inference") == "E2"
+
+
+def test_a_proof_covers_the_whole_identity_and_never_shows_the_secret():
+    admission = _secret_admission("A")
+    presented = signed(_engine(1), SECRETS["A"], admission.host)
+    replayed = dataclasses.replace(presented, member=0)  # the same proof under another rank: refused
+    assert "presents another session secret" in admission.decide(replayed).reason
+    forged = dataclasses.replace(presented, failure="forged: the trainer must stop")  # a report needs its own proof
+    assert not admission.decide(forged).fatal and admission.failure is None
+    assert admission.decide(presented).accepted
+    shown = " ".join([repr(admission), str(SECRETS["A"]), presented.describe(), presented.to_json().decode(),
+                      admission.host.to_json().decode()])
+    assert not any(value in shown for value in SECRET_VALUES), shown
+    with pytest.raises(TypeError, match="not pickled"):
+        pickle.dumps(SECRETS["A"])
+
+
+@pytest.mark.parametrize("host, joiner, words", [
+    ("A", "A", None), (None, None, None), ("A", None, None),  # a joiner without a secret: the host says why
+    ("B", "A", "proves another session secret than this job's: set MEGATRON_SYNC_SECRET to the same value"),
+    (None, "A", "runs session 'S' without a session secret, but this job has MEGATRON_SYNC_SECRET set"),
+], ids=["same", "neither", "joiner-has-none", "another", "host-has-none"])
+def test_a_joiner_with_a_secret_checks_that_the_host_proves_it(host, joiner, words):
+    problem = host_unproven(signed(_trainer(), SECRETS.get(host)), SECRETS.get(joiner), "h:1")
+    assert problem == words if words is None else words in problem, problem
+
+
+def test_the_secret_is_read_from_its_environment_variable_only():
+    assert SessionSecret.from_environment({}) is None and SessionSecret.from_environment({SECRET_ENV: ""}) is None
+    read = SessionSecret.from_environment({SECRET_ENV: "correct-horse-battery"})
+    assert read.proof("x") == SECRETS["A"].proof("x") != SECRETS["B"].proof("x")
+
+
+# ---- a fleet: one live job per engine id ----
+
+def _fleet_admission() -> Admission:
+    return Admission("S", _trainer(), {"trainer": 1}, engine_ranks=2)
+
+
+def _engine_rank(job: str, member: int, engine: int = 0) -> Identity:
+    return dataclasses.replace(_engine(member, job=job), engine=engine)
+
+
+def test_an_engine_id_held_by_a_live_job_is_refused_and_a_gone_one_is_superseded():
+    admission = _fleet_admission()
+    assert all(admission.decide(_engine_rank("J1", m)).accepted for m in (0, 1))
+    assert admission.contested(_engine_rank("J1", 0)) is None  # its own job: nothing to ask
+    seat = admission.contested(_engine_rank("J2", 0))
+    assert seat is not None and (seat.job, seat.generation, seat.ranks) == ("J1", 0, {0, 1})
+    duplicate = admission.decide(_engine_rank("J2", 0), holder_alive=True)
+    assert not duplicate.accepted and not duplicate.fatal
+    assert duplicate.reason == ("engine 0 of session 'S' is held by job 'J1' (generation 0), which still answers; "
+                                "this job 'J2' presenting the same engine id is refused: give each engine its own "
+                                "weight_sync.engine_id (a restarted engine is admitted once its earlier job is gone)")
+    assert admission.complete_engines() == {0: (0, "J1")}  # the live engine keeps its seat
+    restarted = [admission.decide(_engine_rank("J3", m), holder_alive=False) for m in (0, 1)]
+    assert all(d.accepted and d.generation == 1 for d in restarted)
+    assert admission.complete_engines() == {0: (1, "J3")}
+    assert "was superseded" in admission.decide(_engine_rank("J1", 0)).reason
+    assert admission.contested(_engine_rank("J4", 0, engine=1)) is None  # an engine id nobody holds

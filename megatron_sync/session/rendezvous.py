@@ -12,15 +12,24 @@ A refusal is *fatal* to the session (the host fails too, quoting it) when it
 comes from the only job that could complete the session: the first job of its
 role, or a rank of the job already accepted. A second job pointed at the same
 address is refused and the session goes on undisturbed.
+
+With a session secret (`secret.py`) the host presents a keyed digest of its
+session, every joiner one of its identity; a joiner without one, or with
+another secret's, is refused by name before anything else is looked at, and
+the session goes on undisturbed. In a fleet, a new job presenting the engine
+id of a job whose ranks still answer (`contested`, asked over the network by
+the host) is refused; once that job is gone, the new one supersedes it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
 
 from megatron_sync.convert.model_digest import model_differences
+from megatron_sync.session.secret import SECRET_ENV, SessionSecret, new_nonce
 
 if TYPE_CHECKING:
     from megatron_sync.settings.config import WeightSyncConfig
@@ -117,6 +126,8 @@ class Identity:
     session: Optional[str] = None  # the session it asks for (None: whichever the host runs)
     failure: Optional[str] = None  # set when the rank failed while starting: a report, not a join
     engine: Optional[int] = None  # fleet: the engine this inference rank belongs to (`member`: its rank in it)
+    nonce: str = ""  # fresh per presentation, part of what `proof` covers
+    proof: Optional[str] = None  # keyed digest proving the session secret (`signed`); None without a secret
 
     def describe(self) -> str:
         """Return "inference rank 1 of job 'j'" (how messages name a rank; "rank 1 of engine 2" in a fleet)."""
@@ -147,6 +158,36 @@ class Decision:
     @classmethod
     def from_json(cls, raw: bytes) -> "Decision":
         return cls(**json.loads(raw.decode()))
+
+
+def _proof_parts(host: Identity, joiner: Optional[Identity] = None) -> tuple[str, ...]:
+    """Return what a proof covers: the host's session and nonce, and (a joiner's) its whole identity."""
+    if joiner is None:
+        return ("host", host.session or "", host.nonce)
+    return ("join", host.session or "", host.nonce, joiner.job, joiner.role, str(joiner.member), str(joiner.engine),
+            joiner.failure or "", joiner.nonce)
+
+
+def signed(identity: Identity, secret: Optional[SessionSecret], host: Optional[Identity] = None) -> Identity:
+    """Return `identity` with a fresh nonce and the proof of `secret` (unchanged without a secret): a host's own
+    identity when `host` is None, else a joiner's presentation to `host`."""
+    if secret is None:
+        return identity
+    fresh = dataclasses.replace(identity, nonce=new_nonce(), proof=None)
+    parts = _proof_parts(fresh) if host is None else _proof_parts(host, fresh)
+    return dataclasses.replace(fresh, proof=secret.proof(*parts))
+
+
+def host_unproven(host: Identity, secret: Optional[SessionSecret], where: str) -> Optional[str]:
+    """Return why a joiner holding `secret` must not join the rendezvous at `where` whose host is `host`
+    (None: it proves the same secret, or this joiner has none: the host then decides)."""
+    if secret is None or secret.verifies(host.proof, *_proof_parts(host)):
+        return None
+    if host.proof is None:
+        return (f"the rendezvous at {where} runs session {host.session!r} without a session secret, but this job "
+                f"has {SECRET_ENV} set: set it on the trainer too (the same value), or on neither job")
+    return (f"the rendezvous at {where} (session {host.session!r}) proves another session secret than this "
+            f"job's: set {SECRET_ENV} to the same value on both jobs")
 
 
 def disagreements(host: Identity, joiner: Identity) -> list[str]:
@@ -180,6 +221,7 @@ class Admission:
     # of the session's jobs that presented itself (admitted or not); a role's job is its first one
     engine_ranks: Optional[int] = None  # fleet: inference ranks join any time, as engines of this many ranks
     seats: dict[int, "EngineSeat"] = field(default_factory=dict)  # fleet: engine id -> its latest job
+    secret: Optional[SessionSecret] = field(default=None, repr=False)  # what every joiner must prove
 
     def __post_init__(self) -> None:
         self.admitted.setdefault(self.host.role, {})[self.host.member] = self.host.job
@@ -201,20 +243,53 @@ class Admission:
         return all(m in self.presented.get(role, {}) or (role, m) == (self.host.role, self.host.member)
                    for role, count in self.members.items() for m in range(count))
 
-    def decide(self, joiner: Identity) -> Decision:
-        """Return the answer to `joiner`, recording an admission or the session's failure."""
+    def decide(self, joiner: Identity, *, holder_alive: bool = False) -> Decision:
+        """Return the answer to `joiner`, recording an admission or the session's failure.
+
+        `holder_alive`: whether the job holding the engine seat `contested(joiner)` names still answers
+        (the host asks over the network first); a live holder keeps its seat and the joiner is refused."""
+        stranger = self._unproven(joiner)
+        if stranger is not None:  # told why, and nothing of it is recorded: the session goes on undisturbed
+            return Decision(False, stranger)
         seen = self.presented.setdefault(joiner.role, {})
         if joiner.role in self.members and (self.job_of(joiner.role) or next(iter(seen.values()), joiner.job)) \
                 == joiner.job:
             seen[joiner.member] = joiner.job
-        decision = self._judge(joiner)
+        decision = self._judge(joiner, holder_alive)
         if decision.accepted:
             self.admitted.setdefault(joiner.role, {})[joiner.member] = joiner.job
         elif decision.fatal and self.failure is None:
             self.failure = decision.reason
         return decision
 
-    def _judge(self, joiner: Identity) -> Decision:
+    def _unproven(self, joiner: Identity) -> Optional[str]:
+        """Return why `joiner` does not prove the session secret (None: it proves it, or neither side has one)."""
+        where = f"session {self.session!r}"
+        if self.secret is None:
+            if joiner.proof is None:
+                return None
+            return (f"{joiner.describe()} presents a session secret, but {where} runs without one: set {SECRET_ENV} "
+                    "on the trainer too (the same value), or on neither job")
+        if joiner.proof is None:
+            return (f"{joiner.describe()} presents no session secret, but {where} requires one: set {SECRET_ENV} in "
+                    "this job's environment to the trainer's")
+        if not self.secret.verifies(joiner.proof, *_proof_parts(self.host, joiner)):
+            return (f"{joiner.describe()} presents another session secret than {where}'s: set {SECRET_ENV} to the "
+                    "same value on both jobs")
+        return None
+
+    def contested(self, joiner: Identity) -> Optional["EngineSeat"]:
+        """Fleet: return the seat of `joiner`'s engine when another job holds it, so whether that job's ranks
+        still answer decides (`decide(holder_alive=...)`); None when nothing needs asking."""
+        if self.engine_ranks is None or joiner.role != "inference" or joiner.failure is not None \
+                or self.failure is not None or self._unproven(joiner) is not None:
+            return None
+        seat = self.seats.get(joiner.engine) if isinstance(joiner.engine, int) else None
+        if seat is None or seat.job == joiner.job or joiner.job in seat.superseded or not seat.ranks:
+            return None
+        return seat
+
+    def _judge(self, joiner: Identity, holder_alive: bool) -> Decision:
         where = f"session {self.session!r}"
         if self.failure is not None:
             return Decision(False, f"{where} has failed: {self.failure}")
@@ -222,7 +297,7 @@ class Admission:
             return Decision(False, f"this job asked for session {joiner.session!r}, but the rendezvous runs "
                                    f"{where}; give both jobs the same weight_sync.run_id")
         if self.engine_ranks is not None and joiner.role == "inference":
-            return self._judge_engine(joiner, where)
+            return self._judge_engine(joiner, where, holder_alive)
         own_job = self.job_of(joiner.role) in (None, joiner.job)  # the job that could complete the session
         if joiner.failure is not None:
             return Decision(False, f"{joiner.describe()} failed while starting: {joiner.failure}", fatal=own_job)
@@ -246,10 +321,11 @@ class Admission:
         return Decision(True, f"accepted into {where} as {joiner.role} rank {joiner.member}")
 
 
-    def _judge_engine(self, joiner: Identity, where: str) -> Decision:
+    def _judge_engine(self, joiner: Identity, where: str, holder_alive: bool) -> Decision:
         """A fleet's engine rank: admitted whenever it comes, into its engine's latest generation. A new job
-        presenting an engine id supersedes the job that held it (a restarted engine); a superseded job is
-        refused from then on. A refusal is never fatal: the fleet goes on without that engine."""
+        presenting an engine id supersedes the job that held it once that job is gone (a restarted engine),
+        and is refused while it still answers (two engines started with one id); a superseded job is refused
+        from then on. A refusal is never fatal: the fleet goes on without that engine."""
         if joiner.failure is not None:
             return Decision(False, f"{joiner.describe()} failed while starting: {joiner.failure}")
         if not isinstance(joiner.engine, int) or joiner.engine < 0:
@@ -265,6 +341,11 @@ class Admission:
         if seat is not None and joiner.job in seat.superseded:
             return Decision(False, f"engine {joiner.engine} of {where} is now job {seat.job!r} (generation "
                                    f"{seat.generation}); job {joiner.job!r} was superseded")
+        if seat is not None and seat.job != joiner.job and holder_alive:
+            return Decision(False, f"engine {joiner.engine} of {where} is held by job {seat.job!r} (generation "
+                                   f"{seat.generation}), which still answers; this job {joiner.job!r} presenting "
+                                   "the same engine id is refused: give each engine its own weight_sync.engine_id "
+                                   "(a restarted engine is admitted once its earlier job is gone)")
         if seat is None or seat.job != joiner.job:
             seat = EngineSeat(joiner.job, 0 if seat is None else seat.generation + 1,
                               superseded=set() if seat is None else {*seat.superseded, seat.job})

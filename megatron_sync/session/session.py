@@ -14,7 +14,12 @@ raises it at once.
 Keys (under `rdzv/` in the store): `session` (the host's identity, posted
 first: it marks the store as a rendezvous), `tickets` (a counter) and
 `ticket/<n>` (join requests and failure reports), `answer/<n>`, `ready`,
-`failed`, `acks` (answers and failures read: a failed host leaves once all are).
+`failed`, `acks` (answers and failures read: a failed host leaves once all are),
+`live/...` (a fleet's engine ranks answering "are you there", `liveness.py`).
+
+With a session secret (`secret.py`, read by the drivers) the host's identity
+and every ticket carry a keyed digest instead of it; probing, connecting and
+presenting a ticket live in `reach.py`.
 """
 
 from __future__ import annotations
@@ -22,9 +27,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import os
-import socket
-import struct
 import threading
 import time
 import uuid
@@ -33,17 +35,19 @@ from typing import Any, Mapping, Optional
 import torch.distributed as dist
 
 from megatron_sync.core.wait import Deadline, WaitTimeout, clock, every, poll
-from megatron_sync.core.errors import RendezvousError, StoreSilentError
-from megatron_sync.session.rendezvous import Admission, Decision, Identity
+from megatron_sync.core.errors import RendezvousError
+from megatron_sync.session.liveness import AliveQuery, EngineAnswers
+from megatron_sync.session.reach import (  # noqa: F401 — connect and report_failure are this module's API too
+    PROBE_S, REPORT_WAIT_S, STORE_ERRORS, _probe, add, connect, hosting_problem, present, read, report_failure,
+)
+from megatron_sync.session.rendezvous import Admission, Decision, Identity, signed
+from megatron_sync.session.secret import SessionSecret
 from megatron_sync.session.store import BoundedStore, bounded
 
 log = logging.getLogger("megatron_sync")
 
-PROBE_S = 10.0  # how long a connected port may stay silent before it counts as "held by something else"
 DIAGNOSE_S = 2.0  # how long `host_state` waits for the host to answer (a live store answers in milliseconds)
-REPORT_WAIT_S = 30.0  # how long a rank that failed while starting waits for the host to listen, to tell it
 ANSWER_EVERY_S = 0.05  # how often the host looks for new join tickets
-_STORE_ERRORS = (RuntimeError, dist.DistStoreError, dist.DistNetworkError)
 
 
 def new_session_id() -> str:
@@ -59,18 +63,23 @@ class SyncSession:
     """
 
     def __init__(self, store: Any, *, session_id: str, identity: Identity, address: str, port: int,
-                 timeout_s: float, admission: Optional[Admission] = None, host: Optional[Identity] = None) -> None:
+                 timeout_s: float, admission: Optional[Admission] = None, host: Optional[Identity] = None,
+                 secret: Optional[SessionSecret] = None) -> None:
         self.store: Optional[BoundedStore] = bounded(store, where=f"{address}:{port}", timeout_s=timeout_s)
         self.id, self.identity = session_id, identity
         self.host_identity = host if host is not None else identity  # what the host presented (its settings)
         self.address, self.port, self.timeout_s = address, port, timeout_s
         self._admission = admission  # the host's record (None on joiners)
+        self._secret = secret  # what this rank proves (never sent: see secret.py)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._answering: Optional[threading.Thread] = None
-        self._answered = 0  # tickets answered (host)
+        self._answered = 0  # tickets taken up (host)
+        self._replied = 0  # answers posted (host)
+        self._pending: list[tuple[int, Identity, AliveQuery]] = []  # tickets waiting on an engine's answer
         self._ready = False
         self.generation: Optional[int] = None  # fleet: the generation of this engine's job (set on joining)
+        self._answers: Optional[EngineAnswers] = None  # fleet engine rank: answers the host's "are you there"
 
     @property
     def is_host(self) -> bool:
@@ -84,21 +93,22 @@ class SyncSession:
 
     @classmethod
     def host(cls, address: str, port: int, identity: Identity, *, members: Mapping[str, int],
-             timeout_s: float, engine_ranks: Optional[int] = None) -> "SyncSession":
+             timeout_s: float, engine_ranks: Optional[int] = None,
+             secret: Optional[SessionSecret] = None) -> "SyncSession":
         """Host the session (this rank is `identity`, admitted already) and start answering joiners.
 
         `engine_ranks` (a fleet): inference ranks are not `members`; they join whenever they come, as
-        engines of that many ranks (`admitted_engines`)."""
+        engines of that many ranks (`admitted_engines`). `secret`: every joiner must prove it."""
         session_id = identity.session or new_session_id()
-        identity = dataclasses.replace(identity, session=session_id)
+        identity = signed(dataclasses.replace(identity, session=session_id), secret)
         try:
             store = dist.TCPStore(address, port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
                                   wait_for_workers=False)
-        except _STORE_ERRORS as e:
-            raise RendezvousError(_hosting_problem(address, port, e)) from e
-        admission = Admission(session_id, identity, dict(members), engine_ranks=engine_ranks)
+        except STORE_ERRORS as e:
+            raise RendezvousError(hosting_problem(address, port, e)) from e
+        admission = Admission(session_id, identity, dict(members), engine_ranks=engine_ranks, secret=secret)
         session = cls(store, session_id=session_id, identity=identity, address=address, port=port,
-                      timeout_s=timeout_s, admission=admission)
+                      timeout_s=timeout_s, admission=admission, secret=secret)
         store.set("rdzv/session", identity.to_json())
         session._answering = threading.Thread(target=session._answer_joiners, name="megatron-sync-rendezvous",
                                               daemon=True)
@@ -110,26 +120,54 @@ class SyncSession:
         try:
             store = dist.TCPStore(self.address, self.port, None, False,
                                   timeout=datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False)
-        except _STORE_ERRORS:
+        except STORE_ERRORS:
             log.exception("the rendezvous at %s cannot answer joiners", self.where)
             return
         for _ in every(ANSWER_EVERY_S, self._stop):
             try:
                 count = store.add("rdzv/tickets", 0)
                 while self._answered < count:
-                    self._answer(store, self._answered + 1)
+                    self._take(store, self._answered + 1)
                     self._answered += 1
-            except _STORE_ERRORS:
+                self._answer_pending(store)
+            except STORE_ERRORS:
                 if not self._stop.is_set():
                     log.exception("the rendezvous at %s stopped answering joiners", self.where)
                 return
 
-    def _answer(self, store: Any, ticket: int) -> None:
-        identity = Identity.from_json(store.get(f"rdzv/ticket/{ticket}"))
+    def _take(self, store: Any, ticket: int) -> None:
+        """Answer `ticket` now, or (a fleet engine id another job holds) once that job's ranks answered or not."""
+        try:
+            identity = Identity.from_json(store.get(f"rdzv/ticket/{ticket}"))
+        except (ValueError, TypeError) as e:  # not a megatron-sync rank: refused, and the session goes on
+            store.set(f"rdzv/answer/{ticket}", Decision(False, f"ticket {ticket} is not a rank's identity: {e}")
+                      .to_json())
+            self._replied += 1
+            return
         with self._lock:
-            decision = self._admission.decide(identity)
+            seat = self._admission.contested(identity)
+        if seat is None:
+            self._answer(store, ticket, identity, holder_alive=False)
+            return
+        query = AliveQuery(store, identity.engine, seat.generation, sorted(seat.ranks), every=False)
+        self._pending.append((ticket, identity, query))
+
+    def _answer_pending(self, store: Any) -> None:
+        waiting = []
+        for ticket, identity, query in self._pending:
+            alive = query.answer()
+            if alive is None:
+                waiting.append((ticket, identity, query))
+            else:
+                self._answer(store, ticket, identity, holder_alive=alive)
+        self._pending = waiting
+
+    def _answer(self, store: Any, ticket: int, identity: Identity, *, holder_alive: bool) -> None:
+        with self._lock:
+            decision = self._admission.decide(identity, holder_alive=holder_alive)
             failure = self._admission.failure
         store.set(f"rdzv/answer/{ticket}", decision.to_json())
+        self._replied += 1
         if decision.fatal and failure == decision.reason:
             store.set("rdzv/failed", failure.encode())
         if decision.accepted:
@@ -140,18 +178,35 @@ class SyncSession:
     # ---- joining ----
 
     @classmethod
-    def join(cls, address: str, port: int, identity: Identity, *, timeout_s: float) -> "SyncSession":
-        """Join the session hosted at address:port as `identity`; raise RendezvousError if refused."""
+    def join(cls, address: str, port: int, identity: Identity, *, timeout_s: float,
+             secret: Optional[SessionSecret] = None) -> "SyncSession":
+        """Join the session hosted at address:port as `identity` (proving `secret`, after checking the host
+        proves it too); raise RendezvousError if refused. A fleet's engine rank answers the host's "are you
+        there" from then on."""
+        where = f"{address}:{port}"
         store = connect(address, port, timeout_s=timeout_s)
-        decision = _present(store, identity, f"{address}:{port}", timeout_s)
+        try:
+            host = Identity.from_json(read(store, "rdzv/session", where))
+            decision = present(store, identity, where, timeout_s, secret=secret, host=host)
+        except BaseException:
+            store.close()
+            raise
         if not decision.accepted:
             store.close()
-            raise RendezvousError(f"the rendezvous at {address}:{port} refused this rank: {decision.reason}")
-        host = Identity.from_json(_read(store, "rdzv/session", f"{address}:{port}"))
+            raise RendezvousError(f"the rendezvous at {where} refused this rank: {decision.reason}")
         log.info("%s joined session %s", identity.describe(), host.session)
         session = cls(store, session_id=host.session, identity=identity, address=address, port=port,
-                      timeout_s=timeout_s, host=host)
+                      timeout_s=timeout_s, host=host, secret=secret)
         session.generation = decision.generation
+        if identity.engine is not None and decision.generation is not None:
+            try:
+                session._answers = EngineAnswers(address, port, engine=identity.engine,
+                                                 generation=decision.generation, rank=identity.member,
+                                                 timeout_s=timeout_s)
+            except STORE_ERRORS as e:
+                session.close()
+                raise RendezvousError(f"{identity.describe()} was admitted but cannot open its second connection "
+                                      f"to the rendezvous at {where}: {e}") from e
         return session
 
     # ---- a fleet's engines ----
@@ -208,11 +263,11 @@ class SyncSession:
 
     def _joiner_waits(self, deadline: Deadline) -> None:
         def ready() -> bool:
-            failure = _read(self.store, "rdzv/failed", self.where)
+            failure = read(self.store, "rdzv/failed", self.where)
             if failure is not None:
-                _add(self.store, "rdzv/acks", 1)
+                add(self.store, "rdzv/acks", 1)
                 raise RendezvousError(f"[{self.identity.describe()}] session {self.id} failed: {failure.decode()}")
-            return _read(self.store, "rdzv/ready", self.where) is not None
+            return read(self.store, "rdzv/ready", self.where) is not None
 
         poll(ready, within=deadline, what="the session becoming ready", timeout=lambda _: RendezvousError(
             f"[{self.identity.describe()}] session {self.id} at {self.where} was not ready within "
@@ -229,8 +284,9 @@ class SyncSession:
                 if first:
                     self.store.set("rdzv/failed", reason.encode())
             else:
-                _present(self.store, _failed(self.identity, reason), self.where, min(self.timeout_s, PROBE_S))
-        except (RendezvousError, *_STORE_ERRORS):
+                present(self.store, dataclasses.replace(self.identity, failure=reason), self.where,
+                        min(self.timeout_s, PROBE_S), secret=self._secret, host=self.host_identity)
+        except (RendezvousError, *STORE_ERRORS):
             log.warning("could not post this rank's failure to the session at %s", self.where)
 
     def host_state(self, probe_s: float = DIAGNOSE_S) -> tuple[bool, str]:
@@ -262,6 +318,9 @@ class SyncSession:
             self._stop.set()
             if self._answering is not None:
                 self._answering.join(timeout=5.0)
+        if self._answers is not None:
+            self._answers.close(self.store)
+            self._answers = None
         self.store.close()
         self.store = None
 
@@ -272,9 +331,9 @@ class SyncSession:
             with self._lock:
                 if self._admission.failure is None or self._ready:
                     return True
-                expected = self._answered + sum(len(m) for m in self._admission.admitted.values()) - 1
+                expected = self._replied + sum(len(m) for m in self._admission.admitted.values()) - 1
                 everyone = self._admission.all_presented
-            return everyone and _add(self.store, "rdzv/acks", 0) >= expected
+            return everyone and add(self.store, "rdzv/acks", 0) >= expected
 
         try:
             poll(told_everyone, within=linger_s, what="every rank reading the failure")
@@ -302,141 +361,3 @@ class SessionPart:
         return self.session.host_state(probe_s)
 
 
-def report_failure(address: str, port: int, identity: Identity, reason: str, *, timeout_s: float) -> bool:
-    """Post that `identity` failed while starting (before it could join); return True if the host got it.
-
-    Waits at most `REPORT_WAIT_S` (not `timeout_s`) for a host to listen: a trainer launched alongside
-    is told, one that died (or starts much later) is not waited for; the failing rank reports its error
-    itself either way."""
-    store = None
-    try:
-        store = connect(address, port, timeout_s=timeout_s, wait_s=min(REPORT_WAIT_S, timeout_s))
-        _present(store, _failed(identity, reason), f"{address}:{port}", timeout_s)
-        return True
-    except RendezvousError as e:
-        log.warning("could not report this rank's start-up failure to the rendezvous: %s", e)
-        return False
-    finally:
-        if store is not None:
-            store.close()
-
-
-def connect(address: str, port: int, *, timeout_s: float, probe_s: float = PROBE_S,
-            wait_s: Optional[float] = None) -> BoundedStore:
-    """Return a (bounded) client of the rendezvous store at address:port, waiting up to `wait_s` (default
-    `timeout_s`) for its host to listen.
-
-    Raises RendezvousError naming what is wrong: nothing listens there (the
-    trainer did not start, or a wrong address), the port is held by a program
-    that never answers, or it answers but is not a megatron-sync rendezvous.
-    """
-    where = f"{address}:{port}"
-    wait_s = timeout_s if wait_s is None else wait_s
-    def listening() -> bool:
-        problem = _probe(address, port, min(probe_s, timeout_s))
-        if problem not in (None, "refused"):
-            raise _unreachable(where, problem, min(probe_s, timeout_s), wait_s)
-        return problem is None
-
-    poll(listening, within=wait_s, what=f"a rendezvous listening at {where}", max_pause_s=0.2,
-         timeout=lambda _: _unreachable(where, "refused", min(probe_s, timeout_s), wait_s))
-    try:
-        store = BoundedStore(dist.TCPStore(address, port, None, False, timeout=datetime.timedelta(seconds=timeout_s),
-                                           wait_for_workers=False), where=where, timeout_s=timeout_s)
-    except _STORE_ERRORS as e:
-        raise RendezvousError(f"the rendezvous at {where}: connecting failed: {e}") from e
-    poll(lambda: _read(store, "rdzv/session", where) is not None, within=min(probe_s, timeout_s),
-         what="the rendezvous's session marker", timeout=lambda _: RendezvousError(
-             f"the store at {where} is not a megatron-sync rendezvous (no session was posted there): is "
-             "weight_sync.master_port also some job's MASTER_PORT or another store's port? Choose a free one"))
-    return store
-
-
-def _unreachable(where: str, problem: str, probe_s: float, wait_s: float) -> RendezvousError:
-    words = _PROBLEMS.get(problem, "{problem}").format(problem=problem, probe=probe_s, timeout=wait_s)
-    return RendezvousError(f"the rendezvous at {where}: {words}")
-
-
-_PROBLEMS = {
-    "refused": "nothing answered for {timeout:g}s (connection refused: nothing listens there). The trainer's "
-               "first stage hosts the rendezvous: start the trainer, or check weight_sync.master_address / "
-               "master_port",
-    "silent": "the port accepted a connection but nothing answered within {probe:g}s: it is held by a program "
-              "that is not a megatron-sync rendezvous. Choose another weight_sync.master_port",
-}
-
-# What a TCPStore client says first: VALIDATE with torch's magic number, then PING with a nonce the server
-# echoes. Only the silence matters here: any reply (even one a future torch words differently) goes on to
-# the real client, whose own errors are reported.
-_VALIDATE, _PING, _MAGIC = 0, 13, 0x3C85F7CE
-
-
-def _probe(address: str, port: int, probe_s: float) -> Optional[str]:
-    """Return None if something answers at address:port, "refused", "silent", or the socket error."""
-    try:
-        sock = socket.create_connection((address, port), timeout=probe_s)
-    except ConnectionRefusedError:
-        return "refused"
-    except socket.timeout:
-        return "silent"
-    except OSError as e:
-        return f"cannot connect: {e.strerror or e}"
-    with sock:
-        try:
-            sock.sendall(struct.pack("=BI", _VALIDATE, _MAGIC) + struct.pack("=BI", _PING, os.getpid() & 0xFFFFFFFF))
-            sock.settimeout(probe_s)
-            sock.recv(4)  # an answer, or b"" when the peer closes: either way it is not silent
-        except socket.timeout:
-            return "silent"
-        except OSError:
-            pass
-    return None
-
-
-def _present(store: Any, identity: Identity, where: str, timeout_s: float) -> Decision:
-    """Post `identity` as the next ticket and return the host's answer (waiting up to `timeout_s`)."""
-    try:
-        ticket = store.add("rdzv/tickets", 1)
-        store.set(f"rdzv/ticket/{ticket}", identity.to_json())
-    except _STORE_ERRORS as e:
-        raise RendezvousError(f"the rendezvous at {where} went away while {identity.describe()} joined: {e}") from e
-    raw = poll(lambda: _read(store, f"rdzv/answer/{ticket}", where), within=timeout_s,
-               what=f"the answer to {identity.describe()}", timeout=lambda _: RendezvousError(
-                   f"the rendezvous at {where} did not answer {identity.describe()} within {timeout_s:g}s (its "
-                   "host is alive but busy or stuck)"))
-    _add(store, "rdzv/acks", 1)  # the host may leave once every answer was read
-    return Decision.from_json(raw)
-
-
-def _read(store: Any, key: str, where: str) -> Optional[bytes]:
-    """Return the value under `key`, or None if not posted yet; RendezvousError if the host is gone."""
-    try:
-        return store.get(key) if store.check([key]) else None
-    except StoreSilentError as e:
-        raise RendezvousError(f"the rendezvous host at {where} stopped answering: {e}") from e
-    except _STORE_ERRORS as e:
-        raise RendezvousError(f"the rendezvous host at {where} went away (the trainer exited or was killed): "
-                              f"{e}") from e
-
-
-def _failed(identity: Identity, reason: str) -> Identity:
-    return dataclasses.replace(identity, failure=reason)
-
-
-def _add(store: Any, key: str, amount: int) -> float:
-    """Return the counter under `key` after adding `amount`; infinity once the store is gone (nobody is
-    left to wait for)."""
-    try:
-        return store.add(key, amount)
-    except _STORE_ERRORS:
-        return float("inf")
-
-
-def _hosting_problem(address: str, port: int, error: BaseException) -> str:
-    text = str(error)
-    if "EADDRINUSE" in text or "address already in use" in text.lower():
-        return (f"cannot host the rendezvous at {address}:{port}: the port is already in use (another trainer's "
-                "rendezvous, or another program, holds it). Choose a free weight_sync.master_port, or stop the "
-                "other job")
-    return (f"cannot host the rendezvous at {address}:{port}: {text.splitlines()[0] if text else error!r}. "
-            "weight_sync.master_address must be an address of the host of the trainer's first stage")

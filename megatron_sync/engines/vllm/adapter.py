@@ -12,6 +12,11 @@ staged params in, run its post-load processing: CPU weight packing,
 quantization), so the served weights are exactly what `load_weights` of the
 full tensors would have made.
 
+A speculative MTP draft (`draft.py`) is part of the worker's layout once vLLM
+hands it over (`attach_draft`, from its draft session): a version loads the
+target's params, then (`between_models`, the worker's hook: it waits for
+vLLM's draft session) the draft's, and a failure anywhere restores both.
+
 Restoring the previous version. vLLM keeps no copy of the weights it
 replaces. A load that fails before any layer changed leaves the worker as it
 was; one that fails after gives the layers still waiting their live tensors
@@ -30,6 +35,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from megatron_sync.convert import get_converter
+from megatron_sync.engines.vllm.draft import DraftModel, split_draft
 from megatron_sync.engines.vllm.layout import (
     PartialLoad, abandon_layerwise_reload, alias_names, load_params, record_rank_layout, refresh_alias_layers,
 )
@@ -81,13 +87,21 @@ class VLLMModelAdapter:
         self._layout: Optional[RankLayout] = None
         self._version = 0
         self._live: Any = None  # the live version's params (or version 0's checkpoint), what a failed load restores
+        self.draft: Optional[DraftModel] = None  # vLLM's speculative MTP draft, once handed over (`attach_draft`)
+        self.between_models: Optional[Any] = None  # called with the version after the target loaded, before the draft
+
+    def attach_draft(self, model: torch.nn.Module, model_config: Any) -> None:
+        """Take vLLM's speculative draft model (what its draft session targets) as part of every version
+        (from the next `configure` on; the same model again changes nothing)."""
+        if self.draft is None or self.draft.model is not model:
+            self.draft = DraftModel(model, model_config)
 
     def configure(self, family: str, dtype: torch.dtype, draft: bool = True) -> None:
         """Derive the expected HF tensors from the served model's config, check the dtype agrees, and record
-        this worker's layout from vLLM's loaders.
+        this worker's layout from vLLM's loaders (the draft's too, when it runs one: `draft.py`).
 
         Raises ValueError naming the fix when the trainer's dtype is not the one vLLM serves (vLLM would
-        silently cast, and exactness would be lost), when draft (MTP) layers are involved (`_refuse_draft`),
+        silently cast, and exactness would be lost), when a draft could not be updated (`_check_draft`),
         or when vLLM's loaders need a tensor the trainer's family does not produce.
         """
         model_config = self.vllm_config.model_config
@@ -99,28 +113,45 @@ class VLLMModelAdapter:
             )
         hf_config = model_config.hf_config.to_dict()
         converter = get_converter(family, hf_config, dtype=dtype, draft=draft)
-        self._refuse_draft(converter.draft_layers)
+        self._check_draft(converter.draft_layers, draft)
         self._expected = converter.expected_metas()
         self._layout = record_rank_layout(self.model, self._expected, who=self.label)
+        if self.draft is not None:
+            drafted = self.draft.record(self.model, self._expected, hf_config["num_hidden_layers"], who=self.label)
+            self._layout = RankLayout(self._layout.params + drafted.params,
+                                      self._layout.placements + drafted.placements)
         self._layout.check_against({m.name: m for m in self._expected}, who=self.label)
         if self._live is None:
             self._live = CheckpointWeights(self.vllm_config, self.model, [m.name for m in self._expected])
 
-    def _refuse_draft(self, draft_layers: int) -> None:
-        """Raise ValueError when a version would carry draft layers, or vLLM runs a draft model: this
-        adapter loads vLLM's target model only (the engine vLLM hands a weight-transfer backend), whose
-        `load_weights` skips draft-layer names, so a draft would silently keep its old weights."""
+    def _check_draft(self, draft_layers: int, draft: bool) -> None:
+        """Raise ValueError when a draft would keep stale weights: vLLM runs a draft other than the model's
+        own MTP layers, or an MTP draft this worker was not handed or the trainer does not send
+        (`weight_sync.draft: skip`); or the served config declares draft layers and vLLM runs none (its
+        target model drops them on load)."""
         speculative = getattr(self.vllm_config, "speculative_config", None)
         if getattr(speculative, "draft_model_config", None) is not None:
-            raise ValueError(
-                f"{self.label}: this vLLM server runs a speculative draft model ({speculative.method}), which "
-                "megatron_sync's vLLM backend does not update (it loads the target model only); the draft would "
-                "keep its start-up weights. Serve without --speculative-config")
-        if draft_layers:
+            if speculative.method != "mtp":
+                raise ValueError(
+                    f"{self.label}: this vLLM server runs a speculative draft model ({speculative.method}) that is "
+                    "not the served model's own draft (MTP) layers: the trainer does not train it, so it would "
+                    "keep its start-up weights. Serve without --speculative-config, or with "
+                    "'{\"method\": \"mtp\", ...}'")
+            if not draft:
+                raise ValueError(
+                    f"{self.label}: this vLLM server runs an MTP draft, but weight_sync.draft is 'skip': the draft "
+                    "would keep its start-up weights. Set weight_sync.draft: sync (or serve without "
+                    "--speculative-config)")
+            if self.draft is None:
+                raise ValueError(
+                    f"{self.label}: this vLLM server runs an MTP draft this worker was not handed: open a draft "
+                    "session (/start_draft_weight_update, then /finish_weight_update) before "
+                    "/init_weight_transfer_engine, as megatron_sync's vLLM client does")
+        elif draft_layers:
             raise ValueError(
                 f"{self.label}: the served config declares {draft_layers} draft (MTP) layer(s) "
-                "(num_nextn_predict_layers), which vLLM's target model drops on load; set weight_sync.draft: skip "
-                "(or num_nextn_predict_layers: 0 in the served config.json)")
+                "(num_nextn_predict_layers), which vLLM's target model drops on load; set weight_sync.draft: skip, "
+                "or serve the draft (--speculative-config '{\"method\": \"mtp\", ...}')")
 
     @property
     def version(self) -> int:
@@ -166,7 +197,7 @@ class VLLMModelAdapter:
         error says what state the worker is in.
         """
         try:
-            self._load(shards)
+            self._load(shards, version)
         except Exception as error:
             self._restore_after(error, version)
             raise RuntimeError(f"{self.label}: loading version {version} failed ({_cause(error)}); "
@@ -174,12 +205,24 @@ class VLLMModelAdapter:
         self._live = shards
         self._version = version
 
-    def _load(self, shards: Mapping) -> None:
+    def _load(self, shards: Mapping, version: int) -> None:
+        """Load the target's params, then (after `between_models`) the draft's; version 0 from the checkpoint."""
         if isinstance(shards, CheckpointWeights):
             self._load_checkpoint(shards.items())
+            draft = self.draft.params_of(shards) if self.draft is not None else {}
         else:
-            load_params(self.model, self.vllm_config.model_config, shards)
+            target, draft = (shards, {}) if self.draft is None else split_draft(shards)
+            load_params(self.model, self.vllm_config.model_config, target)
         _prepack_cpu_moe_experts(self.model)
+        if self.draft is None:
+            return
+        try:
+            if self.between_models is not None:
+                self.between_models(version)
+            self.draft.load(self.model, draft)
+            _prepack_cpu_moe_experts(self.draft.model)
+        except Exception as error:  # the target's layers hold the new version already: restored by the caller
+            raise PartialLoad(True) from ((error.__cause__ or error) if isinstance(error, PartialLoad) else error)
 
     def _restore_after(self, error: Exception, version: int) -> None:
         """Bring the worker back to the live version after a failed load; set `_restored` to what happened."""
@@ -188,14 +231,17 @@ class VLLMModelAdapter:
             return
         log.error("%s: loading version %d failed (%s); reloading version %d", self.label, version, _cause(error),
                   self._version)
+        hook, self.between_models = self.between_models, None  # restoring waits for nobody
         try:
-            self._load(self._live)
+            self._load(self._live, self._version)
         except Exception as restore_error:
             raise RuntimeError(
                 f"{self.label}: loading version {version} failed ({_cause(error)}) and reloading version "
                 f"{self._version} failed too ({_cause(restore_error)}); this worker's weights are unusable, "
                 "restart the vLLM server"
             ) from restore_error
+        finally:
+            self.between_models = hook
         self._restored = f"reloaded version {self._version}, which this worker serves again"
 
     def _load_checkpoint(self, items: WeightItems) -> None:

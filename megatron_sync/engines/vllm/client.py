@@ -18,6 +18,16 @@ caller cannot forget the reset (`PAUSE_PLANS`):
              vLLM cannot reset the prefix cache while frozen requests hold
              blocks, so `keep` is refused unless the server runs with
              --no-enable-prefix-caching (nothing stale can then be reused).
+
+A server running a speculative MTP draft (`--speculative-config '{"method":
+"mtp", ...}'`, with `weight_sync.draft: sync`) gets the draft in the same
+version: joining opens and closes a draft session first (the workers are handed
+the draft model), and each version's /update_weights of the target session is
+followed by /finish_weight_update, /start_draft_weight_update and the draft
+session's /update_weights, which commits target and draft together
+(`drivers/vllm_worker.py`). A draft model that is not the model's own MTP
+layers (EAGLE, a separate draft checkpoint) is refused: the trainer does not
+train it.
 """
 
 from __future__ import annotations
@@ -63,6 +73,7 @@ class VLLMEngineClient:
         self._rendezvous: Optional[Rendezvous] = None
         self._update: Optional[BackgroundCall] = None
         self._workers: Optional[int] = None
+        self.draft = False  # the server runs an MTP draft, updated in a draft session of each version
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -116,11 +127,33 @@ class VLLMEngineClient:
                 "cache while kept requests hold blocks, so new requests would reuse KV of the old weights; "
                 "start vLLM with --no-enable-prefix-caching, or use 'recompute'"
             )
+        self.draft = self._speculative_draft(server, config.draft)
         self.plan, self.inflight_policy, self._rendezvous = plan, config.inflight_policy, rendezvous
+        if self.draft:  # a draft session hands every worker the draft model before it joins
+            self._call("/start_draft_weight_update")
+            self._call("/finish_weight_update")
         info = JoinInfo.of(rendezvous)
         timeout = config.timeout_s + 30
         return BackgroundCall(lambda: self._call("/init_weight_transfer_engine", body={"init_info": info.to_json()},
                                                  timeout_s=timeout), f"joining vLLM at {self.url}")
+
+    def _speculative_draft(self, server: dict, draft: str) -> bool:
+        """Return whether the server runs a draft model the sync updates (its MTP layers); raise ValueError
+        naming the fix for a draft it would leave on its start-up weights."""
+        speculative = server.get("speculative_config") or {}
+        if speculative.get("draft_model_config") is None:
+            return False  # no draft model (none, or n-gram lookup)
+        method = speculative.get("method")
+        if method != "mtp":
+            raise ValueError(f"vLLM at {self.url} runs a speculative draft model ({method}) that is not the served "
+                             "model's own draft (MTP) layers: the trainer does not train it, so it would keep its "
+                             "start-up weights. Serve without --speculative-config, or with "
+                             "'{\"method\": \"mtp\", ...}'")
+        if draft != "sync":
+            raise ValueError(f"vLLM at {self.url} runs an MTP draft, but weight_sync.draft is {draft!r}: the draft "
+                             "would keep its start-up weights. Set weight_sync.draft: sync (or serve without "
+                             "--speculative-config)")
+        return True
 
     # -- around each sync ------------------------------------------------------------------------
 
@@ -131,11 +164,19 @@ class VLLMEngineClient:
         self._call("/start_weight_update")
 
     def begin_transfer(self, version: int) -> None:
-        """POST /update_weights on a thread: it returns once every worker received and agreed."""
+        """POST /update_weights on a thread: it returns once every worker received and agreed (with a draft:
+        the target session's, then the draft session's, which commits both)."""
         body = {"update_info": UpdateInfo(version=version).to_json()}
         timeout = self._require_joined().config.timeout_s * 3 + 60
-        self._update = BackgroundCall(lambda: self._call("/update_weights", body=body, timeout_s=timeout),
-                                      f"/update_weights of version {version} at {self.url}")
+
+        def update() -> None:
+            self._call("/update_weights", body=body, timeout_s=timeout)
+            if self.draft:
+                self._call("/finish_weight_update")  # the target's session; the version commits in the draft's
+                self._call("/start_draft_weight_update")
+                self._call("/update_weights", body=body, timeout_s=timeout)
+
+        self._update = BackgroundCall(update, f"/update_weights of version {version} at {self.url}")
 
     def after_sync(self, version: int, ok: bool) -> None:
         """Close the update, tag and reset the cache only on `ok`, and always resume generation.

@@ -104,16 +104,26 @@ class FileLock:
         self.path, self.what, self.fix = path, what, fix
         self._fd: Optional[int] = None
 
-    def acquire(self, blocking: bool = False) -> "FileLock":
-        """Take the lock; raise LockHeldError naming the holder and the fix when another process has it."""
+    def acquire(self, blocking: bool = False, wait_s: float = 0.0) -> "FileLock":
+        """Take the lock (waiting up to `wait_s` for it, or without limit when `blocking`); raise LockHeldError
+        naming the holder and the fix when another process keeps it."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+
+        def taken() -> bool:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    os.close(fd)
+                    raise
+                return False
+            return True
+
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-        except OSError as exc:
+            poll(taken, within=wait_s, what=f"the lock {self.path}")
+        except WaitTimeout:
             holder = _read_holder(fd)
             os.close(fd)
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
             raise LockHeldError(f"{self.what}: {self.path} is locked by {holder}; {self.fix}") from None
         record = f"host={socket.gethostname()} pid={os.getpid()}\n".encode()
         os.pwrite(fd, record, 0)  # written before truncating: the file never reads empty while held
@@ -133,6 +143,26 @@ class FileLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def lock_held(path: str) -> bool:
+    """True when a process holds a `FileLock` on `path` (a look: a shared lock taken and dropped at once, so a
+    process taking the lock then should wait a moment for it: `acquire(wait_s=...)`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                return True
+            raise
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
 
 
 def _read_holder(fd: int, wait_s: float = 1.0) -> str:

@@ -43,7 +43,8 @@ import torch
 from megatron_sync.core.agreement import agree, describe, failures_of
 from megatron_sync.transports.disk_delta.localcopy import read_slot
 from megatron_sync.transports.disk_delta.reader import DeltaReader, StagedVersion
-from megatron_sync.core.wait import poll
+from megatron_sync.core.wait import clock, poll
+from megatron_sync.transports.disk_delta.session import LIVENESS_EVERY_S, trainer_gone
 from megatron_sync.transports.disk_delta.storedir import failed_versions, published_versions
 from megatron_sync.engines.base import EngineAdapter
 from megatron_sync.core.errors import SyncAbortedError
@@ -138,17 +139,28 @@ class DeltaReceiver(Receiver):
 
     def _wait_published(self, wanted: int) -> int:
         """Return the newest version >= `wanted` that every stage's store holds, waiting up to `timeout_s`;
-        raise at once when a stage's writer recorded that it could not publish it (a full disk, ...)."""
+        raise at once when a stage's writer recorded that it could not publish it (a full disk, a version it
+        could not take), and within about `LIVENESS_EVERY_S` when a stage's writer is gone (the trainer
+        exited or died: nothing more will be published)."""
+        looked = [clock().now()]
+
         def newest_published() -> Optional[int]:
-            common = set.intersection(*(set(published_versions(store)) for store in self.stores))
-            ready = [v for v in common if v >= wanted]
-            if ready:
-                return max(ready)
+            ready = self._published_from(wanted)
+            if ready is not None:
+                return ready
             failed = [f"{store}: version {v}: {error}" for store in self.stores
                       for v, error in failed_versions(store).items() if v >= wanted]
             if failed:
                 raise RuntimeError(f"version {wanted} will not be published: the trainer's writer failed ("
                                    + "; ".join(failed) + ")")
+            if clock().now() - looked[0] > LIVENESS_EVERY_S:
+                looked[0] = clock().now()
+                gone = trainer_gone(self.stores)
+                if gone is not None:  # a writer publishes before it lets go: one more look settles it
+                    ready = self._published_from(wanted)
+                    if ready is None:
+                        raise RuntimeError(f"version {wanted} will not be published: {gone}")
+                    return ready
             return None
 
         def behind(_: float) -> TimeoutError:
@@ -159,6 +171,11 @@ class DeltaReceiver(Receiver):
                 "timeout_s or delta_encode_threads) or failed (see the trainer's log)")
 
         return poll(newest_published, within=self.timeout_s, what=f"version {wanted} being published", timeout=behind)
+
+    def _published_from(self, wanted: int) -> Optional[int]:
+        """Return the newest version >= `wanted` every stage's store holds (None: none yet)."""
+        common = set.intersection(*(set(published_versions(store)) for store in self.stores))
+        return max((v for v in common if v >= wanted), default=None)
 
     # -- rounds 2 and 3: stage, load, commit
 

@@ -7,7 +7,9 @@ training goes on. `sync(v)` therefore returns the metrics of the *submission*
 (gather, convert, pack); each version's publication is reported later, when
 it becomes visible, as a row with role "publisher" (in `published` and in
 `metrics_path`). A publish that failed is raised by the next `sync` on every
-trainer rank (the driver's agreement), or logged by `close`.
+trainer rank (the driver's agreement), or logged by `close`; a version that
+could not even be handed over is recorded as failed in the store, like one
+whose publish failed, so no engine waits for it.
 
 Other trainer ranks only walk the stream (its gathers are collectives the
 stage source needs).
@@ -57,6 +59,16 @@ class DeltaSender(Sender):
         return metrics
 
     def _submit(self, version: int, metrics: SyncMetrics) -> None:
+        """Walk the stream into a writer buffer and queue it; a version that cannot be queued (the walk
+        failed, or the writer raises an earlier publish's failure) is recorded as failed in the store, so
+        the engines waiting for it abort at once."""
+        try:
+            self._fill_and_queue(version, metrics)
+        except BaseException as e:
+            self.writer.record_failure(self.version_offset + version, e)
+            raise
+
+    def _fill_and_queue(self, version: int, metrics: SyncMetrics) -> None:
         layout, entries = self.layout, {e.name: e for e in self.layout.entries}
         buffer = self.writer.reserve(layout)
         missing, error = set(entries), None

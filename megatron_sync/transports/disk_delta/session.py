@@ -18,7 +18,9 @@ leader opens one (`open_session`) and waits until every inference rank joined
 carries its own token, so a session left over by an earlier run is never
 mistaken for the live one. A new session replaces the old one; inference ranks
 of the old one notice (`DirectoryBoard` checks `session.json` while it waits)
-and stop with a PeerFailureError, as they would when a TCP store vanishes.
+and stop with a PeerFailureError, as they would when a TCP store vanishes. A
+trainer that exits or dies releases its writers' locks, and the waiting ranks
+notice that too (`trainer_gone`), within about `LIVENESS_EVERY_S`.
 
 Files are written with a rename, so a reader sees a message complete or not
 at all. On NFS, mount with `lookupcache=positive` (or a short `acdirmin`) so a
@@ -34,11 +36,12 @@ import re
 import shutil
 import time
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import megatron_sync.transports.disk_delta.fsio as fsio
+import megatron_sync.transports.disk_delta.storedir as storedir
 from megatron_sync.core.wait import clock, poll
-from megatron_sync.core.errors import PeerFailureError
+from megatron_sync.core.errors import PeerFailureError, TrainerGoneError
 
 SESSION = "session.json"
 _KEY_PART = re.compile(r"[A-Za-z0-9._-]+")
@@ -161,8 +164,9 @@ def _check_shape(session: Session, num_stages: int, num_inference_ranks: int) ->
             f"{session.num_stages} and the trainer's num_inference_ranks")
 
 
-def liveness_check(session: Session) -> Callable[[], None]:
-    """Return a check that raises PeerFailureError once `session` is no longer the live one."""
+def liveness_check(session: Session, stores: Sequence[str] = ()) -> Callable[[], None]:
+    """Return a check that raises PeerFailureError once `session` is no longer the live one, and
+    TrainerGoneError once a stage's writer of `stores` is gone (`trainer_gone`)."""
 
     def check() -> None:
         live = read_session(session.control_dir)
@@ -170,8 +174,21 @@ def liveness_check(session: Session) -> Callable[[], None]:
             raise PeerFailureError(
                 f"the disk-delta session {session.id} in {session.control_dir} is over: a new trainer run opened "
                 f"{live.id if live else 'none'}; restart the inference job to join it")
+        gone = trainer_gone(stores)
+        if gone is not None:
+            raise TrainerGoneError(gone)
 
     return check
+
+
+def trainer_gone(stores: Sequence[str]) -> Optional[str]:
+    """Return why the trainer is gone when a stage's store has no live writer (its process exited or died,
+    which releases the writer lock), else None."""
+    for store in stores:
+        if not storedir.writer_running(store):
+            return (f"the trainer is gone: no process holds {os.path.join(store, storedir.WRITER_LOCK)} (the "
+                    "trainer's delta writer of that stage exited or was killed)")
+    return None
 
 
 class DirectoryBoard:

@@ -7,7 +7,7 @@
       leases/<reader>.json   what each reader holds and is reading
       requests/<reader>.json a reader that could not reach a version asks for a snapshot
       failed/v00000008.json  the writer could not publish this version (its error): readers stop waiting
-      writer.lock            one writer per root
+      writer.lock            one writer per root, held while it lives: readers see it gone (`writer_running`)
       gc.lock                taken by garbage collection, and by a reader while it registers a read
 """
 
@@ -31,7 +31,14 @@ TMP_PREFIX = ".tmp-"
 LEASES = "leases"
 REQUESTS = "requests"
 FAILED = "failed"
+WRITER_LOCK = "writer.lock"
+WRITER_LOCK_WAIT_S = 2.0  # how long a new writer waits for its lock: readers look at it (`writer_running`)
 _SAFE_READER = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def writer_running(root: str) -> bool:
+    """True while a writer holds `root`'s writer lock: it lives (a process that exits or dies releases it)."""
+    return fsio.lock_held(os.path.join(root, WRITER_LOCK))
 
 
 def version_path(root: str, version: int) -> str:

@@ -132,8 +132,9 @@ class DiskDeltaTransport(Transport):
         session = sessions.join_session(
             control_dir(config.delta_dir), inference_rank=inference_rank, num_stages=num_trainer_stages,
             num_inference_ranks=config.num_inference_ranks, timeout_s=config.timeout_s)
+        stores = [stage_store(config.delta_dir, s) for s in range(num_trainer_stages)]
         board = sessions.DirectoryBoard(session.folder, rank=rank, timeout_s=config.timeout_s,
-                                        alive=sessions.liveness_check(session))
+                                        alive=sessions.liveness_check(session, stores))
         gather = sessions.FileGather(board, name="inference", index=inference_rank, size=config.num_inference_ranks)
         return cls(config, rank=rank, num_stages=num_trainer_stages, control=StoreControlChannel(board),
                    version_offset=session.version_offset, gather=gather, board=board)

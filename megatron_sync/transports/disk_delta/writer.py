@@ -69,8 +69,9 @@ class DeltaWriter:
         tell the engines); an exception it raises is reported like a failed publish."""
         self.root, self.options, self._on_published = root, options or WriterOptions(), on_published
         os.makedirs(root, exist_ok=True)
-        self._lock = FileLock(os.path.join(root, "writer.lock"), "the delta store's writer",
-                              "run one writer per store directory (the trainer's first rank)").acquire()
+        self._lock = FileLock(os.path.join(root, storedir.WRITER_LOCK), "the delta store's writer",
+                              "run one writer per store directory (the trainer's first rank)"
+                              ).acquire(wait_s=storedir.WRITER_LOCK_WAIT_S)
         storedir.remove_leftovers(root)
         self._cache = storedir.ManifestCache(root)
         existing = storedir.published_versions(root)
@@ -220,7 +221,7 @@ class DeltaWriter:
             try:
                 stats = self._publish(job)
             except BaseException as exc:  # noqa: BLE001 — reported by the next submit/flush/close
-                self._record_failure(job.version, exc)
+                self.record_failure(job.version, exc)
                 with self._cond:
                     self._error = exc
                     self._free.append(job.buffer)
@@ -250,8 +251,9 @@ class DeltaWriter:
             self.stats.append(stats)
         return stats
 
-    def _record_failure(self, version: int, exc: BaseException) -> None:
-        """Tell the readers that `version` will not be published, so they stop waiting for it."""
+    def record_failure(self, version: int, exc: BaseException) -> None:
+        """Tell the readers that `version` will not be published (its publish failed, or it was never
+        submitted), so they stop waiting for it."""
         try:
             storedir.mark_failed(self.root, version, f"{type(exc).__name__}: {exc}")
         except (OSError, DeltaError) as e:  # the disk may be too full even for that: readers wait out timeout_s
