@@ -25,8 +25,10 @@ def _shares_a_fixture(item) -> bool:
                for defs in info.name2fixturedefs.values())
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
+    # First: xdist's own hook (in each worker) reads the xdist_group markers to name the groups, so they must
+    # be there before it runs (run after it, they were never seen and a module's servers started twice).
     if not config.pluginmanager.hasplugin("xdist"):
         return
     grouped = []
