@@ -32,7 +32,7 @@ _WHERE = {
     "WeightSyncConfig": "megatron_sync.settings.config",
     "WeightSyncCallback": "megatron_sync.drivers.callback",
     "TrainerWeightSync": "megatron_sync.drivers.sync",
-    "InferenceWeightSync": "megatron_sync.drivers.sync",
+    "InferenceWeightSync": "megatron_sync.drivers.inference_sync",
     "join": "megatron_sync.drivers.serve",
     "ReferenceEngine": "megatron_sync.engines.reference.engine",
     "EngineAdapter": "megatron_sync.engines.base",

@@ -21,7 +21,7 @@ from megatron_sync.transports import register_transport, transport_names
 from megatron_sync.transports.base import BucketHeader, PendingBucket
 from megatron_sync.transports.buckets.transport import PlanBucketTransport
 from megatron_sync.session.control import StoreControlChannel
-from megatron_sync.session.group import StoreBoard
+from megatron_sync.session.board import StoreBoard
 from tests.support.fakes import shard_of
 
 

@@ -34,7 +34,7 @@ from megatron_sync.settings.config import WeightSyncConfig, add_weight_sync_args
 from megatron_sync.core.errors import PeerFailureError, RendezvousError, SyncStoppedError, TrainerGoneError
 from megatron_sync.core.lifecycle import Terminated, stop_on_signals
 from megatron_sync.core.meta import dtype_from_name
-from megatron_sync.drivers.sync import AppHandler, InferenceWeightSync
+from megatron_sync.drivers.inference_sync import AppHandler, InferenceWeightSync
 from megatron_sync.transports import get_transport
 from megatron_sync.session.rendezvous import Identity
 from megatron_sync.session.secret import SessionSecret
@@ -198,20 +198,8 @@ def serve(me: EngineRank, config: WeightSyncConfig, *, num_trainer_stages: Optio
             return e.exit_code
         except Exception as e:
             why = f"{type(e).__name__}: {e}"
-            signalled = stop.as_exception()
-            if signalled is not None:  # the signal came first; this error is its consequence
-                say(f"stopped by {signalled} ({type(e).__name__} while unwinding)")
-                return signalled.exit_code
-            if isinstance(e, TrainerGoneError):
-                if on_stop is not None:
-                    on_stop()
-                print(f"[inference rank {me.rank}] {e}", flush=True)
-                return 1
-            if isinstance(e, PeerFailureError):  # a peer died or fell silent mid-sync: the message names it
-                say(str(e))
-                return 1
-            say(f"stopped by {type(e).__name__}: {e}")
-            raise
+            return _exit_after(e, stop.as_exception(), say, lambda: on_stop() if on_stop is not None else None,
+                               me.rank)
         else:
             ended = "the trainer ended the session" + (f": {isync.stop_reason}" if isync.stop_reason else "")
         finally:
@@ -220,6 +208,24 @@ def serve(me: EngineRank, config: WeightSyncConfig, *, num_trainer_stages: Optio
         on_stop()
     print(f"[inference rank {me.rank}] stopped on version {me.engine.version} ({ended})", flush=True)
     return 0
+
+
+def _exit_after(error: Exception, signalled: Optional[Terminated], say: Callable[[str], None],
+                stopping: Callable[[], None], rank: int) -> int:
+    """Return the exit code of an inference rank that `error` ended (saying why), or raise it when it is not an
+    end the rank can name: `signalled` is the signal that came first, if one did (the error is its consequence)."""
+    if signalled is not None:
+        say(f"stopped by {signalled} ({type(error).__name__} while unwinding)")
+        return signalled.exit_code
+    if isinstance(error, TrainerGoneError):
+        stopping()
+        print(f"[inference rank {rank}] {error}", flush=True)
+        return 1
+    if isinstance(error, PeerFailureError):  # a peer died or fell silent mid-sync: the message names it
+        say(str(error))
+        return 1
+    say(f"stopped by {type(error).__name__}: {error}")
+    raise error
 
 
 def arg_parser(description: str = "megatron-sync inference job (run under torchrun)") -> argparse.ArgumentParser:

@@ -1,86 +1,49 @@
-"""The drivers on both sides: set up once, then sync (trainer) or serve syncs (inference).
+"""The trainer's driver: set up once, then sync. `TrainerWeightSync` on every trainer rank owns the HF weight
+stream and the sender the configured transport builds; it picks the transport by `weight_sync.transport` from
+the registry and uses only the declared `Transport` interface, so a new transport needs no change here.
 
-Trainer: `TrainerWeightSync` on every trainer rank owns the HF weight stream and
-the sender the configured transport builds. Inference: `InferenceWeightSync` on
-every inference rank owns the receiver and follows the trainer's control
-messages (sync version v, stop, application messages). Both pick the transport
-by `weight_sync.transport` from the registry and use only the declared
-`Transport` interface, so a new transport needs no change here.
+The inference half is `megatron_sync.drivers.inference_sync.InferenceWeightSync` (importable from here too,
+as in earlier releases).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
-import uuid
-from concurrent.futures import Future
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_sync.convert import get_converter, get_family, keep_together_of
 from megatron_sync.convert.hf_config import HFConfig
 from megatron_sync.core.agreement import failing_together, torch_gather
 from megatron_sync.settings.config import WeightSyncConfig
 from megatron_sync.settings.sections import resolved
-from megatron_sync.engines.base import EngineAdapter, EngineClient
+from megatron_sync.engines.base import EngineClient
 from megatron_sync.engines.driven import EngineFleet, clients_from_config
-from megatron_sync.engines.serving import GenerationServer
-from megatron_sync.core.errors import (AgreedFailure, PeerFailureError, RendezvousError, StoreSilentError,
-                                  SyncAbortedError, SyncStoppedError, TrainerGoneError)
-from megatron_sync.fleet.engine import Relays, await_link, hello
+from megatron_sync.core.errors import AgreedFailure, SyncAbortedError
 from megatron_sync.fleet.p2p import P2PFleetDriver
-from megatron_sync.fleet.trainer import FleetDriver, link_config
-from megatron_sync.drivers.canary import TrainerCanary, engine_scores
-from megatron_sync.engines.exporter import MetricsExporter
-from megatron_sync.engines.handoff import EngineHandoff
+from megatron_sync.fleet.trainer import FleetDriver
+from megatron_sync.drivers.canary import TrainerCanary
 from megatron_sync.trainer.forward import token_logprobs
 from megatron_sync.trainer.megatron_config import check_model_config
-from megatron_sync.core.meta import dtype_from_name
 from megatron_sync.core.metrics import SyncMetrics
-from megatron_sync.convert.model_digest import model_digest, model_fields
 from megatron_sync.core.grid import ParallelLayout
 from megatron_sync.trainer.stream import MegatronWeightStream, all_stage_metadata, check_model_complete
 from megatron_sync.transports import get_transport
 from megatron_sync.session.control import ControlMessage, ControlOp, Report
-from megatron_sync.session.group import StoreBoard
-from megatron_sync.session.rendezvous import Identity, disagreements, expectations
 from megatron_sync.session.secret import SessionSecret
-from megatron_sync.session.session import DIAGNOSE_S, SyncSession, new_session_id
+from megatron_sync.session.session import SyncSession
+
+from megatron_sync.drivers.inference_sync import AppHandler, IDLE_TIMEOUT_S, InferenceWeightSync  # noqa: F401
+from megatron_sync.drivers.trainer_start import build_converter, load_hf_config, open_trainer_session
 
 log = logging.getLogger("megatron_sync")
 MiB = 2**20
-IDLE_TIMEOUT_S = 24 * 3600.0  # how long an engine waits for the trainer's next message
 ACK_AFTER_BREAK_S = 15.0
 """When a sync was ended (or failed without an agreed abort), how long the leader waits for the engines'
 stop acknowledgements at most (they notice the ended transfer within about a second; a dead one never
 answers, so this replaces timeout_s; generous for a loaded machine)."""
-
-
-def load_hf_config(config: WeightSyncConfig, hf_config: Any = None) -> Any:
-    """Return `hf_config` when given (a transformers config or a dict), else the JSON at `config.hf_config_path`."""
-    if hf_config is not None:
-        return hf_config
-    if config.hf_config_path is None:
-        raise ValueError(
-            "no HF config for the inference model: set weight_sync.hf_config_path to its config.json "
-            "or pass hf_config= (the shapes every converted tensor is checked against)"
-        )
-    try:
-        with open(config.hf_config_path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"weight_sync.hf_config_path={config.hf_config_path!r} cannot be read as a config.json: "
-                         f"{e}") from e
-
-
-def build_converter(config: WeightSyncConfig, hf_config: Any = None) -> Any:
-    """Return the converter for `config.family`, `config.dtype` and `config.draft` over the HF config (`load_hf_config`)."""
-    hf_config = load_hf_config(config, hf_config)
-    return get_converter(config.require_family(), hf_config, dtype=dtype_from_name(config.dtype),
-                         draft=config.draft == "sync")
 
 
 class TrainerWeightSync:
@@ -246,36 +209,8 @@ class TrainerWeightSync:
 
     def _open_session(self, transport_cls: Any, hf_config: Any) -> None:
         """Host (the first joining trainer rank) or join the sync session; collective on every trainer rank."""
-        joins = transport_cls.trainer_joins(self.layout)
-        token = uuid.uuid4().hex  # the first trainer rank's token names the trainer job
-        roster = self._gather({"joins": joins, "token": token, "session": self.config.run_id or new_session_id()})
-        members = [entry["token"] for entry in roster if entry["joins"]]
-        me = members.index(token) if joins else None
-        backend = self.config.resolved_backend(torch.cuda.is_available())
-        identity = Identity(job=f"trainer-{roster[0]['token'][:8]}", role="trainer",
-                            member=me if me is not None else -1,
-                            expects=expectations(self.config, trainer_stages=self.layout.pp, backend=backend,
-                                                 shares=transport_cls.shares),
-                            model=model_fields(hf_config) if hf_config is not None else None,
-                            session=roster[0]["session"])
-        if hf_config is None:
-            log.warning("no HF config (a converter was passed without hf_config=): the rendezvous cannot compare "
-                        "the engines' model-defining config fields with the trainer's")
-        where = (self.config.master_address, self.config.master_port)
-        with failing_together("hosting the sync session", self._gather):
-            if me == 0:
-                fleet = self.config.fleet  # a fleet's engines join whenever they come (not members)
-                self.session = SyncSession.host(
-                    *where, identity, timeout_s=self.config.timeout_s,
-                    members={"trainer": len(members)} if fleet else {"trainer": len(members),
-                                                                      "inference": self.config.num_inference_ranks},
-                    engine_ranks=self.config.engine_tp_size if fleet else None, secret=self._secret)
-                log.info("hosting weight-sync session %s at %s:%d (model digest %s)", self.session.id, *where,
-                         model_digest(identity.model or {})[:12])
-        with failing_together("joining the sync session", self._gather):
-            if me is not None and me > 0:
-                self.session = SyncSession.join(*where, identity, timeout_s=self.config.timeout_s,
-                                                secret=self._secret)
+        open_trainer_session(self.config, self.layout, transport_cls, hf_config, self._gather, self._secret,
+                             opened=lambda session: setattr(self, "session", session))
 
     @property
     def is_leader(self) -> bool:
@@ -292,15 +227,8 @@ class TrainerWeightSync:
         """
         version = self.version + 1
         started = time.perf_counter()
-        if self.fleet is not None:  # per-engine outcomes; raises only when the trainer failed or too few remain
-            self._syncing = True
-            try:
-                metrics = self.fleet.sync(version)
-            finally:
-                self._syncing = False
-                self.sender = self.fleet.sender
-            self.version = version
-            return metrics
+        if self.fleet is not None:
+            return self._sync_fleet(version)
         if self.engines.driven:
             with failing_together(f"pausing the engines for version {version}", self._gather):
                 self.engines.before_sync(version)
@@ -336,6 +264,18 @@ class TrainerWeightSync:
                      "%s, %g MiB buckets, profile %s)", version, time.perf_counter() - started,
                      self.auto_choice.predicted_s, self.auto_choice.transport, self.auto_choice.bucket_size_mb,
                      self.auto_choice.profile)
+        return metrics
+
+    def _sync_fleet(self, version: int) -> SyncMetrics:
+        """Sync `version` into the fleet: per-engine outcomes; raises only when the trainer failed or too few
+        engines remain."""
+        self._syncing = True
+        try:
+            metrics = self.fleet.sync(version)
+        finally:
+            self._syncing = False
+            self.sender = self.fleet.sender
+        self.version = version
         return metrics
 
     def _check_canary(self, version: int, metrics: SyncMetrics) -> None:
@@ -448,274 +388,3 @@ class TrainerWeightSync:
         left = {rank: payload.decode() for rank, payload in acks.items() if payload.startswith(b"left")}
         if left:
             log.info("engine ranks that had left before 'stop': %s", left)
-
-
-AppHandler = Callable[[ControlMessage], None]
-
-
-class InferenceWeightSync:
-    """The inference half on one inference rank: joins the transport and applies syncs.
-
-    Commits go through a `GenerationServer` with the config's `inflight_policy`:
-    a version arriving while the engine generates goes live at a step boundary
-    all of the engine's ranks (`engine_group`) agree on, and requests in flight
-    are aborted, recomputed or kept as the policy says. `driven`: the rank is a
-    worker of an engine the trainer drives over its own API (vLLM), which calls
-    `apply` itself and never reads the control channel (so it cannot relay).
-    """
-
-    def __init__(
-        self,
-        config: WeightSyncConfig,
-        engine: EngineAdapter,
-        *,
-        num_trainer_stages: Optional[int] = None,
-        inference_rank: int,
-        engine_group: Any = None,
-        hf_config: Any = None,
-        job_id: Optional[str] = None,
-        driven: bool = False,
-    ):
-        if config.fleet and config.engine_id is None:
-            raise ValueError("weight_sync.fleet is on: say which engine this job is with weight_sync.fleet.engine_id "
-                             "(0, 1, ...; a restarted engine presents its id again)")
-        ranks = config.engine_tp_size if config.fleet else config.num_inference_ranks
-        if not 0 <= inference_rank < ranks:
-            raise ValueError(f"inference_rank={inference_rank} is outside " + (
-                f"the engine's {ranks} ranks (engine_tp_size; a fleet's engine is its own job)" if config.fleet
-                else f"num_inference_ranks={ranks}"))
-        self.config = config
-        self.relays: Optional[Relays] = None  # a fleet engine's relays to and from other engines
-        self.engine = engine
-        self.stop_reason: Optional[str] = None  # why the trainer stopped the session, when it said
-        self.synced_version = 0  # the last version the trainer synced here (its numbering), for a "left" report
-        self._acknowledged = False  # told the leader it stopped or left
-        self._first_of_engine = inference_rank % config.engine_tp_size == 0  # reports the engine's canary scores
-        self.exporter = MetricsExporter(config.metrics_port + inference_rank, inference_rank) \
-            if config.metrics_port else None
-        self.server = GenerationServer(engine, engine_group=engine_group, inflight_policy=config.inflight_policy,
-                                       commit_timeout_s=config.timeout_s)
-        # the same groups as the trainer's converter: the family's, plus each quantized weight with its scales
-        keep_together = keep_together_of(get_family(config.require_family()),
-                                         [m.name for m in engine.expected_tensors()])
-        auto = config.transport == "auto"  # adopt the trainer's choice once admitted to its session
-        transport_cls = None if auto else get_transport(config.transport)
-        self.transport = None
-        backend = config.resolved_backend(torch.cuda.is_available())
-        identity = Identity(job=job_id or "", role="inference", member=inference_rank,
-                            expects=expectations(config, trainer_stages=num_trainer_stages, backend=backend,
-                                                 shares=transport_cls.shares if transport_cls is not None else ()),
-                            model=model_fields(hf_config) if hf_config is not None else None, session=config.run_id,
-                            engine=config.engine_id if config.fleet else None)
-        meets_at_store = auto or transport_cls.meets_at_store  # auto chooses among transports that do
-        if hf_config is None and meets_at_store:
-            log.warning("[inference rank %d] no HF config given: the trainer cannot check that this engine's "
-                        "model-defining config fields equal its own", inference_rank)
-        self.session = (SyncSession.join(config.master_address, config.master_port, identity,
-                                         timeout_s=config.timeout_s, secret=SessionSecret.from_environment())
-                        if meets_at_store else None)
-        try:
-            if num_trainer_stages is None:  # the trainer's, adopted at the rendezvous
-                num_trainer_stages = self._trainer_stages(transport_cls)
-            if auto:
-                from megatron_sync.scale.auto import adopt_host_choice
-
-                config = self.config = adopt_host_choice(config, dict(self.session.host_identity.expects))
-                transport_cls = get_transport(config.transport)
-                adopted = expectations(config, trainer_stages=num_trainer_stages, backend=backend,
-                                       shares=transport_cls.shares)
-                differ = disagreements(self.session.host_identity, dataclasses.replace(identity, expects=adopted))
-                if differ:
-                    raise ValueError(f"transport auto: the trainer chose {config.transport}, and this job's "
-                                     "settings of it differ: " + "; ".join(differ))
-                log.info("transport auto: the trainer chose %s with %g MiB buckets", config.transport,
-                         config.bucket_size_mb)
-            if self.session is not None:
-                self.session.wait_ready()
-            session, settings = self.session, config
-            if config.fleet:  # this engine's own link, opened by the trainer at a sync boundary
-                session = self.session.part(await_link(self.session, config.engine_id, IDLE_TIMEOUT_S))
-                settings = link_config(config)
-            self.transport = transport_cls.connect_inference(
-                settings, num_trainer_stages=num_trainer_stages, inference_rank=inference_rank, session=session)
-            self.receiver = self.transport.make_receiver(engine, settings, keep_together, commit=self.server.commit)
-            if config.fleet:
-                hello(self.transport, self.receiver, relays=not driven)
-                if hasattr(self.receiver, "join_fleet") and not driven:  # p2p: engines chain across links
-                    self.receiver.join_fleet(StoreBoard(self.session.store, prefix="", rank=inference_rank,
-                                                        timeout_s=config.timeout_s),
-                                             config.engine_id, self.session.generation)
-                self.relays = None if driven else Relays(self.session, self.receiver, self.transport, config, rank=inference_rank,
-                                     ranks=config.engine_tp_size)
-            self.handoff = EngineHandoff(engine, self.transport.rank, self.receiver.live_shards, config.metrics_path)
-        except BaseException as e:
-            if self.session is not None and not isinstance(e, RendezvousError):
-                self.session.fail(f"{identity.describe()} failed while connecting: {type(e).__name__}: {e}")
-            self.close()
-            raise
-
-    def _trainer_stages(self, transport_cls: Any) -> int:
-        """Return the trainer's pipeline stages as its rendezvous host stated them (an inference job need not
-        repeat the trainer's layout); a transport that meets by its own means cannot tell it."""
-        if self.session is None:
-            raise ValueError(f"transport {transport_cls.name!r} meets through files, not at the trainer's "
-                             "rendezvous: pass num_trainer_stages (the serve job's --trainer-stages), the "
-                             "trainer's pipeline-parallel size")
-        return int(self.session.host_identity.expects["trainer_stages"])
-
-    def next_control(self, timeout_s: float = IDLE_TIMEOUT_S) -> ControlMessage:
-        """Wait for the trainer's next control message and return it.
-
-        Raises TrainerGoneError when the trainer's rendezvous stops answering
-        (it exited without "stop"; or it is stopped or hung: no answer within
-        `config.timeout_s`) or nothing comes within `timeout_s`; no sync is
-        running then, and the engine holds its last committed version.
-        """
-        try:
-            return self.transport.control.next(timeout_s)
-        except PeerFailureError as e:
-            where = f"{self.config.master_address}:{self.config.master_port}"
-            if isinstance(e, TrainerGoneError):  # the transport saw it go (disk_delta: its writers' locks)
-                what = f"the trainer went away while this engine was idle: {e}"
-            elif isinstance(e, StoreSilentError):
-                what = (f"the trainer stopped answering while this engine was idle: its rendezvous at {where} accepts "
-                        f"connections but has not answered for {self.config.timeout_s:g}s (the trainer is stopped, "
-                        "e.g. SIGSTOP, or hung)")
-            elif e.__cause__ is not None:
-                what = (f"the trainer went away while this engine was idle: its rendezvous at {where} stopped "
-                        "answering (it exited without 'stop')")
-            else:
-                what = f"no message from the trainer within {timeout_s:g}s while this engine was idle"
-            raise TrainerGoneError(f"{what}; no sync was running, the engine holds version {self.engine.version}"
-                                   ) from e
-
-    def apply(self, version: int, relay: Optional[ControlMessage] = None,
-              payload: Optional[dict] = None) -> Optional[SyncMetrics]:
-        """Receive `version`; return metrics, or None if the sync was aborted on every rank.
-
-        An aborted sync leaves the engine on its previous version and the
-        transport ready for the next one. When the transfer breaks off, the
-        engine keeps what it holds too and raises: SyncStoppedError if the
-        trainer said "stop" (it is stopping, e.g. on SIGTERM, and ended the
-        transfer; acknowledged here), else PeerFailureError saying what the
-        trainer's rendezvous host answers now (stopped or hung, gone, or alive),
-        within `timeout_s` plus at most 2 x `session.DIAGNOSE_S` (a probe of
-        the host, then, if it answers, a look for "stop").
-        """
-        try:
-            with self.handoff.around_sync(version, report=lambda row: self._report_handoff(
-                    Report.RESTORED, self.handoff.handoff, row, None)):  # a released engine takes its memory back
-                if relay is not None:
-                    metrics = self.relays.receive(relay)
-                else:
-                    route = (payload or {}).get("route")
-                    metrics = self.receiver.receive(version, route) if route else self.receiver.receive(version)
-        except SyncAbortedError as e:
-            log.error("%s", e)
-            why = "; ".join(f"[transport rank {rank}] {message.splitlines()[0]}" for rank, message in e.failures)
-            self._report_outcome(version, json.dumps({"aborted": why}).encode())
-            if self.exporter is not None:
-                self.exporter.aborted()
-            return None
-        except PeerFailureError as e:
-            answers, host = self.session.host_state() if self.session is not None else (True, "")
-            stop = self._stop_posted() if answers else None
-            if stop is not None:
-                self.handle(stop, {})  # acknowledged
-                raise SyncStoppedError(f"the trainer ended the session during the sync of version {version}"
-                                       + (f": {self.stop_reason}" if self.stop_reason else "")) from e
-            raise PeerFailureError(f"sync of version {version} failed: {e}" + (f"; {host}" if host else "")) from e
-        self.synced_version = version
-        scores = engine_scores(self.engine, payload or {})  # the canary: every rank of the engine scores it
-        if scores is not None and self._first_of_engine:
-            metrics.canary = scores
-        if self.exporter is not None:
-            self.exporter.committed(metrics, self.engine.version)
-        self._report_outcome(version, metrics.to_json().encode())
-        return metrics
-
-    def _report_outcome(self, version: int, payload: bytes) -> None:
-        """Report this rank's metrics of `version`, or that every rank aborted it (for `receiver_metrics`)."""
-        self.transport.control.report(Report.METRICS, version, self.transport.rank, payload)
-
-    def _stop_posted(self) -> Optional[ControlMessage]:
-        """Return the trainer's "stop" if it is posted within `DIAGNOSE_S` (a trainer that stops mid-sync posts
-        it before it ends the transfer), else None (the trainer is gone or silent, or another rank failed)."""
-        try:
-            message = self.transport.control.next(DIAGNOSE_S)
-        except PeerFailureError:
-            return None
-        return message if message.op is ControlOp.STOP else None
-
-    def _hand_over(self, message: ControlMessage) -> None:
-        """Release the engine's memory (RELEASE) or take it back (RESTORE); report the row, or the error."""
-        release = message.op is ControlOp.RELEASE
-        handoff = int(message.payload["handoff"])
-        try:
-            row, error = (self.handoff.release(handoff) if release else self.handoff.restore()), None
-        except Exception as e:  # noqa: BLE001 — the trainer raises it, naming this rank
-            row, error = None, f"{type(e).__name__}: {e}"
-        self._report_handoff(Report.RELEASED if release else Report.RESTORED, handoff, row, error)
-
-    def _report_handoff(self, kind: Report, handoff: int, row: Optional[SyncMetrics], error: Optional[str]) -> None:
-        payload = {"row": row.to_json() if row is not None else None, "error": error}
-        self.transport.control.report(kind, handoff, self.transport.rank, json.dumps(payload).encode())
-
-    def apply_in_background(self, version: int) -> Future:
-        """Receive `version` while the engine keeps generating; the switch obeys `inflight_policy`."""
-        return self.server.run_in_background(self.apply, version)
-
-    def serve(self, handlers: Optional[dict[str, AppHandler]] = None) -> None:
-        """Follow control messages until "stop": apply each sync, pass application messages to
-        `handlers[payload["name"]]`."""
-        while self.handle(self.next_control(), handlers or {}):
-            pass
-
-    def handle(self, message: ControlMessage, handlers: dict[str, AppHandler]) -> bool:
-        """Act on one control message; return False once it was "stop" (acknowledged to the trainer)."""
-        if message.op is ControlOp.STOP:
-            self.stop_reason = message.payload.get("reason")
-            self.transport.control.report(Report.STOPPED, message.version, self.transport.rank,
-                                          str(self.engine.version).encode())
-            self._acknowledged = True
-            return False
-        if message.op is ControlOp.SYNC:
-            self.apply(message.version, payload=message.payload)
-            return True
-        if message.op is ControlOp.RELAY_RECEIVE:  # a fleet: the version comes from another engine
-            self.apply(message.version, relay=message)
-            return True
-        if message.op is ControlOp.RELAY_SEND:
-            self.relays.send(message)
-            return True
-        if message.op in (ControlOp.RELEASE, ControlOp.RESTORE):
-            self._hand_over(message)
-            return True
-        name = message.payload.get("name")
-        if name not in handlers:
-            raise ValueError(f"application message {name!r} has no handler on this engine; "
-                             f"handlers: {sorted(handlers)}")
-        handlers[name](message)
-        return True
-
-    def close(self, why: str = "") -> None:
-        """Finish a background receive, then release the transport and the session; safe to call twice.
-
-        A rank leaving without having read "stop" says so first (`why`), where the leader collects stop
-        acknowledgements, so a trainer that stops later does not wait for it."""
-        self.server.close()
-        if getattr(self, "exporter", None) is not None:
-            self.exporter.close()
-        if self.transport is not None:
-            if not self._acknowledged:
-                try:
-                    self.transport.control.report(Report.STOPPED, self.synced_version, self.transport.rank,
-                                                  f"left: {why}".encode())
-                except Exception as e:  # noqa: BLE001 — the trainer may be gone; nothing waits then
-                    log.info("[inference rank %d] could not say it leaves: %s", self.transport.rank, e)
-                self._acknowledged = True
-            self.transport.close()
-            self.transport = None
-        if self.session is not None:
-            self.session.close()
-            self.session = None

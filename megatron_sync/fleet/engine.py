@@ -19,10 +19,10 @@ from megatron_sync.core.checksum import resolve_checksum
 from megatron_sync.core.errors import PeerFailureError, RendezvousError
 from megatron_sync.fleet.links import link_name
 from megatron_sync.fleet.relay import receive_live_set, send_live_set
-from megatron_sync.fleet.trainer import OPEN_KEY
+from megatron_sync.fleet.membership import OPEN_KEY
 from megatron_sync.core.metrics import SyncMetrics
 from megatron_sync.session.control import ControlMessage
-from megatron_sync.session.group import StoreBoard
+from megatron_sync.session.board import StoreBoard
 
 log = logging.getLogger("megatron_sync")
 

@@ -17,9 +17,10 @@ import enum
 import json
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Protocol
+from typing import Any, Iterable, Optional
 
 from megatron_sync.core.wait import Deadline
+from megatron_sync.session.board import Board
 
 
 class ControlOp(str, enum.Enum):
@@ -81,17 +82,6 @@ class ControlChannel(abc.ABC):
     def collect(self, kind: Report, version: int, ranks: Iterable[int],
                 timeout_s: Optional[float] = None) -> dict[int, bytes]:
         """Return {rank: payload} of every listed rank's report (leader), waiting up to `timeout_s` in all."""
-
-
-class Board(Protocol):
-    """Where a `StoreControlChannel` posts and fetches: a rendezvous store's `StoreBoard`, or the
-    disk-delta transport's `DirectoryBoard` (files in the shared directory)."""
-
-    timeout_s: float
-
-    def post(self, key: str, value: bytes) -> None: ...
-
-    def fetch(self, key: str, timeout_s: Optional[float] = None) -> bytes: ...
 
 
 class StoreControlChannel(ControlChannel):

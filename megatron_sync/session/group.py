@@ -15,69 +15,15 @@ from __future__ import annotations
 import datetime
 import json
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_sync.core.wait import Deadline, poll
-from megatron_sync.core.errors import PeerFailureError, SyncError
+from megatron_sync.core.errors import PeerFailureError
 from megatron_sync.session.rendezvous import Identity
 from megatron_sync.session.session import SyncSession
-from megatron_sync.session.store import bounded
-
-
-class StoreBoard:
-    """Small control data over a rendezvous store: `post` a value under a key, `fetch` it (bounded).
-
-    `fetch` polls rather than blocking in the store, so a store whose host died
-    (the trainer) is noticed at once as a PeerFailureError, and every call is
-    bounded (`store.BoundedStore`), so a host that is stopped or hung is noticed
-    within `timeout_s` as a `StoreSilentError`.
-    """
-
-    def __init__(self, store: Any, *, prefix: str, rank: int, timeout_s: float,
-                 failure: Optional[Callable[[str, BaseException], PeerFailureError]] = None) -> None:
-        self._store = bounded(store, where="the rendezvous store", timeout_s=timeout_s)
-        self._prefix, self.rank, self.timeout_s = prefix, rank, timeout_s
-        self._failure = failure or (lambda op, e: PeerFailureError(f"[rank {rank}] {op} failed: {e}"))
-
-    def post(self, key: str, value: bytes) -> None:
-        """Publish `value` under `key` (small control data, not weights)."""
-        try:
-            self._store.set(self._prefix + key, value)
-        except SyncError:
-            raise
-        except (RuntimeError, dist.DistStoreError) as e:
-            raise self._failure(f"posting {key!r}", e) from e
-
-    def fetch(self, key: str, timeout_s: Optional[float] = None, *, max_pause_s: float = 0.1) -> bytes:
-        """Return the value posted under `key`, waiting up to `timeout_s` (None: the board's timeout) and looking
-        at least every `max_pause_s` (a wait inside a sync, where each pause is latency, asks for less)."""
-        full_key = self._prefix + key
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        deadline = Deadline.after(limit)
-        try:
-            poll(lambda: self._store.check([full_key], bound=deadline.remaining()), within=deadline,
-                 what=f"a value under {key!r}", max_pause_s=max_pause_s, timeout=lambda _: PeerFailureError(
-                     f"[rank {self.rank}] nothing was posted under {key!r} within {limit:g}s"))
-            return self._store.get(full_key, bound=deadline.remaining())
-        except SyncError:
-            raise
-        except (RuntimeError, dist.DistStoreError) as e:
-            raise self._failure(f"waiting for {key!r}", e) from e
-
-    def delete(self, key: str) -> None:
-        """Remove `key` (a consumed value), so per-version keys do not pile up in the store."""
-        try:
-            self._store.delete_key(self._prefix + key)
-        except SyncError:
-            raise
-        except (RuntimeError, dist.DistStoreError) as e:
-            raise self._failure(f"deleting {key!r}", e) from e
-
-    def close(self) -> None:
-        self._store = None
+from megatron_sync.session.board import StoreBoard
 
 
 class TransportGroup:

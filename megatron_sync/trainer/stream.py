@@ -171,15 +171,7 @@ class MegatronWeightStream:
                     if full is None or failure is not None:
                         continue  # after a local failure keep gathering: the stage's other ranks are in the collectives
                     try:
-                        start = time.perf_counter()
-                        converted = (self.converter.convert(unit.name, full) if into is None
-                                     else self.converter.convert(unit.name, full, into=into))
-                        end = time.perf_counter()
-                        seconds["convert"] += end - start
-                        if record is not None:
-                            record("convert", index, start, end)
-                        for hf_name, tensor in converted:
-                            _check_against_plan(next(expected_iter, None), hf_name, tensor, unit.name)
+                        converted = self._convert(index, unit, full, into, seconds, record, expected_iter)
                     except Exception as exc:  # noqa: BLE001 — raised once the walk is complete
                         failure = exc
                         continue
@@ -191,6 +183,20 @@ class MegatronWeightStream:
                 gathered.close()
         if failure is not None:
             raise failure
+
+    def _convert(self, index: int, unit: Any, full: torch.Tensor, into: Optional[Into], seconds: dict[str, float],
+                 record: Optional[Record], expected: Iterator[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+        """Convert gathered unit `index` (timed as "convert") and check each output against the plan."""
+        start = time.perf_counter()
+        converted = (self.converter.convert(unit.name, full) if into is None
+                     else self.converter.convert(unit.name, full, into=into))
+        end = time.perf_counter()
+        seconds["convert"] += end - start
+        if record is not None:
+            record("convert", index, start, end)
+        for hf_name, tensor in converted:
+            _check_against_plan(next(expected, None), hf_name, tensor, unit.name)
+        return converted
 
 
 def _timed(gathered: Iterator, seconds: dict[str, float], record: Optional[Record]) -> Iterator:

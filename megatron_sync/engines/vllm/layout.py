@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -296,15 +296,8 @@ def load_params(model: torch.nn.Module, model_config: Any, params: Mapping[str, 
 
     layerwise.initialize_layerwise_reload(model)
     try:
-        current, tensors = None, {}
-        for name, tensor in params.items():
-            module_name, _, attr = name.rpartition(".")
-            if module_name != current and current is not None:
-                process(current, tensors)
-                tensors = {}
-            current, tensors[attr] = module_name, tensor
-        if current is not None:
-            process(current, tensors)
+        for module_name, tensors in _by_layer(params):
+            process(module_name, tensors)
         for layer in model.modules():  # layers that receive nothing (a tied lm_head) keep their live tensors
             info = layerwise.get_layerwise_info(layer)
             if info.can_load() and info.load_numel == 0 and not is_deferred_attention_layer(layer):
@@ -322,6 +315,19 @@ def load_params(model: torch.nn.Module, model_config: Any, params: Mapping[str, 
     except BaseException as error:
         abandon_layerwise_reload(model)
         raise PartialLoad(bool(done)) from error
+
+
+def _by_layer(params: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """Yield (module name, its params by attribute) for each run of params of one module, in order."""
+    current, tensors = None, {}
+    for name, tensor in params.items():
+        module_name, _, attr = name.rpartition(".")
+        if module_name != current and current is not None:
+            yield current, tensors
+            tensors = {}
+        current, tensors[attr] = module_name, tensor
+    if current is not None:
+        yield current, tensors
 
 
 def refresh_alias_layers(model: torch.nn.Module) -> None:

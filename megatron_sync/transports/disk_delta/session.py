@@ -210,8 +210,9 @@ class DirectoryBoard:
         """Publish `value` under `key` (atomic: readers see all of it or nothing)."""
         _post(self._path(key), value)
 
-    def fetch(self, key: str, timeout_s: Optional[float] = None) -> bytes:
-        """Return the value posted under `key`, waiting up to `timeout_s` (None: the board's timeout)."""
+    def fetch(self, key: str, timeout_s: Optional[float] = None, *, max_pause_s: float = 0.1) -> bytes:
+        """Return the value posted under `key`, waiting up to `timeout_s` (None: the board's timeout), looking at
+        least every `max_pause_s`."""
         limit = self.timeout_s if timeout_s is None else timeout_s
         path, checked = self._path(key), [clock().now()]
 
@@ -222,7 +223,7 @@ class DirectoryBoard:
                 checked[0] = clock().now()
             return value
 
-        return poll(posted, within=limit, what=f"a value under {path}", timeout=lambda _: PeerFailureError(
+        return poll(posted, within=limit, what=f"a value under {path}", max_pause_s=max_pause_s, timeout=lambda _: PeerFailureError(
             f"[rank {self.rank}] nothing was posted under {path} within {limit:g}s"))
 
     def remove(self, key: str) -> None:

@@ -41,8 +41,6 @@ shared memory).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import datetime
 import json
 import secrets
 import socket
@@ -50,7 +48,6 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_sync.transports.disk_delta.session import FileGather
 from megatron_sync.core.errors import PeerFailureError
@@ -59,8 +56,8 @@ from megatron_sync.plan.buckets import BucketPlan, SyncPlan
 from megatron_sync.transports.base import BucketHeader, PendingBucket, Receiver, Sender, Transport
 from megatron_sync.transports.buckets.transport import PlanBucketTransport
 from megatron_sync.session.control import StoreControlChannel
-from megatron_sync.session.group import StoreBoard
-from megatron_sync.session.liveness import PeerWatch, ProcessId, death_notice
+from megatron_sync.session.board import CountingBoard, StoreBoard, WaitingBoard
+from megatron_sync.session.liveness import PeerWatch, ProcessId
 from megatron_sync.transports.ipc.segments import (
     SLOTS, CudaSegment, HostSegment, Segment, SegmentInfo, segment_name, slot_bytes_for, unlink_session_segments,
 )
@@ -73,78 +70,6 @@ if TYPE_CHECKING:
     from megatron_sync.trainer.stream import HFWeightStream
     from megatron_sync.transports.base import Commit
     from megatron_sync.session.session import SyncSession
-
-
-class CountingBoard:
-    """A `StoreBoard` (the control channel's) that counts the bytes its messages carry over the socket."""
-
-    def __init__(self, board: StoreBoard, media: dict[str, int]) -> None:
-        self._board, self._media = board, media
-        self.timeout_s = board.timeout_s
-
-    def post(self, key: str, value: bytes) -> None:
-        self._media["socket"] += len(key) + len(value)
-        self._board.post(key, value)
-
-    def fetch(self, key: str, timeout_s: Optional[float] = None) -> bytes:
-        value = self._board.fetch(key, timeout_s)
-        self._media["socket"] += len(key) + len(value)
-        return value
-
-    def close(self) -> None:
-        self._board.close()
-
-
-class WaitingBoard:
-    """Post / fetch / remove control keys of the data path on a store connection of its own.
-
-    `fetch` blocks in the store's own wait, which the store answers the moment the key is set
-    (about 0.1 ms here, where `StoreBoard`'s polling adds 5-100 ms to every message), and fails at once
-    when the store's host is gone. A blocking wait holds its connection, so every thread that waits
-    has its own board, on its own clone of the session's store. Bytes (keys and values) are counted.
-    """
-
-    def __init__(self, store: Any, *, prefix: str, timeout_s: float, media: dict[str, int],
-                 failure: Callable[[str, BaseException], PeerFailureError]) -> None:
-        self._store, self._prefix, self.timeout_s = store, prefix, timeout_s
-        self._media, self._failure = media, failure
-        self.watch: Optional[PeerWatch] = None  # once set, a peer that dies while we wait is named at once
-
-    def post(self, key: str, value: bytes) -> None:
-        self._media["socket"] += len(key) + len(value)
-        try:
-            self._store.set(self._prefix + key, value)
-        except (RuntimeError, dist.DistError) as e:
-            raise self._failure(f"posting {key!r}", e) from e
-
-    def fetch(self, key: str, timeout_s: Optional[float] = None) -> bytes:
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            with self.watch.waiting(key) if self.watch is not None else contextlib.nullcontext():
-                self._store.wait([self._prefix + key], datetime.timedelta(seconds=limit))
-            value = self._store.get(self._prefix + key)
-        except dist.DistStoreError as e:
-            if "timeout" not in str(e):
-                raise self._failure(f"waiting for {key!r}", e) from e
-            raise PeerFailureError(f"nothing was posted under {key!r} within {limit:g}s") from e
-        except (RuntimeError, dist.DistError) as e:
-            raise self._failure(f"waiting for {key!r}", e) from e
-        self._media["socket"] += len(key) + len(value)
-        died = death_notice(value)
-        if died is not None:
-            raise PeerFailureError(f"{died} died while this rank waited for {key!r}")
-        return value
-
-    def remove(self, key: str) -> None:
-        """Delete a consumed key (`FileGather` calls it once every rank read it)."""
-        self._media["socket"] += len(key)
-        try:
-            self._store.delete_key(self._prefix + key)
-        except (RuntimeError, dist.DistError) as e:
-            raise self._failure(f"deleting {key!r}", e) from e
-
-    def close(self) -> None:
-        self._store = None
 
 
 class IpcTransport(PlanBucketTransport):

@@ -14,24 +14,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Optional
+from megatron_sync.session.board import Board
 
 ABORT = b"abort"
 PAUSE_S = 0.01
 """The longest pause between two looks for a notice: a sync waits on them, so each pause is latency (and a
 look is one small store request)."""
-
-
-class Board(Protocol):
-    """The control board notices travel on (`session.group.StoreBoard`)."""
-
-    timeout_s: float
-
-    def post(self, key: str, value: bytes) -> None: ...
-
-    def fetch(self, key: str, timeout_s: Optional[float] = None, *, max_pause_s: float = 0.1) -> bytes: ...
-
-    def delete(self, key: str) -> None: ...
 
 
 def trainer(rank: int) -> str:
@@ -81,7 +70,7 @@ class Notices:
         """Return (and delete) `source`'s report of `round_` to receiver `to`, waiting up to `timeout_s`."""
         key = self._key("report", to, round_, source)
         report = RoundReport.from_bytes(self.board.fetch(key, timeout_s, max_pause_s=PAUSE_S))
-        self.board.delete(key)
+        self.board.remove(key)
         return report
 
     def release(self, index: int, round_: int, value: bytes = b"ok") -> None:
@@ -105,5 +94,5 @@ class Notices:
         """Delete receiver `index`'s releases and base of this attempt (every writer is past them once the
         ranks agreed on the version), so they do not pile up in the store."""
         for round_ in range(rounds):
-            self.board.delete(self._key("release", index, round_))
-        self.board.delete(self._key("base", index))
+            self.board.remove(self._key("release", index, round_))
+        self.board.remove(self._key("base", index))

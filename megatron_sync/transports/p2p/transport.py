@@ -38,7 +38,8 @@ from megatron_sync.transports.p2p.sender import P2PSender
 from megatron_sync.trainer.stream import MegatronWeightStream
 from megatron_sync.transports.base import Commit, Receiver, Sender, Transport
 from megatron_sync.session.control import StoreControlChannel
-from megatron_sync.session.group import StoreBoard, TransportGroup, transport_group_over
+from megatron_sync.session.board import StoreBoard
+from megatron_sync.session.group import TransportGroup, transport_group_over
 
 if TYPE_CHECKING:
     from megatron_sync.settings.config import WeightSyncConfig

@@ -11,21 +11,12 @@ from __future__ import annotations
 
 import abc
 import json
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from megatron_sync.transports.p2p.movers import ByteMover, Pending, Span, check_inside, merged
-
-
-class Board(Protocol):
-    """Where windows are published: the transport group's control board."""
-
-    timeout_s: float
-
-    def post(self, key: str, value: bytes) -> None: ...
-
-    def fetch(self, key: str, timeout_s: float | None = None) -> bytes: ...
+from megatron_sync.session.board import Board
 
 
 class OneSidedMover(ByteMover):
