@@ -221,10 +221,10 @@ class DeltaWriter:
             try:
                 stats = self._publish(job)
             except BaseException as exc:  # noqa: BLE001 — reported by the next submit/flush/close
-                self.record_failure(job.version, exc)
-                with self._cond:
+                with self._cond:  # first: a submit that follows the failed record must raise it
                     self._error = exc
                     self._free.append(job.buffer)
+                self.record_failure(job.version, exc)
             else:
                 self._after_publish(stats)
             finally:
