@@ -8,6 +8,7 @@ sends. Imports only SGLang and torch (never megatron_sync).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -54,6 +55,7 @@ def receive(port: int, group_name: str, bodies: list[dict]) -> dict[str, str]:
         torch.distributed.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
         received.update({name: t.contiguous().view(-1).view(torch.uint8).numpy().tobytes().hex()
                          for name, t in bucket.reconstruct_tensors()})
+    torch.distributed.destroy_process_group(pg)
     return received
 
 
@@ -63,4 +65,7 @@ if __name__ == "__main__":
         out = check_bodies(payload["bodies"], payload["classes"])
     else:
         out = receive(int(sys.argv[2]), sys.argv[3], payload)
-    print("RESULT " + json.dumps(out))
+    print("RESULT " + json.dumps(out), flush=True)
+    # Leave without running C++ static destructors: gloo's, after the peer closed its side, can abort the
+    # process ("terminate called without an active exception") once the result is already out.
+    os._exit(0)
