@@ -64,11 +64,17 @@ class NixlMover(OneSidedMover):
     name = "nixl"
 
     def __init__(self, board: Board, *, timeout_s: float = 300.0, prefix: str = "p2p/nixl",
-                 device: torch.device = torch.device("cpu"), backends: tuple[str, ...] = ("UCX",)) -> None:
+                 device: torch.device = torch.device("cpu"), backends: tuple[str, ...] = ("UCX",),
+                 progress_thread: bool = True) -> None:
+        """`progress_thread`: NIXL's own thread progressing UCX (it polls without pause, a core while it
+        runs). A rank that only writes (a trainer rank) needs none: its transfers progress while it polls
+        them; a rank that is written to (an engine rank) keeps it, since over TCP a write lands only as
+        the target's UCX worker progresses."""
         super().__init__(board, prefix=prefix, timeout_s=timeout_s)
         agent_cls, config_cls = _agent_class()
         self.agent_name = f"megatron-sync-{uuid.uuid4().hex[:12]}"
-        self.agent = agent_cls(self.agent_name, config_cls(backends=list(backends)))
+        self.agent = agent_cls(self.agent_name, config_cls(enable_prog_thread=progress_thread,
+                                                           backends=list(backends)))
         self.device = device
         self._memory_type = _memory_type(device)
         self._remote: dict[str, str] = {}  # agent name -> the name NIXL gave it here
