@@ -75,3 +75,17 @@ def process(target: Any, args: tuple = (), kwargs: Optional[dict] = None, *, dae
     """Return an unstarted worker process (from `context()`) running `target(*args, **kwargs)` in the
     environment this process has now."""
     return context().Process(target=_in_environ, args=(environ(), target, args, kwargs or {}), daemon=daemon)
+
+
+def die_with_parent() -> None:
+    """`preexec_fn` for a server a test starts in a session of its own: SIGTERM reaches it when the process that
+    started it ends, even by SIGKILL (a timed-out or killed pytest worker), so no server outlives its test run.
+    Linux only (prctl PR_SET_PDEATHSIG, kept across the launcher's exec); elsewhere nothing."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+

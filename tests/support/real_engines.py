@@ -28,6 +28,7 @@ from tests.support import procs
 from tests.support.dist import free_port
 from tests.support.models import ModelSpec, hf_config, reference_weights
 from tests.support.timing import scaled
+from tests.support.procs import die_with_parent
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVER_START_S = 300  # a vLLM server on an idle 2-core machine is ready in ~30 s; TP=2 in ~40 s
@@ -150,7 +151,7 @@ class VLLMServer:
                    "--max-num-seqs", "8", *args]
         self._log = open(log_path, "a")
         self.proc = subprocess.Popen(command, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=ROOT)
+                                     start_new_session=True, cwd=ROOT, preexec_fn=die_with_parent)
 
     def wait_ready(self, timeout_s: float = SERVER_START_S) -> "VLLMServer":
         """Return once /health answers; raise with the server log's tail if it died or took longer than

@@ -26,6 +26,7 @@ from tests.support.dist import free_port
 from tests.support.models import ModelSpec
 from tests.support.real_engines import ROOT, HFReference, get, post, write_model_dir
 from tests.support.timing import scaled
+from tests.support.procs import die_with_parent
 
 SHIM = os.path.join(ROOT, "tests", "support", "sglang_shim")
 STUB_CALLED = re.compile(r"\[sgl_kernel stub\] CALLED (\S+)")
@@ -53,10 +54,12 @@ class SGLangServer:
                "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % os.cpu_count()) for r in range(tp))}
         command = [os.path.join(ROOT, "launch", "serve_sglang.sh"), model_dir, "--host", "127.0.0.1",
                    "--port", str(self.port), "--dtype", dtype, "--tp-size", str(tp), "--mem-fraction-static", "0.05",
-                   "--max-total-tokens", "8192", "--skip-server-warmup", *args]
+                   "--max-total-tokens", "8192", "--skip-server-warmup",
+                   # idle schedulers wait on their sockets instead of spinning a core each (2 cores here)
+                   "--sleep-on-idle", *args]
         self._log = open(log_path, "a")
         self.proc = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=ROOT)
+                                     start_new_session=True, cwd=ROOT, preexec_fn=die_with_parent)
 
     def wait_ready(self, timeout_s: float = SERVER_START_S) -> "SGLangServer":
         """Return once /health answers; raise with the log's tail if the server died or took longer."""
