@@ -11,8 +11,10 @@ transport of the same bytes over the same mover between the same processes. Repo
 - sync s: the slowest trainer rank's `TrainerWeightSync.sync()` (returns after every engine rank
   committed), and its phases; raw s and sync / raw (one-sided movers: nixl, mooncake);
 - recv MB: bytes each inference rank received at the transport;
-- egress / model: the bytes all trainer ranks wrote in one version over the model's bytes (engines of one
-  layout form a chain: 1.00 whatever their number; broadcast: not counted).
+- egress / model: the bytes all trainer ranks wrote in one version over the model's bytes; egress / engine:
+  over the bytes one engine's ranks received together (engines of one layout form a chain, so 1.00 whatever
+  their number; above 1.00 / model where an engine's ranks each hold a replicated tensor, as the reference
+  engine holds the vocabulary on every rank; broadcast: not counted).
 
 Machine caveat: 2 + N processes share this machine's cores (2 here): with more processes than cores
 every figure is CPU-bound (memcpy, checksums, loopback TCP), not network-bound.
@@ -74,7 +76,8 @@ def run_point(transport: str, *, engines: int = 1, engine_tp: int = 1, versions:
     egress = sum(statistics.median(syncs[v][i]["bytes"] for v in measured) for i in range(len(trainers)))
     return {"transport": transport, "engines": engines, "tp": engine_tp, "sync_s": phases["total"], "phases": phases,
             "warmup_s": slowest(0)["phases_s"]["total"], "recv": recv, "raw_s": raw_s, "wall": wall,
-            "egress_over_model": egress / MODEL_BYTES if share else None}
+            "egress_over_model": egress / MODEL_BYTES if share else None,
+            "egress_over_engine": egress / sum(recv[:engine_tp]) if share else None}
 
 
 MODEL_BYTES = None  # filled from the converter by main(): the HF checkpoint's bytes in the sync dtype
@@ -94,7 +97,7 @@ def model_bytes(dtype: str) -> int:
 
 def format_rows(rows: list[dict]) -> str:
     header = ["transport", "engines x TP", "sync s", "raw s", "sync/raw", "warm-up s", "gather", "convert", "pack",
-              "checksum", "transfer", "commit", "recv MB/rank", "egress/model"]
+              "checksum", "transfer", "commit", "recv MB/rank", "egress/model", "egress/engine"]
     lines = []
     for r in rows:
         p = r["phases"]
@@ -104,7 +107,8 @@ def format_rows(rows: list[dict]) -> str:
                       f"{r['warmup_s']:.3f}", *(f"{p[k]:.3f}" for k in ("gather", "convert", "pack", "checksum",
                                                                           "transfer", "commit")),
                       "/".join(f"{b / MB:.1f}" for b in r["recv"]),
-                      "-" if r["egress_over_model"] is None else f"{r['egress_over_model']:.3f}"])
+                      "-" if r["egress_over_model"] is None else f"{r['egress_over_model']:.3f}",
+                      "-" if r["egress_over_engine"] is None else f"{r['egress_over_engine']:.3f}"])
     return align(header, lines)
 
 

@@ -17,7 +17,7 @@ import sys
 import pytest
 import yaml
 
-from megatron_sync.drivers.colocate import role_of, split_arguments
+from megatron_sync.drivers.colocate import colocated, role_of, split_arguments
 from megatron_sync.transports.ipc.segments import leftover_segments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,6 +36,8 @@ def test_two_hosts_of_two_trainer_and_two_inference_ranks_number_each_role_host_
     role = role_of(_env(rank, rank % 4, 8, 4), trainer_ranks=2)
     assert (role.name, role.rank, role.world_size, role.local_rank, role.master_port) == expected
     assert role.environment()["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    # both roles know they share the host's devices (transport auto considers ipc), a plain job does not
+    assert colocated(role.environment()) and not colocated(_env(rank, rank % 4, 8, 4))
 
 
 def test_a_host_without_inference_ranks_and_missing_serve_arguments_are_refused():

@@ -27,6 +27,16 @@ from typing import Mapping, Optional
 SERVE_FLAG = "--serve"
 
 
+COLOCATED = "MEGATRON_SYNC_COLOCATED"
+"""Set to 1 in both roles' environments by this launcher: the jobs share their hosts' devices."""
+
+
+def colocated(env: Optional[Mapping[str, str]] = None) -> bool:
+    """True in a process this launcher started (a trainer whose engines share its devices: `transport: auto`
+    then considers ipc)."""
+    return (os.environ if env is None else env).get(COLOCATED) == "1"
+
+
 @dataclass(frozen=True)
 class Role:
     """This process's place in its role's job."""
@@ -43,7 +53,8 @@ class Role:
         return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
                 "LOCAL_WORLD_SIZE": str(self.local_world_size), "MASTER_PORT": str(self.master_port),
                 "GROUP_RANK": str(self.rank // self.local_world_size),
-                "TORCHELASTIC_USE_AGENT_STORE": "False"}  # torchrun's store stays torchrun's
+                "TORCHELASTIC_USE_AGENT_STORE": "False",  # torchrun's store stays torchrun's
+                COLOCATED: "1"}  # transport auto: the engines share this host's devices (ipc is a candidate)
 
 
 def role_of(env: Mapping[str, str], trainer_ranks: int) -> Role:

@@ -189,10 +189,11 @@ class TrainerWeightSync:
     def _resolve_auto(self, config: WeightSyncConfig, hf_config: Any) -> WeightSyncConfig:
         """Return `config` with transport auto resolved by the scale model (every rank computes the same
         choice from the same inputs; the ranks check that they agree), and log the choice."""
+        from megatron_sync.drivers.colocate import colocated
         from megatron_sync.scale.auto import resolve
 
         with failing_together("choosing the transport (transport: auto)", self._gather):
-            choice = resolve(config, self.layout, config.require_family(), hf_config)
+            choice = resolve(config, self.layout, config.require_family(), hf_config, colocated=colocated())
             chosen = self._gather(choice.to_wire())
             if any(c != chosen[0] for c in chosen):
                 raise RuntimeError(f"trainer ranks resolved transport auto differently: {chosen}")
@@ -260,10 +261,7 @@ class TrainerWeightSync:
         self.version = version
         self._check_canary(version, metrics)
         if self.auto_choice is not None and self.is_leader:
-            log.info("version %d: synced in %.3f s measured; the scale model predicted %.3f s (transport auto: "
-                     "%s, %g MiB buckets, profile %s)", version, time.perf_counter() - started,
-                     self.auto_choice.predicted_s, self.auto_choice.transport, self.auto_choice.bucket_size_mb,
-                     self.auto_choice.profile)
+            log.info("%s", self.auto_choice.measured(version, time.perf_counter() - started))
         return metrics
 
     def _sync_fleet(self, version: int) -> SyncMetrics:
