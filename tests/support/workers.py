@@ -5,7 +5,8 @@ scope: a vLLM server, a built model, process groups) is put in its file's
 `xdist_group`, so `--dist loadgroup` runs the whole file in one worker and the
 fixture is made once, as in a serial run. Every other test goes to whichever
 worker is free. The grouped files are collected first: each is one long unit of
-work, and one scheduled last would run alone while the other worker idles.
+work, and one scheduled last would run alone while the other worker idles; then the
+other process-starting tiers, slowest first, and the pure tests last.
 
 Without xdist (`-p no:xdist`, or a plain `pytest` on one file) nothing changes.
 """
@@ -37,4 +38,15 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
             grouped.append(item)
     together = set(grouped)
-    items[:] = grouped + [item for item in items if item not in together]
+    # then the slow tiers before the quick ones, so the many short pure tests fill the end, not a 30 s launch
+    rest = sorted((item for item in items if item not in together), key=_tier_order)
+    items[:] = grouped + rest
+
+
+def _tier_order(item) -> int:
+    marks = {mark.name for mark in item.iter_markers()}
+    return next((i for i, tier in enumerate(SLOW_FIRST) if tier in marks), len(SLOW_FIRST))
+
+
+SLOW_FIRST = ("vllm", "sglang", "e2e", "multiproc")
+"""Tiers whose tests start processes, slowest first; unmarked (pure) tests come after them."""
