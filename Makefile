@@ -56,7 +56,7 @@ test: setup docs
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not gpu and not vllm and not sglang and not e2e and not multiproc" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup -m "not gpu and not vllm and not sglang and not e2e and not multiproc" $(PYTEST_ARGS)
 
 # No setup: a GPU machine brings its own CUDA torch (docs/testing.md, "The GPU check", lists the wheels to carry).
 gpu-check:
