@@ -151,3 +151,34 @@ def test_every_shipped_module_imports_alone():
                           text=True, timeout=540, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {}
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 50
+
+
+def _shipped_sources():
+    for package in PACKAGES:
+        for folder, _, files in os.walk(os.path.join(ROOT, package)):
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    with open(path) as f:
+                        yield os.path.relpath(path, ROOT), f.read()
+
+
+def test_modules_stay_short_functions_stay_short_and_no_two_classes_share_a_name():
+    """The layout's size rules: no shipped module over 400 lines, no function over 50, one class per name."""
+    long_modules, long_functions, classes = [], [], {}
+    for path, source in _shipped_sources():
+        if source.count("\n") > MAX_MODULE_LINES:
+            long_modules.append((path, source.count("\n")))
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long_functions.append((path, node.name, lines))
+            elif isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(path)
+    assert long_modules == [], f"split these modules (over {MAX_MODULE_LINES} lines): {long_modules}"
+    assert long_functions == [], f"split these functions (over {MAX_FUNCTION_LINES} lines): {long_functions}"
+    assert {n: p for n, p in classes.items() if len(p) > 1} == {}, "two classes with one name"
