@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from megatron_sync.core.wait import ManualClock, using_clock
+from megatron_sync.core.wait import ManualClock, poll, using_clock
 from megatron_sync.core.errors import StoreSilentError
 from megatron_sync.session.session import connect
 from megatron_sync.session.store import CHECK_EVERY_S, MIN_BOUND_S
@@ -36,6 +36,12 @@ threading.Event().wait(600)  # host until the test stops it, then kills it
 """
 
 
+def _state(pid: int) -> str:
+    """The process's state letter from /proc (T: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 @pytest.fixture
 def stopped_host():
     """Yield the port of a session host that is then stopped; the host is killed afterwards."""
@@ -47,6 +53,9 @@ def stopped_host():
         client = connect("127.0.0.1", port, timeout_s=TIMEOUT_S)
         assert client.check(["rdzv/session"])  # it answers while it runs
         os.kill(host.pid, signal.SIGSTOP)
+        # the signal is delivered asynchronously: a host still running on the other core could answer one more
+        # call, so wait until the kernel reports it stopped
+        poll(lambda: _state(host.pid) in ("T", "t"), within=30, what="the host process stopping")
         yield port, client
     finally:
         host.kill()
