@@ -135,57 +135,81 @@ def plugin_path(folder: str) -> str:
 # ---------------------------------------------------------------- the server
 
 
-class VLLMServer:
-    """A vLLM server subprocess started by launch/serve_vllm.sh; `stop()` kills its whole process group."""
+class LaunchedServer:
+    """An inference server subprocess started by one of launch/serve_*.sh in a process group of its own (it dies
+    with the process that started it); `wait_ready` polls /health, `stop()` ends the whole group."""
 
-    def __init__(self, model_dir: str, *args: str, log_path: str, env: Optional[dict[str, str]] = None,
-                 dtype: str = "float32", port: Optional[int] = None) -> None:
-        self.port = free_port() if port is None else port  # a restarted server comes back on its port
+    name = "the"
+
+    def _launch(self, command: list[str], env: dict[str, str], log_path: str, port: Optional[int]) -> None:
+        self.port = free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        shim = plugin_path(os.path.join(os.path.dirname(log_path), "plugin_path"))
-        full_env = {**os.environ, "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1",
-                    "PYTHONPATH": os.pathsep.join([ROOT, shim]), **(env or {})}
-        command = [os.path.join(ROOT, "launch", "serve_vllm.sh"), model_dir, "--port", str(self.port),
-                   "--host", "127.0.0.1", "--dtype", dtype, "--enforce-eager", "--max-model-len", "1024",
-                   "--max-num-seqs", "8", *args]
         self._log = open(log_path, "a")
-        self.proc = subprocess.Popen(command, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=ROOT, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen([*command, "--port", str(self.port)], env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
+                                     preexec_fn=die_with_parent)
 
-    def wait_ready(self, timeout_s: float = SERVER_START_S) -> "VLLMServer":
+    def wait_ready(self, timeout_s: float = SERVER_START_S) -> "LaunchedServer":
         """Return once /health answers; raise with the server log's tail if it died or took longer than
         `timeout_s` (scaled for load)."""
         limit = scaled(timeout_s)
-        poll(self._healthy, within=limit, what="the vLLM server answering /health", max_pause_s=0.5,
-             timeout=lambda _: TimeoutError(f"vLLM server not ready within {limit:g}s:\n{self.log_tail()}"))
+        poll(self._healthy, within=limit, what=f"the {self.name} server answering /health", max_pause_s=0.5,
+             timeout=lambda _: TimeoutError(f"{self.name} server not ready within {limit:g}s:\n{self.log_tail()}"))
         return self
 
     def _healthy(self) -> bool:
         """True once /health answers 200; raises when the server exited."""
         if self.proc.poll() is not None:
-            raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            raise RuntimeError(f"{self.name} server exited with {self.proc.returncode}:\n{self.log_tail()}")
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=2) as answer:
                 return answer.status == 200
         except OSError:
             return False
 
+    def alive(self) -> bool:
+        """True while the server's launcher process runs."""
+        return self.proc.poll() is None
+
     def log_tail(self, chars: int = 6000) -> str:
         """Return the end of the server's combined stdout/stderr."""
         with open(self.log_path, errors="replace") as f:
             return f.read()[-chars:]
 
+    def kill(self) -> None:
+        """SIGKILL every process of the server (what a crashed host does) and reap the launcher."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
     def stop(self) -> None:
-        """Kill the server's process group (API server, engine core, workers) and wait for it."""
+        """Stop the server's process group (SIGTERM, then SIGKILL; children left in the group are killed too)."""
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(timeout=20)
             except (subprocess.TimeoutExpired, ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=20)
+                self.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self._log.close()
+
+
+class VLLMServer(LaunchedServer):
+    """A vLLM server subprocess started by launch/serve_vllm.sh."""
+
+    name = "vLLM"
+
+    def __init__(self, model_dir: str, *args: str, log_path: str, env: Optional[dict[str, str]] = None,
+                 dtype: str = "float32", port: Optional[int] = None) -> None:
+        shim = plugin_path(os.path.join(os.path.dirname(log_path), "plugin_path"))
+        full_env = {**os.environ, "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1",
+                    "PYTHONPATH": os.pathsep.join([ROOT, shim]), **(env or {})}
+        command = [os.path.join(ROOT, "launch", "serve_vllm.sh"), model_dir, "--host", "127.0.0.1",
+                   "--dtype", dtype, "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "8", *args]
+        self._launch(command, full_env, log_path, port)  # a restarted server comes back on its port
 
 
 @contextlib.contextmanager

@@ -14,19 +14,14 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
-import subprocess
 import urllib.request
 from typing import Any, Iterator, Optional
 
 import torch
 
-from megatron_sync.core.wait import poll
-from tests.support.dist import free_port
 from tests.support.models import ModelSpec
-from tests.support.real_engines import ROOT, HFReference, get, post, write_model_dir
+from tests.support.real_engines import ROOT, HFReference, LaunchedServer, get, post, write_model_dir
 from tests.support.timing import scaled
-from tests.support.procs import die_with_parent
 
 SHIM = os.path.join(ROOT, "tests", "support", "sglang_shim")
 STUB_CALLED = re.compile(r"\[sgl_kernel stub\] CALLED (\S+)")
@@ -42,72 +37,29 @@ def sglang_python() -> str:
     return python
 
 
-class SGLangServer:
-    """An SGLang server subprocess (launch/serve_sglang.sh) in its own process group; `stop()` kills the group."""
+class SGLangServer(LaunchedServer):
+    """An SGLang server subprocess (launch/serve_sglang.sh); `stop()` also ends its scheduler children."""
+
+    name = "SGLang"
 
     def __init__(self, model_dir: str, *args: str, log_path: str, tp: int = 1, dtype: str = "float32") -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
         env = {**os.environ, "PYTHON": sglang_python(), "PYTHONPATH": SHIM, "HF_HUB_OFFLINE": "1",
                # one core per TP rank: SGLang's CPU engine asks for one NUMA node per rank otherwise
                "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % os.cpu_count()) for r in range(tp))}
         command = [os.path.join(ROOT, "launch", "serve_sglang.sh"), model_dir, "--host", "127.0.0.1",
-                   "--port", str(self.port), "--dtype", dtype, "--tp-size", str(tp), "--mem-fraction-static", "0.05",
+                   "--dtype", dtype, "--tp-size", str(tp), "--mem-fraction-static", "0.05",
                    "--max-total-tokens", "8192", "--skip-server-warmup",
                    # idle schedulers wait on their sockets instead of spinning a core each (2 cores here)
                    "--sleep-on-idle", *args]
-        self._log = open(log_path, "a")
-        self.proc = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=ROOT, preexec_fn=die_with_parent)
+        self._launch(command, env, log_path, None)
 
     def wait_ready(self, timeout_s: float = SERVER_START_S) -> "SGLangServer":
-        """Return once /health answers; raise with the log's tail if the server died or took longer."""
-        limit = scaled(timeout_s)
-        poll(self._healthy, within=limit, what="the SGLang server answering /health", max_pause_s=0.5,
-             timeout=lambda _: TimeoutError(f"SGLang server not ready within {limit:g}s:\n{self.log_tail()}"))
-        return self
-
-    def _healthy(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"SGLang server exited with {self.proc.returncode}:\n{self.log_tail()}")
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as answer:
-                return answer.status == 200
-        except OSError:
-            return False
-
-    def alive(self) -> bool:
-        """True while the server's launcher process runs."""
-        return self.proc.poll() is None
-
-    def log_tail(self, chars: int = 6000) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-chars:]
+        return super().wait_ready(timeout_s)
 
     def stub_calls(self) -> list[str]:
         """Return the names of the `sgl_kernel` stand-in's functions the server called (should be none)."""
         with open(self.log_path, errors="replace") as f:
             return STUB_CALLED.findall(f.read())
-
-    def kill(self) -> None:
-        """SIGKILL every process of the server (what a crashed host does) and reap the launcher."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        """Stop the server's process group (SIGTERM, then SIGKILL)."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=20)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                self.kill()
-        with contextlib.suppress(ProcessLookupError):  # SGLang's scheduler children share the group
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self._log.close()
 
 
 @contextlib.contextmanager
