@@ -54,7 +54,7 @@ def _case(tmp_path, versions: int, **extra) -> dict:
 
 def _wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
     """Wait until `predicate()` is true; WaitTimeout (a TimeoutError) naming `what` after `timeout_s`, scaled."""
-    poll(lambda: bool(predicate()), within=scaled(timeout_s), what=what)  # bool: poll takes [] as a result
+    poll(predicate, within=scaled(timeout_s), what=what)
 
 
 def delta_trainer_job(rank: int, world_size: int, case: dict) -> dict:

@@ -30,13 +30,14 @@ WORKERS = 2  # the server's own tensor parallelism
 PROMPTS = [[5, 17, 42, 99, 7], [3, 3, 8], [200, 1, 64, 128, 9, 31]]
 LONG_PROMPT = [(7 * i + 3) % 250 for i in range(300)]  # > one CPU KV block (128): exercises the prefix cache
 UCX_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}  # NIXL over real sockets, in the trainer and the workers
-MAX_MODEL_LEN = 8192  # the module server's context: room for generations a sync must interrupt
+MAX_MODEL_LEN = 2048  # the module server's context
 LONG_GENERATION = 1000  # tokens the "wait" policy lets finish before its sync
-# Tokens of a generation a sync must land in ("abort", "recompute"): the sync follows the first streamed tokens
-# at once (the trainer's next weights are ready), and one loaded CI run still generated 1000 tokens before
-# the pause arrived, another all of 4000 before a recompute sync's commit: both use the server's whole context.
-ABORTED_GENERATION = MAX_MODEL_LEN - len(PROMPTS[1]) - 1
-RECOMPUTED_GENERATION = MAX_MODEL_LEN - len(PROMPTS[1]) - 1
+# A sync must land inside the "abort" and "recompute" generations: the server holds them after HELD_AT tokens
+# until the sync's /pause reaches its engine core (tests/support/vllm_faults.py), so it does by construction
+# (two loaded CI runs, racing the clock instead, saw the whole generation finish before the pause arrived).
+HELD_AT = 1  # the first streamed token is the earliest a sync can start, so every hold acts
+ABORTED_GENERATION = 400
+RECOMPUTED_GENERATION = 200
 
 
 class Served:
@@ -181,23 +182,33 @@ def test_a_parameter_changed_after_loading_is_found_and_every_worker_stays_on_th
 # ---------------------------------------------------------------- a sync during a long generation
 
 
-def _stream_through_sync(served: Served, trainer: TrainerProcess, policy: str, length: int) -> dict:
-    """Sync v1, start a long generation, sync v2 under `policy` once tokens flow; return what happened."""
+def _stream_through_sync(served: Served, trainer: TrainerProcess, policy: str, length: int,
+                         held: bool = True) -> dict:
+    """Sync v1, start a long generation, sync v2 under `policy` once tokens flow; return what happened.
+    `held`: the server holds the generation after HELD_AT tokens until the sync's pause arrives."""
     try:
         trainer.load(21)
         trainer.connect(**settings(served.url, inflight_policy=policy))
         trainer.sync()
         v1 = trainer.sent()
-        trainer.load(22)  # the next version's weights are ready before the stream starts: its sync (and the
-        generation = StreamingGeneration(served.url, PROMPTS[1], length)  # pause) follows at once
+        trainer.load(22)
+        if held:
+            with open(served.faults, "w") as f:
+                json.dump({"hold_after_tokens": HELD_AT, "id": f"{policy}-{time.monotonic_ns()}"}, f)
+        generation = StreamingGeneration(served.url, PROMPTS[1], length)
         assert generation.first_tokens.wait(120), "no tokens streamed"
         trainer.sync()
         synced_at = time.monotonic()
         v2 = trainer.sent()
         tokens, finish, spans = generation.result()
+        was_held = os.path.exists(served.faults + ".held")
     finally:
+        for path in (served.faults, served.faults + ".held"):
+            if os.path.exists(path):
+                os.remove(path)
         trainer.disconnect()
-    print(f"[{policy}] {len(tokens)} tokens, finish_reason {finish}, weight_versions {spans}")
+    print(f"[{policy}] {len(tokens)} tokens, finish_reason {finish}, weight_versions {spans}, held {was_held}")
+    assert was_held == held, "the server's hold did not act"
     return {"v1": v1, "v2": v2, "tokens": tokens, "finish": finish, "spans": spans,
             "finished_before_sync_returned": generation.finished_at <= synced_at}
 
@@ -205,13 +216,13 @@ def _stream_through_sync(served: Served, trainer: TrainerProcess, policy: str, l
 def test_abort_policy_ends_the_generation_on_the_old_version(served, trainer):
     got = _stream_through_sync(served, trainer, "abort", ABORTED_GENERATION)
     n = len(got["tokens"])
-    assert got["finish"] == "abort" and 0 < n < ABORTED_GENERATION
+    assert got["finish"] == "abort" and 0 < n <= HELD_AT + 2  # held until the pause arrived
     assert got["spans"] == [("1", 0, n)]
     assert HFReference(QWEN3, got["v1"]).check(got["tokens"][:16], PROMPTS[1]) is None
 
 
 def test_wait_policy_lets_the_generation_finish_before_the_sync(served, trainer):
-    got = _stream_through_sync(served, trainer, "wait", LONG_GENERATION)
+    got = _stream_through_sync(served, trainer, "wait", LONG_GENERATION, held=False)
     assert got["finish"] == "length" and len(got["tokens"]) == LONG_GENERATION
     assert got["spans"] == [("1", 0, LONG_GENERATION)] and got["finished_before_sync_returned"]
     assert HFReference(QWEN3, got["v1"]).check(got["tokens"][:24], PROMPTS[1]) is None
@@ -225,7 +236,7 @@ def test_recompute_policy_continues_on_the_new_version_with_recomputed_kv(served
     assert got["finish"] == "length" and len(tokens) == RECOMPUTED_GENERATION
     assert len(spans) == 2 and spans[0][:2] == ("1", 0) and spans[1][0] == "2" and spans[1][2] == RECOMPUTED_GENERATION
     switch = spans[0][2]
-    assert 0 < switch == spans[1][1] < RECOMPUTED_GENERATION
+    assert 0 < switch == spans[1][1] <= HELD_AT + 2
     assert HFReference(QWEN3, got["v1"]).check(tokens[: min(switch, 16)], PROMPTS[1]) is None
     assert HFReference(QWEN3, got["v2"]).check(tokens[switch:switch + 16], PROMPTS[1] + tokens[:switch]) is None
 

@@ -13,7 +13,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Protocol, TypeVar, Union
+from typing import Any, Callable, Iterator, Optional, Protocol, Sized, TypeVar, Union
 
 T = TypeVar("T")
 
@@ -139,7 +139,8 @@ def deadline_of(bound: Bound) -> Deadline:
 def poll(ready: Callable[[], Optional[T]], *, within: Bound, what: str,
          max_pause_s: float = MAX_PAUSE_S, wake: Optional[threading.Event] = None,
          timeout: Optional[Callable[[float], BaseException]] = None) -> T:
-    """Call `ready()` until it returns something other than None or False; return that.
+    """Call `ready()` until it returns a result; return that. None, False and an empty container
+    ({}, [], "") are "not yet"; anything else, 0 included, is a result.
 
     Pauses start at `FIRST_PAUSE_S` and double up to `max_pause_s`; with `wake`
     (an event whoever makes `ready` true sets) a pause ends as soon as it is
@@ -151,7 +152,7 @@ def poll(ready: Callable[[], Optional[T]], *, within: Bound, what: str,
     pause = FIRST_PAUSE_S if wake is None else max_pause_s
     while True:
         value = ready()
-        if value is not None and value is not False:
+        if _is_result(value):
             return value
         if limit.expired():
             waited = clock().now() - started
@@ -162,6 +163,12 @@ def poll(ready: Callable[[], Optional[T]], *, within: Bound, what: str,
         else:
             clock().wait_event(wake, min(pause, limit.remaining()))
         pause = min(pause * 2, max_pause_s)
+
+
+def _is_result(value: Any) -> bool:
+    if value is None or value is False:
+        return False
+    return not (isinstance(value, Sized) and len(value) == 0)
 
 
 def every(seconds: float, stop: threading.Event) -> Iterator[None]:

@@ -10,6 +10,11 @@ The vLLM tests register it next to the real plugin (tests/support/real_engines.p
   params instead, after the target's were loaded; {"version": v, "worker": w,
   "corrupt": name} lets the load succeed, then flips one byte of vLLM's
   parameter `name` (a fault no wire checksum sees: the post-load check must).
+- A generation held for the sync, armed through the same file: {"hold_after_tokens": n, "id": any} makes
+  the engine core, once a running request has n output tokens, stop stepping until the next client
+  request (the sync's /pause) reaches it, once per id, and writes <file>.held (the id) when it held. A sync
+  then lands inside the generation by construction, however fast the model decodes or slowly the trainer
+  starts its sync.
 - Draft read-back: with MEGATRON_SYNC_TEST_DRAFT_DUMP=<folder>, after every load
   (committed or restored) each worker with an MTP draft writes what its draft
   model holds to <folder>/worker<w>.pt: the version, every parameter of the
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 
 _DRAFT_FAULT: list = [None]  # the message of an armed draft fault, for the load under way
 
@@ -32,6 +38,8 @@ def register() -> None:
     faults, dump = os.environ.get("MEGATRON_SYNC_TEST_FAULTS"), os.environ.get("MEGATRON_SYNC_TEST_DRAFT_DUMP")
     if not faults and not dump:
         return
+    if faults:
+        _hold_generations_for_a_pause(faults)
     from megatron_sync.engines.vllm import adapter, draft
 
     original = adapter.VLLMModelAdapter.load_shards
@@ -70,6 +78,41 @@ def register() -> None:
     load_shards._fault_wrapped = True
     adapter.VLLMModelAdapter.load_shards = load_shards
     draft.DraftModel.load = draft_load
+
+
+HOLD_S = 300.0  # the longest a held generation waits for the pause: a test that never sends one fails, not hangs
+
+
+def _hold_generations_for_a_pause(faults: str) -> None:
+    """Wrap the engine core's step (in the engine-core process) with the armed hold described above."""
+    try:
+        from vllm.v1.engine.core import EngineCoreProc
+    except ImportError:  # not a vLLM with a separate engine-core process: the hold fails its test by name
+        return
+    original = EngineCoreProc._process_engine_step
+    if getattr(original, "_fault_wrapped", False):
+        return
+    released: set = set()
+
+    def _process_engine_step(self):
+        fault = _armed(faults) or {}
+        after, hold_id = fault.get("hold_after_tokens"), fault.get("id")
+        if after is None or hold_id in released:
+            return original(self)
+        if not any(r.num_output_tokens >= after for r in self.scheduler.running):
+            return original(self)
+        released.add(hold_id)
+        with open(faults + ".held", "w") as f:
+            f.write(str(hold_id))
+        try:
+            request = self.input_queue.get(timeout=HOLD_S)  # the sync's /pause (nothing else runs in the test)
+        except queue.Empty:
+            raise RuntimeError(f"test hold {hold_id}: no client request reached the engine core within {HOLD_S} s")
+        self._handle_client_request(*request)
+        return False  # the busy loop decides what runs next, as after any client request
+
+    _process_engine_step._fault_wrapped = True
+    EngineCoreProc._process_engine_step = _process_engine_step
 
 
 def _armed(path: str):
