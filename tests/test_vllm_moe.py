@@ -16,22 +16,24 @@ from tests.support.dist import free_port
 from tests.support.dist import run_distributed
 from tests.support.real_engines import (
     QWEN3_MOE, StreamingGeneration, TrainerProcess, engine_problems, generate, greedy_completion,
-    megatron_job_syncs, serving, weight_version,
+    generation_held_for_the_sync, megatron_job_syncs, serving, weight_version,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
 
 PROMPTS = [[5, 17, 42, 99, 7], [3, 3, 8]]
-MAX_MODEL_LEN = 8192
-# Tokens of the generation the sync must land in: several times what a sync's start takes here (one loaded CI
-# run generated 1000 tokens of the dense model before a sync's pause arrived).
-LONG_GENERATION = 4000
+MAX_MODEL_LEN = 2048
+# Tokens of the generation the sync must land in: the server holds it after its first token until the sync's
+# pause arrives (tests/support/vllm_faults.py), so the sync lands in it however loaded the machine.
+LONG_GENERATION = 200
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    with serving(str(tmp_path_factory.mktemp("vllm_moe")), QWEN3_MOE, "--no-enable-prefix-caching",
-                 "--max-model-len", str(MAX_MODEL_LEN)) as (server, _):
+    folder = tmp_path_factory.mktemp("vllm_moe")
+    with serving(str(folder), QWEN3_MOE, "--no-enable-prefix-caching", "--max-model-len", str(MAX_MODEL_LEN),
+                 env={"MEGATRON_SYNC_TEST_FAULTS": str(folder / "faults.json")}) as (server, _):
+        server.faults = str(folder / "faults.json")
         yield server
 
 
@@ -87,11 +89,13 @@ def test_keep_policy_continues_the_generation_over_its_old_kv(served, trainer):
         trainer.load(31)
         _connect(trainer, served.url, "keep")
         trainer.sync()
-        trainer.load(32)  # ready before the stream starts, so the sync (and its pause) follows the first tokens at once
-        generation = StreamingGeneration(served.url, PROMPTS[1], LONG_GENERATION)
-        assert generation.first_tokens.wait(120), "no tokens streamed"
-        trainer.sync()
-        tokens, finish, spans = generation.result()
+        trainer.load(32)
+        with generation_held_for_the_sync(served.faults) as held:
+            generation = StreamingGeneration(served.url, PROMPTS[1], LONG_GENERATION)
+            assert generation.first_tokens.wait(120), "no tokens streamed"
+            trainer.sync()
+            tokens, finish, spans = generation.result()
+            assert held(), "the server's hold did not act"
     finally:
         trainer.disconnect()
     print(f"[keep] {len(tokens)} tokens, finish_reason {finish}, weight_versions {spans}")

@@ -12,6 +12,7 @@ One trainer process (Megatron, TP=1) serves the fault and policy tests.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -20,7 +21,7 @@ import pytest
 
 from tests.support.dist import free_port, run_distributed
 from tests.support.real_engines import (
-    QWEN3, HFReference, StreamingGeneration, TrainerError, TrainerProcess, VLLMServer, engine_problems,
+    QWEN3, HFReference, StreamingGeneration, generation_held_for_the_sync, TrainerError, TrainerProcess, VLLMServer, engine_problems,
     greedy_completion, megatron_job_syncs, serving, weight_version,
 )
 
@@ -192,23 +193,18 @@ def _stream_through_sync(served: Served, trainer: TrainerProcess, policy: str, l
         trainer.sync()
         v1 = trainer.sent()
         trainer.load(22)
-        if held:
-            with open(served.faults, "w") as f:
-                json.dump({"hold_after_tokens": HELD_AT, "id": f"{policy}-{time.monotonic_ns()}"}, f)
-        generation = StreamingGeneration(served.url, PROMPTS[1], length)
-        assert generation.first_tokens.wait(120), "no tokens streamed"
-        trainer.sync()
-        synced_at = time.monotonic()
-        v2 = trainer.sent()
-        tokens, finish, spans = generation.result()
-        was_held = os.path.exists(served.faults + ".held")
+        with contextlib.ExitStack() as stack:
+            was_held = stack.enter_context(generation_held_for_the_sync(served.faults, HELD_AT)) if held else None
+            generation = StreamingGeneration(served.url, PROMPTS[1], length)
+            assert generation.first_tokens.wait(120), "no tokens streamed"
+            trainer.sync()
+            synced_at = time.monotonic()
+            v2 = trainer.sent()
+            tokens, finish, spans = generation.result()
+            assert not held or was_held(), "the server's hold did not act"
     finally:
-        for path in (served.faults, served.faults + ".held"):
-            if os.path.exists(path):
-                os.remove(path)
         trainer.disconnect()
-    print(f"[{policy}] {len(tokens)} tokens, finish_reason {finish}, weight_versions {spans}, held {was_held}")
-    assert was_held == held, "the server's hold did not act"
+    print(f"[{policy}] {len(tokens)} tokens, finish_reason {finish}, weight_versions {spans}")
     return {"v1": v1, "v2": v2, "tokens": tokens, "finish": finish, "spans": spans,
             "finished_before_sync_returned": generation.finished_at <= synced_at}
 

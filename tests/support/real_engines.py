@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 import urllib.request
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -266,6 +266,22 @@ def generate(url: str, prompt: list[int], max_tokens: int) -> dict:
 def weight_version(url: str) -> str:
     """Return the weight version the server reports on GET /weight_info."""
     return get(url, "/weight_info")["weight_version"]
+
+
+@contextlib.contextmanager
+def generation_held_for_the_sync(faults: str, after_tokens: int = 1) -> Iterator[Callable[[], bool]]:
+    """Arm the test plugin's hold (tests/support/vllm_faults.py) through the server's fault file `faults`:
+    once a generation has `after_tokens` tokens the server steps no further until the next request reaches its
+    engine core (the sync's /pause), so the sync lands inside the generation by construction. Yields a call
+    that says whether the server held; disarms on leaving."""
+    with open(faults, "w") as f:
+        json.dump({"hold_after_tokens": after_tokens, "id": f"{os.getpid()}-{time.monotonic_ns()}"}, f)
+    try:
+        yield lambda: os.path.exists(faults + ".held")
+    finally:
+        for path in (faults, faults + ".held"):
+            if os.path.exists(path):
+                os.remove(path)
 
 
 class StreamingGeneration:
