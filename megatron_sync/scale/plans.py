@@ -19,6 +19,7 @@ computed once per tensor kind (`RegionTable`).
 from __future__ import annotations
 
 import copy
+import json
 import time
 import tracemalloc
 from collections import defaultdict
@@ -81,6 +82,27 @@ class RegionTable:
         return nbytes, tensors
 
 
+_MODELS: dict[str, tuple] = {}
+
+
+def _model(family: str, hf_config: Any, dtype: str, draft: bool) -> tuple[Any, list[TensorSpec], Callable]:
+    """Return (the converter, the engine's tensor specs, a memoised convert_meta) of one model, built once per
+    process: planners of one model over several layouts (the published rows, `make scale`'s sweeps) share it."""
+    config = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+    key = json.dumps([family, config, dtype, draft], sort_keys=True, default=str)
+    if key not in _MODELS:
+        converter = converter_for(family, config, dtype=dtype, draft=draft)
+        memo: dict = {}
+
+        def converted(name: str, shape: tuple, dtype_) -> list:
+            if (name, shape, dtype_) not in memo:
+                memo[name, shape, dtype_] = converter.convert_meta(name, shape, dtype_)
+            return memo[name, shape, dtype_]
+
+        _MODELS[key] = (converter, converter.tensor_specs(), converted)
+    return _MODELS[key]
+
+
 class ScalePlanner:
     """Plans one sync of a model between two layouts, on metadata, with the project's planners."""
 
@@ -89,10 +111,9 @@ class ScalePlanner:
         self.trainer, self.fleet = trainer, fleet
         fleet.first_gpu(trainer)  # refuses colocated engines that do not fit on the trainer's GPUs
         started = time.perf_counter()
-        self.converter = converter_for(family, hf_config, dtype=dtype, draft=draft)
-        self.specs: list[TensorSpec] = self.converter.tensor_specs()
+        self.converter, self.specs, converted = _model(family, hf_config, dtype, draft)
         self.units = stage_units(self.converter, trainer, dtype_from_name(train_dtype))
-        outputs = {u.name: self.converter.convert_meta(u.name, u.full_shape, u.dtype) for us in self.units for u in us}
+        outputs = {u.name: converted(u.name, u.full_shape, u.dtype) for us in self.units for u in us}
         self.unit_hf_bytes = {name: sum(m.nbytes for m in metas) for name, metas in outputs.items()}
         self.known_outputs = _KnownOutputs(outputs)
         self.stage_metas = [[m for u in units for m in outputs[u.name]] for units in self.units]

@@ -28,9 +28,17 @@ from megatron_sync.scale.variants import FITTED, VARIANTS, Constants
 PREDICTIONS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published_predictions.py")
 
 
+_PLANNERS: dict[str, ScalePlanner] = {}
+
+
 def planner_for(row: Published) -> ScalePlanner:
-    family, config = row.hf_config()
-    return ScalePlanner(family, config, row.trainer, row.fleet, draft=row.draft)
+    """Return a planner of the row's layouts; the trainer's side is planned once per process for rows of one
+    model and trainer layout (its fleet is swapped in)."""
+    key = repr((row.model, sorted(row.overrides.items()), row.trainer, row.draft))
+    if key not in _PLANNERS:
+        family, config = row.hf_config()
+        _PLANNERS[key] = ScalePlanner(family, config, row.trainer, row.fleet, draft=row.draft)
+    return _PLANNERS[key].with_fleet(row.fleet)
 
 
 _PLANS: dict[str, dict] = {}
