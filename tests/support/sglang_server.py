@@ -101,8 +101,9 @@ def serving_problems(url: str, reference: HFReference, prompts: list[list[int]],
     """Return how the server's greedy tokens differ from `reference`'s, and the version it reports on each
     answer and on /model_info when it is not `version` (none: [])."""
     problems = []
-    for prompt in prompts:
-        answer = generate(url, prompt)
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    answers = post(url, "/generate", {"input_ids": prompts, "sampling_params": params}, timeout_s=120)  # one batch
+    for prompt, answer in zip(prompts, answers, strict=True):
         problem = reference.check(list(answer["output_ids"]), prompt)
         if problem:
             problems.append(f"prompt {prompt}: {problem}")
