@@ -182,3 +182,42 @@ def test_modules_stay_short_functions_stay_short_and_no_two_classes_share_a_name
     assert long_modules == [], f"split these modules (over {MAX_MODULE_LINES} lines): {long_modules}"
     assert long_functions == [], f"split these functions (over {MAX_FUNCTION_LINES} lines): {long_functions}"
     assert {n: p for n, p in classes.items() if len(p) > 1} == {}, "two classes with one name"
+
+
+BROAD = {"Exception", "BaseException"}
+
+
+def _is_broad(kind) -> bool:
+    if kind is None:
+        return True
+    if isinstance(kind, ast.Name):
+        return kind.id in BROAD
+    return isinstance(kind, ast.Tuple) and any(_is_broad(k) for k in kind.elts)
+
+
+def broad_handlers_without_a_reason(path: str, source: str) -> list[str]:
+    """Return the broad `except` clauses of `source` (bare, Exception, BaseException) that neither raise again
+    (clean up, then re-raise or raise a clearer error) nor say on their line why they keep going."""
+    lines, found = source.splitlines(), []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ExceptHandler) and _is_broad(node.type):
+            raises = any(isinstance(n, ast.Raise) for n in ast.walk(ast.Module(body=node.body, type_ignores=[])))
+            said = "#" in lines[node.lineno - 1].partition("except")[2]
+            if not raises and not said:
+                found.append(f"{path}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    return found
+
+
+def test_every_broad_except_raises_again_or_says_why_it_keeps_going():
+    """The broad-except audit as a rule: a handler that swallows everything must say why on its line."""
+    found = [h for path, source in _shipped_sources() for h in broad_handlers_without_a_reason(path, source)]
+    assert found == [], "raise again, catch something narrower, or say why on the except line:\n" + "\n".join(found)
+
+
+def test_the_audit_finds_a_silent_broad_except():
+    silent = "try:\n    f()\nexcept Exception:\n    pass\n"
+    said = "try:\n    f()\nexcept Exception:  # noqa: BLE001 - logged by the caller\n    pass\n"
+    cleaned = "try:\n    f()\nexcept BaseException:\n    undo()\n    raise\n"
+    narrow = "try:\n    f()\nexcept OSError:\n    pass\n"
+    assert broad_handlers_without_a_reason("m.py", silent) == ["m.py:3: except Exception:"]
+    assert [broad_handlers_without_a_reason("m.py", s) for s in (said, cleaned, narrow)] == [[], [], []]

@@ -196,7 +196,7 @@ def serve(me: EngineRank, config: WeightSyncConfig, *, num_trainer_stages: Optio
             why = f"stopped by {e}"
             say(why)
             return e.exit_code
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 — _exit_after says it and picks the exit code, or raises it again
             why = f"{type(e).__name__}: {e}"
             return _exit_after(e, stop.as_exception(), say, lambda: on_stop() if on_stop is not None else None,
                                me.rank)
