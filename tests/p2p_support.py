@@ -112,7 +112,7 @@ def run_side_by_side(jobs, timeout: float) -> list[list]:
 
 def trainer_grid(tp=1, dp=1, pp=1, ep=1, etp=1):
     """Return the trainer ranks of a Megatron-like grid: dense tp-dp-pp, expert etp-ep-edp-pp."""
-    from megatron_sync.transports.p2p.holders import TrainerRank
+    from megatron_sync.core.grid import TrainerRank
 
     per_stage = tp * dp
     assert per_stage % (ep * etp) == 0

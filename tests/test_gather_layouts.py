@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_sync.core.grid import Grid
 from tests.support.dist import run_distributed
 
 DENSE = ("llama", "qwen2", "qwen3")
@@ -53,17 +54,20 @@ def _stream_family(family: str, layout_kw: dict, budget: int):
 
 
 def _worker(rank, world_size, layout_kw, families, budget):
+    from megatron_sync.core.grid import ParallelLayout, TrainerRank
     from tests.support.dist import init_megatron
 
     init_megatron(**layout_kw)
-    return {family: _stream_family(family, layout_kw, budget) for family in families}
+    layout = ParallelLayout.from_megatron()  # this rank's place, as Megatron reports it
+    grid = {"live": TrainerRank.of(layout, rank), "grid": layout.grid}
+    return {"grid": grid, **{family: _stream_family(family, layout_kw, budget) for family in families}}
 
 
 @pytest.fixture(scope="module")
 def reference():
     """Single-rank conversion of every family: the bytes every layout must reproduce."""
     [out] = run_distributed(_worker, 1, {}, DENSE + MOE, SMALL_BUDGET, timeout=360)
-    return {family: r["tensors"] for family, r in out.items()}
+    return {family: r["tensors"] for family, r in out.items() if family != "grid"}
 
 
 LARGE_BUDGET = 1 << 20  # many tensors per batch
@@ -87,6 +91,10 @@ LAYOUTS = [
 def test_layout_yields_single_rank_tensors(reference, world_size, layout_kw, families):
     budget = LARGE_BUDGET if world_size == 1 else SMALL_BUDGET
     per_rank = run_distributed(_worker, world_size, layout_kw, families, budget, timeout=420)
+    grid = per_rank[0]["grid"]["grid"]  # the one grid: its rank order is Megatron's, coordinate by coordinate
+    sizes = {"etp": layout_kw.get("tp", 1), **layout_kw}  # megatron-core's expert TP defaults to the dense TP
+    assert grid.world == world_size and grid == Grid(dp=world_size // (grid.tp * grid.pp), **sizes), grid
+    assert [out["grid"]["live"] for out in per_rank] == grid.ranks()
     for family in families:
         merged: dict[str, torch.Tensor] = {}
         for out in per_rank:

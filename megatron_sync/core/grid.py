@@ -1,11 +1,141 @@
-"""Both sides' parallel layouts as explicit data, read from Megatron once at the edge."""
+"""The trainer's parallel grid, once: its sizes and rank order (`Grid`), one rank's coordinates
+(`TrainerRank`), and this process's place in it with its groups (`ParallelLayout`, read from Megatron once
+at the edge). The scale model's `TrainerLayout` is a `Grid` placed on nodes; the P2P schedule's holders are
+`TrainerRank`s; a live job's `ParallelLayout.grid` is the `Grid` the scale model plans with."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, Sequence
 
 import torch.distributed as dist
+
+AXES = ("pp", "tp", "cp", "dp", "ep", "etp", "edp")
+"""A rank's coordinates, in wire order."""
+
+
+def positive(owner: str, **values: int) -> None:
+    """Raise ValueError naming `owner`.name for any value that is not an integer >= 1."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{owner}.{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TrainerRank:
+    """One trainer rank: its global rank and its coordinates in Megatron's dense and expert grids."""
+
+    rank: int
+    pp: int = 0
+    tp: int = 0
+    cp: int = 0
+    dp: int = 0
+    ep: int = 0
+    etp: int = 0
+    edp: int = 0
+
+    @classmethod
+    def of(cls, layout: "ParallelLayout", rank: int) -> "TrainerRank":
+        """Return the coordinates of global rank `rank` whose parallel layout is `layout`."""
+        return cls(rank, **{axis: getattr(layout, f"{axis}_rank") for axis in AXES})
+
+    def to_wire(self) -> list[int]:
+        """Return a JSON-able form: [rank, pp, tp, cp, dp, ep, etp, edp]."""
+        return [self.rank, *(getattr(self, axis) for axis in AXES)]
+
+    @classmethod
+    def from_wire(cls, wire: Sequence[int]) -> "TrainerRank":
+        """Return the rank `to_wire` encoded."""
+        return cls(*wire)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Grid:
+    """Megatron's TP/CP/DP/PP (+VPP) grid and its EP/ETP expert grid: the sizes, and every rank's coordinates
+    in Megatron's default rank order (tensor-parallel fastest: tp, cp, dp, pp for dense weights; etp, ep, edp
+    within a pipeline stage for experts).
+
+    Within a pipeline stage the expert grid spans the same tp*cp*dp ranks as the dense grid, so ep*etp must
+    divide it (edp is the rest), as megatron-core requires. `first_layers` / `last_layers` (0: an even split)
+    are Megatron's --decoder-first/last-pipeline-num-layers: the first / last stage holds that many decoder
+    layers and the other stages split the rest evenly (without VPP).
+    """
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    ep: int = 1
+    etp: int = 1
+    first_layers: int = 0
+    last_layers: int = 0
+
+    def __post_init__(self) -> None:
+        positive("trainer", tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, vpp=self.vpp, ep=self.ep, etp=self.etp)
+        if self.stage_ranks % (self.ep * self.etp):
+            raise ValueError(f"trainer: ep*etp={self.ep * self.etp} must divide tp*cp*dp={self.stage_ranks} "
+                             "(the expert grid spans a pipeline stage's ranks); change ep, etp or dp")
+        if (self.first_layers or self.last_layers) and (self.vpp > 1 or self.pp < 2):
+            raise ValueError("trainer: first_layers / last_layers need pp >= 2 and no vpp (as megatron-core)")
+
+    def sizes(self) -> dict[str, int]:
+        """Return the grid's fields by name (to build another kind of grid of the same shape)."""
+        return {f.name: getattr(self, f.name) for f in fields(Grid)}
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Return each decoder layer's stage under `first_layers` / `last_layers` (see the class doc);
+        ValueError when the other stages cannot split the rest evenly."""
+        ends = [n for n in (self.first_layers, self.last_layers) if n]
+        middle = self.pp - len(ends)
+        rest = num_layers - sum(ends)
+        if rest < 0 or (middle and rest % middle) or (not middle and rest):
+            raise ValueError(f"trainer: {num_layers} layers minus first_layers={self.first_layers} and "
+                             f"last_layers={self.last_layers} do not split evenly over the other {middle} stages")
+        counts = [rest // middle if middle else 0] * self.pp
+        if self.first_layers:
+            counts[0] = self.first_layers
+        if self.last_layers:
+            counts[-1] = self.last_layers
+        return [stage for stage, n in enumerate(counts) for _ in range(n)]
+
+    @property
+    def stage_ranks(self) -> int:
+        """Ranks of one pipeline stage (tp * cp * dp)."""
+        return self.tp * self.cp * self.dp
+
+    @property
+    def world(self) -> int:
+        return self.stage_ranks * self.pp
+
+    @property
+    def edp(self) -> int:
+        return self.stage_ranks // (self.ep * self.etp)
+
+    def rank_of(self, rank: int) -> TrainerRank:
+        """Return the coordinates of global rank `rank`."""
+        tp, rest = rank % self.tp, rank // self.tp
+        cp, rest = rest % self.cp, rest // self.cp
+        dp, pp = rest % self.dp, rest // self.dp
+        local = rank % self.stage_ranks  # the expert grid within the stage: etp fastest, then ep, then edp
+        etp, ep, edp = local % self.etp, (local // self.etp) % self.ep, local // (self.etp * self.ep)
+        return TrainerRank(rank, pp=pp, tp=tp, cp=cp, dp=dp, ep=ep, etp=etp, edp=edp)
+
+    def ranks(self) -> list[TrainerRank]:
+        """Return every trainer rank's coordinates, by global rank."""
+        return [self.rank_of(r) for r in range(self.world)]
+
+    def stage_source(self, stage: int) -> int:
+        """Return the global rank that gathers stage `stage` for the bucket transports (its first rank)."""
+        return stage * self.stage_ranks
+
+    def describe_axes(self) -> str:
+        """Return the axes above 1 and the uneven stages, e.g. "TP=8 PP=8 CP=4 EP=32" ("" for one rank)."""
+        parts = [f"{a.upper()}={getattr(self, a)}" for a in ("tp", "pp", "vpp", "cp", "ep", "etp", "dp")
+                 if getattr(self, a) > 1]
+        parts += [f"{name} stage {n} layers" for name, n in (("first", self.first_layers), ("last", self.last_layers))
+                  if n]
+        return " ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -42,6 +172,11 @@ class ParallelLayout:
             size, rank = getattr(self, axis), getattr(self, f"{axis}_rank", 0)
             if size < 1 or not 0 <= rank < size:
                 raise ValueError(f"parallel layout: {axis} rank {rank} is outside size {size}")
+
+    @property
+    def grid(self) -> Grid:
+        """Return the grid this rank belongs to (sizes only: the scale model plans with it)."""
+        return Grid(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, vpp=self.vpp, ep=self.ep, etp=self.etp)
 
     @classmethod
     def single(cls) -> "ParallelLayout":

@@ -1,9 +1,8 @@
 """The two sides of a sync at full scale, as plain data: the trainer's parallel layout, the engine fleet, and
 where the fleet's GPUs are.
 
-Neither needs a process: `TrainerLayout` lists every trainer rank's coordinates in Megatron's dense and
-expert grids (Megatron's default rank order, tensor-parallel fastest: tp, cp, dp, pp for dense weights;
-etp, ep, edp within a pipeline stage for experts) and the node it runs on; `FleetLayout` says how many
+Neither needs a process: `TrainerLayout` is the trainer's grid (`core.grid.Grid`: every rank's
+coordinates in Megatron's default rank order) and the node each rank runs on; `FleetLayout` says how many
 engines of how many ranks receive, how each engine splits its tensors (`EngineLayout`: vLLM's / SGLang's
 TP with expert parallelism, or data-parallel attention with experts spread over every rank), and whether
 the engines share the trainer's GPUs (colocated) or follow them on GPUs of their own.
@@ -17,73 +16,19 @@ from typing import Optional, Sequence
 
 from megatron_sync.layout.rank import RankLayout, one_param_per_tensor
 from megatron_sync.layout.regions import VOCAB_BLOCKS, VOCAB_WHOLE, Region, Sharding, TensorSpec, expert_range
-from megatron_sync.transports.p2p.holders import TrainerRank
-
-
-def _positive(owner: str, **values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{owner}.{name} must be an integer >= 1, got {value!r}")
+from megatron_sync.core.grid import Grid, positive
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainerLayout:
-    """Megatron's TP/CP/DP/PP (+VPP) grid and its EP/ETP expert grid, on nodes of `gpus_per_node` GPUs.
+class TrainerLayout(Grid):
+    """The trainer's grid (`core.grid.Grid`: sizes, rank order, uneven stages) on nodes of `gpus_per_node`
+    GPUs."""
 
-    Within a pipeline stage the expert grid spans the same tp*cp*dp ranks as the dense grid, so
-    ep*etp must divide it (edp is the rest), as megatron-core requires. `first_layers` / `last_layers`
-    (0: an even split) are Megatron's --decoder-first/last-pipeline-num-layers: the first / last stage
-    holds that many decoder layers and the other stages split the rest evenly (without VPP).
-    """
-
-    tp: int = 1
-    cp: int = 1
-    dp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    ep: int = 1
-    etp: int = 1
-    first_layers: int = 0
-    last_layers: int = 0
     gpus_per_node: int = 8
 
     def __post_init__(self) -> None:
-        _positive("trainer", tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, vpp=self.vpp, ep=self.ep,
-                  etp=self.etp, gpus_per_node=self.gpus_per_node)
-        if self.stage_ranks % (self.ep * self.etp):
-            raise ValueError(f"trainer: ep*etp={self.ep * self.etp} must divide tp*cp*dp={self.stage_ranks} "
-                             "(the expert grid spans a pipeline stage's ranks); change ep, etp or dp")
-        if (self.first_layers or self.last_layers) and (self.vpp > 1 or self.pp < 2):
-            raise ValueError("trainer: first_layers / last_layers need pp >= 2 and no vpp (as megatron-core)")
-
-    def stage_layers(self, num_layers: int) -> list[int]:
-        """Return each decoder layer's stage under `first_layers` / `last_layers` (see the class doc);
-        ValueError when the other stages cannot split the rest evenly."""
-        ends = [n for n in (self.first_layers, self.last_layers) if n]
-        middle = self.pp - len(ends)
-        rest = num_layers - sum(ends)
-        if rest < 0 or (middle and rest % middle) or (not middle and rest):
-            raise ValueError(f"trainer: {num_layers} layers minus first_layers={self.first_layers} and "
-                             f"last_layers={self.last_layers} do not split evenly over the other {middle} stages")
-        counts = [rest // middle if middle else 0] * self.pp
-        if self.first_layers:
-            counts[0] = self.first_layers
-        if self.last_layers:
-            counts[-1] = self.last_layers
-        return [stage for stage, n in enumerate(counts) for _ in range(n)]
-
-    @property
-    def stage_ranks(self) -> int:
-        """Ranks of one pipeline stage (tp * cp * dp)."""
-        return self.tp * self.cp * self.dp
-
-    @property
-    def world(self) -> int:
-        return self.stage_ranks * self.pp
-
-    @property
-    def edp(self) -> int:
-        return self.stage_ranks // (self.ep * self.etp)
+        super().__post_init__()
+        positive("trainer", gpus_per_node=self.gpus_per_node)
 
     @property
     def nodes(self) -> int:
@@ -92,29 +37,8 @@ class TrainerLayout:
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
 
-    def rank_of(self, rank: int) -> TrainerRank:
-        """Return the coordinates of global rank `rank`."""
-        tp, rest = rank % self.tp, rank // self.tp
-        cp, rest = rest % self.cp, rest // self.cp
-        dp, pp = rest % self.dp, rest // self.dp
-        local = rank % self.stage_ranks  # the expert grid within the stage: etp fastest, then ep, then edp
-        etp, ep, edp = local % self.etp, (local // self.etp) % self.ep, local // (self.etp * self.ep)
-        return TrainerRank(rank, pp=pp, tp=tp, cp=cp, dp=dp, ep=ep, etp=etp, edp=edp)
-
-    def ranks(self) -> list[TrainerRank]:
-        """Return every trainer rank's coordinates, by global rank."""
-        return [self.rank_of(r) for r in range(self.world)]
-
-    def stage_source(self, stage: int) -> int:
-        """Return the global rank that gathers stage `stage` for the bucket transports (its first rank)."""
-        return stage * self.stage_ranks
-
     def describe(self) -> str:
-        parts = [f"{a.upper()}={getattr(self, a)}" for a in ("tp", "pp", "vpp", "cp", "ep", "etp", "dp")
-                 if getattr(self, a) > 1]
-        parts += [f"{name} stage {n} layers" for name, n in (("first", self.first_layers), ("last", self.last_layers))
-                  if n]
-        return f"{' '.join(parts) or 'single rank'}, {self.world} GPUs on {self.nodes} nodes"
+        return f"{self.describe_axes() or 'single rank'}, {self.world} GPUs on {self.nodes} nodes"
 
 
 class EngineLayout:
@@ -171,7 +95,7 @@ class FleetLayout:
     gpus_per_node: int = 8
 
     def __post_init__(self) -> None:
-        _positive("fleet", engines=self.engines, tp=self.tp, dp=self.dp, gpus_per_node=self.gpus_per_node)
+        positive("fleet", engines=self.engines, tp=self.tp, dp=self.dp, gpus_per_node=self.gpus_per_node)
         if self.dp > 1 and not self.expert_parallel:
             raise ValueError(f"fleet: dp={self.dp} attention groups without ep are {self.dp} replicas; "
                              "use engines= for replicas, or add ep for data-parallel attention with expert parallelism")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from typing import Sequence
 
+from megatron_sync.core.grid import TrainerRank
 from megatron_sync.layout.rank import Placement
-from megatron_sync.layout.regions import Region, TensorSpec
+from megatron_sync.layout.regions import TensorSpec
 from megatron_sync.transports.p2p.balance import Item, balance
-from megatron_sync.transports.p2p.holders import Holders, SourceUnit, TrainerRank
+from megatron_sync.transports.p2p.holders import Holders, SourceUnit
 from megatron_sync.transports.p2p.schedule import (ALIGN, TRAINER, InferenceRank, Message, Piece, Schedule,
                                                    ScheduleOptions)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from megatron_sync.core.grid import TrainerRank
 from megatron_sync.core.agreement import describe, failures_of
 from megatron_sync.core.errors import AgreedFailure
 from megatron_sync.core.meta import TensorMeta
@@ -28,7 +29,7 @@ from megatron_sync.layout.regions import TensorSpec
 from megatron_sync.plan.buckets import coverage_problem
 from megatron_sync.transports.buckets.plan_agreement import agree_on_plan
 from megatron_sync.transports.p2p.build import build_schedule
-from megatron_sync.transports.p2p.holders import SourceUnit, TrainerRank
+from megatron_sync.transports.p2p.holders import SourceUnit
 from megatron_sync.transports.p2p.schedule import Schedule, ScheduleOptions, inference_ranks
 
 if TYPE_CHECKING:

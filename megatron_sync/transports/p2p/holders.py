@@ -20,38 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from megatron_sync.core.grid import ParallelLayout
-
-AXES = ("pp", "tp", "cp", "dp", "ep", "etp", "edp")
-
-
-@dataclass(frozen=True)
-class TrainerRank:
-    """One trainer rank: its global rank and its coordinates in Megatron's dense and expert grids."""
-
-    rank: int
-    pp: int = 0
-    tp: int = 0
-    cp: int = 0
-    dp: int = 0
-    ep: int = 0
-    etp: int = 0
-    edp: int = 0
-
-    @classmethod
-    def of(cls, layout: ParallelLayout, rank: int) -> "TrainerRank":
-        """Return the coordinates of global rank `rank` whose parallel layout is `layout`."""
-        return cls(rank, **{axis: getattr(layout, f"{axis}_rank") for axis in AXES})
-
-    def to_wire(self) -> list[int]:
-        """Return a JSON-able form: [rank, pp, tp, cp, dp, ep, etp, edp]."""
-        return [self.rank, *(getattr(self, axis) for axis in AXES)]
-
-    @classmethod
-    def from_wire(cls, wire: Sequence[int]) -> "TrainerRank":
-        """Return the rank `to_wire` encoded."""
-        return cls(*wire)
-
+from megatron_sync.core.grid import ParallelLayout, TrainerRank
 
 @dataclass(frozen=True)
 class SourceUnit:

@@ -31,16 +31,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import torch
 
-from megatron_sync.layout.rank import Placement, RankLayout
+from megatron_sync.core.grid import TrainerRank
+from megatron_sync.layout.rank import RankLayout
 from megatron_sync.layout.regions import Region, TensorSpec
-from megatron_sync.transports.p2p.balance import Balance, Item, balance
-from megatron_sync.transports.p2p.holders import Holders, SourceUnit, TrainerRank
+from megatron_sync.transports.p2p.balance import Balance
+from megatron_sync.transports.p2p.holders import SourceUnit
 
 TRAINER = -1
 """The feed of a head receiver: its bytes come from the trainer."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
+from megatron_sync.core.grid import TrainerRank
 from megatron_sync.core.agreement import describe
 from megatron_sync.core.checksum import resolve_checksum
 from megatron_sync.core.errors import PeerFailureError
@@ -22,7 +23,7 @@ from megatron_sync.session.commit import sender_rounds
 from megatron_sync.transports.base import Sender
 from megatron_sync.transports.p2p.endpoint import P2PEndpoint
 from megatron_sync.transports.p2p.handshake import TrainerSide, handshake
-from megatron_sync.transports.p2p.holders import SourceUnit, TrainerRank, source_units
+from megatron_sync.transports.p2p.holders import SourceUnit, source_units
 from megatron_sync.transports.p2p.notices import Notices
 from megatron_sync.transports.p2p.schedule import Schedule, ScheduleOptions
 from megatron_sync.transports.p2p.walk import ScheduledGatherer

@@ -13,9 +13,10 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from megatron_sync.core.grid import TrainerRank
 from megatron_sync.core.grid import ParallelLayout
 from megatron_sync.trainer.gather import GatherMemoryTracker, GatherUnit, gather_in_pieces
-from megatron_sync.transports.p2p.holders import GroupKey, SourceUnit, TrainerRank, group_of
+from megatron_sync.transports.p2p.holders import GroupKey, SourceUnit, group_of
 
 
 class ScheduledGatherer:
