@@ -58,6 +58,22 @@ class TensorMeta:
         name, shape, dtype = wire
         return cls(name, tuple(shape), dtype_from_name(dtype))
 
+
+@dataclass(frozen=True)
+class FlatEntry:
+    """Where one tensor's raw bytes sit in a flat byte buffer (a bucket, a disk-delta version): the one entry
+    type of every packed buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+
+    @property
+    def meta(self) -> TensorMeta:
+        return TensorMeta(self.name, self.shape, self.dtype)
+
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> "TensorMeta":
         return cls(name, tuple(tensor.shape), tensor.dtype)

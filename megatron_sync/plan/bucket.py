@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import torch
 
-from megatron_sync.plan.buckets import BucketPlan, PlanEntry
+from megatron_sync.core.meta import FlatEntry
+from megatron_sync.plan.buckets import BucketPlan
 
 
-def entry_view(data: torch.Tensor, entry: PlanEntry) -> torch.Tensor:
+def entry_view(data: torch.Tensor, entry: FlatEntry) -> torch.Tensor:
     """Return the typed, shaped view of `entry` inside the bucket bytes `data` (no copy)."""
     raw = data[entry.offset: entry.offset + entry.nbytes]
     return raw.view(entry.dtype).view(entry.shape)
 
 
-def check_fits(entry: PlanEntry, tensor: torch.Tensor) -> None:
+def check_fits(entry: FlatEntry, tensor: torch.Tensor) -> None:
     """Raise ValueError naming the tensor unless it has the entry's shape and dtype."""
     if tuple(tensor.shape) != entry.shape or tensor.dtype != entry.dtype:
         raise ValueError(
@@ -27,7 +28,7 @@ def check_fits(entry: PlanEntry, tensor: torch.Tensor) -> None:
         )
 
 
-def pack_tensor(data: torch.Tensor, entry: PlanEntry, tensor: torch.Tensor) -> None:
+def pack_tensor(data: torch.Tensor, entry: FlatEntry, tensor: torch.Tensor) -> None:
     """Copy `tensor` into its slot (nothing to copy when it is the slot itself)."""
     check_fits(entry, tensor)
     slot = entry_view(data, entry)
@@ -43,7 +44,7 @@ def unpack(data: torch.Tensor, bucket: BucketPlan) -> dict[str, torch.Tensor]:
     return {e.name: entry_view(data, e) for e in bucket.entries}
 
 
-def flatten(tensors: list[tuple[PlanEntry, torch.Tensor]], nbytes: int) -> torch.Tensor:
+def flatten(tensors: list[tuple[FlatEntry, torch.Tensor]], nbytes: int) -> torch.Tensor:
     """Return a new bucket holding `tensors` at their plan offsets (a convenience for tests/tools)."""
     data = torch.empty(nbytes, dtype=torch.uint8)
     for entry, tensor in tensors:

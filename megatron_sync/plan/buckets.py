@@ -28,11 +28,9 @@ import json
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-import torch
-
 from megatron_sync.convert.patterns import Pattern, compile_pattern
 from megatron_sync.layout.rank import RankLayout
-from megatron_sync.core.meta import TensorMeta, dtype_name
+from megatron_sync.core.meta import FlatEntry, TensorMeta, dtype_name
 
 
 KeepTogether = Sequence[Sequence[str]]
@@ -42,27 +40,12 @@ of one group with equal captured indices share a bucket. A model family declares
 
 
 @dataclass(frozen=True)
-class PlanEntry:
-    """One tensor's slot: where its raw bytes sit in its bucket."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    offset: int
-    nbytes: int
-
-    @property
-    def meta(self) -> TensorMeta:
-        return TensorMeta(self.name, self.shape, self.dtype)
-
-
-@dataclass(frozen=True)
 class BucketPlan:
     """One bucket: its global index, the stage that sends it, its entries and size."""
 
     index: int
     stage: int
-    entries: tuple[PlanEntry, ...]
+    entries: tuple[FlatEntry, ...]
     nbytes: int
 
 
@@ -212,7 +195,7 @@ def _layout(index: int, stage: int, members: list[TensorMeta]) -> BucketPlan:
     entries, offset = [], 0
     for m in ordered:
         assert offset % m.dtype.itemsize == 0, (m.name, offset)
-        entries.append(PlanEntry(m.name, tuple(m.shape), m.dtype, offset, m.nbytes))
+        entries.append(FlatEntry(m.name, tuple(m.shape), m.dtype, offset, m.nbytes))
         offset += m.nbytes
     return BucketPlan(index, stage, tuple(entries), offset)
 

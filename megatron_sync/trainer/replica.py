@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 
 from megatron_sync.plan.bucket import check_fits, entry_view, pack_tensor
-from megatron_sync.plan.buckets import BucketPlan, PlanEntry, SyncPlan
+from megatron_sync.core.meta import FlatEntry
+from megatron_sync.plan.buckets import BucketPlan, SyncPlan
 
 
 class HostReplica:
@@ -44,7 +45,7 @@ class HostReplica:
         self._buffers = {
             b.index: torch.empty(b.nbytes, dtype=torch.uint8, pin_memory=pin_memory) for b in self.buckets
         }
-        self._slot: dict[str, tuple[BucketPlan, PlanEntry]] = {
+        self._slot: dict[str, tuple[BucketPlan, FlatEntry]] = {
             e.name: (b, e) for b in self.buckets for e in b.entries
         }
         self._missing: dict[int, set[str]] = {}
@@ -66,7 +67,7 @@ class HostReplica:
         if self._device is not None:
             self._device.reset()  # buffers a failed sync left behind
 
-    def _entry(self, name: str) -> tuple[BucketPlan, PlanEntry]:
+    def _entry(self, name: str) -> tuple[BucketPlan, FlatEntry]:
         if name not in self._slot:
             raise ValueError(
                 f"tensor {name!r} is not in stage {self.stage}'s plan; the stream yields a "

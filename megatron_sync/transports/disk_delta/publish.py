@@ -25,6 +25,7 @@ import torch
 import xxhash
 
 import megatron_sync.transports.disk_delta.fsio as fsio
+from megatron_sync.core.meta import FlatEntry
 import megatron_sync.transports.disk_delta.storedir as storedir
 from megatron_sync.transports.disk_delta.codec import Encoded, encode_delta, encode_snapshot
 from megatron_sync.transports.disk_delta.manifest import (
@@ -34,21 +35,10 @@ from megatron_sync.transports.disk_delta.options import WriterOptions
 
 
 @dataclasses.dataclass(frozen=True)
-class LayoutEntry:
-    """Where one tensor lies in a version's flat byte buffer."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-@dataclasses.dataclass(frozen=True)
 class TensorLayout:
     """The tensors of one version, in the order given, packed into one flat byte buffer."""
 
-    entries: tuple[LayoutEntry, ...]
+    entries: tuple[FlatEntry, ...]
     nbytes: int
 
     @classmethod
@@ -65,7 +55,7 @@ class TensorLayout:
                 raise ValueError(f"tensor {name!r} has dtype {dtype}, which safetensors cannot hold; "
                                  f"use one of {sorted(map(str, SAFETENSORS_DTYPES))}")
             nbytes = math.prod(shape) * dtype.itemsize
-            entries.append(LayoutEntry(name, dtype, tuple(shape), offset, nbytes))
+            entries.append(FlatEntry(name, tuple(shape), dtype, offset, nbytes))
             offset += nbytes
         return cls(tuple(entries), offset)
 
@@ -74,7 +64,7 @@ class TensorLayout:
         for entry in self.entries:
             self.fill_one(buffer, entry, tensors[entry.name])
 
-    def fill_one(self, buffer: np.ndarray, entry: LayoutEntry, tensor: torch.Tensor) -> None:
+    def fill_one(self, buffer: np.ndarray, entry: FlatEntry, tensor: torch.Tensor) -> None:
         """Copy `tensor` (any device; `entry`'s shape and dtype) into its bytes of `buffer`."""
         if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
             raise ValueError(f"tensor {entry.name!r} is {tensor.dtype} {tuple(tensor.shape)}, the layout says "
@@ -82,7 +72,7 @@ class TensorLayout:
         flat = torch.from_numpy(buffer)
         flat[entry.offset: entry.offset + entry.nbytes].copy_(tensor.detach().reshape(-1).view(torch.uint8))
 
-    def view(self, buffer: np.ndarray, entry: LayoutEntry) -> np.ndarray:
+    def view(self, buffer: np.ndarray, entry: FlatEntry) -> np.ndarray:
         """Return the bytes of `entry` inside `buffer`."""
         return buffer[entry.offset: entry.offset + entry.nbytes]
 
