@@ -4,19 +4,28 @@ Every rank of a stage walks the stage's units in the same order (`MegatronWeight
 needs a gather (split over TP, or an expert split over ETP) is all-gathered over the rank's TP or ETP group
 when the schedule has that group send pieces of it (`Balance.gathering`), so every member holds it whole and
 any of them may write its pieces; groups that send nothing of it skip it. A unit whole on its holders needs
-no gather. Only a rank with pieces of a unit converts it.
+no gather. Only a rank with pieces of a unit converts it (and only it merges the unit's shards).
+
+Consecutive units of one gather axis that a group gathers share one all-gather of their shards as flat
+bytes, as the bucket transports' gather batches them (a collective per tensor costs more than its bytes
+for small ones): a run of such units ends at a unit of another kind, whose kind every rank of the stage
+knows, or at the budget, which every member of the group counts alike; so the members of a group issue the
+same collectives, and every rank issues its collectives in unit order. A unit larger than the budget is
+gathered alone, in pieces.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
-from megatron_sync.core.grid import TrainerRank
-from megatron_sync.core.grid import ParallelLayout
+from megatron_sync.core.grid import ParallelLayout, TrainerRank
 from megatron_sync.trainer.gather import GatherMemoryTracker, GatherUnit, gather_in_pieces
+from megatron_sync.trainer.gather_plan import merge_strided_shards
 from megatron_sync.transports.p2p.holders import GroupKey, SourceUnit, group_of
+
+Gathered = Iterator[tuple[GatherUnit, Optional[torch.Tensor]]]
 
 
 class ScheduledGatherer:
@@ -32,25 +41,84 @@ class ScheduledGatherer:
         self.layout, self.me, self.sources, self.gathering, self.sends = layout, me, sources, gathering, sends
         self.budget_bytes, self.tracker = budget_bytes, tracker
 
-    def gather(self, units: list[GatherUnit]) -> Iterator[tuple[GatherUnit, torch.Tensor | None]]:
+    def gather(self, units: list[GatherUnit]) -> Gathered:
         """Yield (unit, full tensor) for the units this rank sends, (unit, None) for those it only helps
         gather; skip the rest."""
+        run: list[GatherUnit] = []  # consecutive units of `axis` this rank's group gathers
+        axis: Optional[str] = None
         for unit in units:
             source = self.sources[unit.name]
-            mine = unit.name in self.sends
+            if source.gather != axis:  # a unit of another kind ends the run (the same on every rank)
+                yield from self._gathered(run, axis)
+                run, axis = [], source.gather
             if source.gather is None:
-                if mine:
+                if unit.name in self.sends:
                     yield unit, unit.local
                 continue
             if group_of(source, self.me) not in self.gathering.get(unit.name, ()):
                 continue
-            group, size, rank = self._group(source.gather)
+            if run and sum(u.nbytes for u in run) + unit.nbytes > self._bound(axis):
+                yield from self._gathered(run, axis)
+                run = []
+            run.append(unit)
+        yield from self._gathered(run, axis)
+
+    def _bound(self, axis: str) -> int:
+        """The full bytes of one run: they, this rank's flat shards (1/size of them) and a merge fit the budget."""
+        size = self._group(axis)[1]
+        return self.budget_bytes * size // (size + 1)
+
+    def _gathered(self, run: list[GatherUnit], axis: Optional[str]) -> Gathered:
+        if not run:
+            return
+        group, size, rank = self._group(axis)
+        if len(run) == 1 and run[0].nbytes > self._bound(axis):  # alone, straight into its full tensor
+            unit = run[0]
             full = gather_in_pieces(unit, group, size, rank, budget_bytes=self.budget_bytes, tracker=self.tracker,
                                     everyone=True)
-            self.tracker.saw_tensor(unit.nbytes)
-            try:
-                yield unit, full if mine else None
-            finally:
+            yield from self._held(unit, full)
+            return
+        yield from self._gathered_flat(run, group, size)
+
+    def _gathered_flat(self, run: list[GatherUnit], group: Any, size: int) -> Gathered:
+        """One all-gather of the run's shards as flat bytes; each unit this rank sends is merged in turn."""
+        local_bytes = sum(u.local.numel() * u.dtype.itemsize for u in run)
+        held = local_bytes * (size + 1)  # this rank's flat shards, and every rank's once gathered
+        self.tracker.add(held)
+        try:
+            flat = torch.empty(local_bytes, dtype=torch.uint8, device=run[0].local.device)
+            offset = 0
+            for u in run:  # one pass: copy (and cast to the gather dtype) straight into the flat buffer
+                n = u.local.numel() * u.dtype.itemsize
+                flat[offset:offset + n].view(u.dtype).view(u.local.shape).copy_(u.local)
+                offset += n
+            shards = [torch.empty_like(flat) for _ in range(size)]
+            torch.distributed.all_gather(shards, flat, group=group)
+            del flat
+            self.tracker.release(local_bytes)
+            held -= local_bytes
+            offset = 0
+            for unit in run:
+                n = unit.local.numel() * unit.dtype.itemsize
+                full = None
+                if unit.name in self.sends:
+                    parts = [s[offset:offset + n].view(unit.dtype).view(unit.local.shape) for s in shards]
+                    full = merge_strided_shards(parts, unit.sharding.dim, unit.sharding.stride)
+                    self.tracker.add(unit.nbytes)
+                offset += n
+                yield from self._held(unit, full)
+        finally:
+            shards = None
+            self.tracker.release(held)
+
+    def _held(self, unit: GatherUnit, full: Optional[torch.Tensor]) -> Gathered:
+        """Hand the consumer `full` (None: this rank only helped gather it); it stops counting when the
+        consumer moves on."""
+        self.tracker.saw_tensor(unit.nbytes)
+        try:
+            yield unit, full if unit.name in self.sends else None
+        finally:
+            if full is not None:
                 self.tracker.release(unit.nbytes)
 
     def _group(self, axis: str) -> tuple[Any, int, int]:
