@@ -52,7 +52,9 @@ def servers(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sglang")
     model = str(folder / "model")
     write_model_dir(model, QWEN3, seed=0)
-    started = [SGLangServer(model, log_path=str(folder / f"server_{name}.log"), tp=tp) for name, tp in (("a", 1), ("b", 2))]
+    # b caches no prefixes, so it can keep requests running over their old KV through a sync (policy "keep")
+    started = [SGLangServer(model, *args, log_path=str(folder / f"server_{name}.log"), tp=tp)
+               for name, tp, args in (("a", 1, ()), ("b", 2, ("--disable-radix-cache",)))]
     try:
         for server in started:
             server.wait_ready()
@@ -243,21 +245,23 @@ def _model(folder, seed: int) -> str:
 # ---------------------------------------------------------------- a sync during a long generation
 
 
-@pytest.mark.parametrize("policy,length", [("abort", 2000), ("recompute", 400)])
+@pytest.mark.parametrize("policy,length", [("abort", 2000), ("recompute", 400), ("keep", 400)])
 def test_a_sync_during_a_generation_follows_the_policy_and_the_answer_names_its_version(servers, trainer, policy,
                                                                                       length):
     """abort: the generation ends, aborted, on v1's greedy tokens, reporting v1. recompute (SGLang "retract"):
     it goes back to the queue and resumes on v2, whose KV of everything so far is recomputed: the tokens after
-    the switch are v2's greedy continuation; it finishes reporting v2. (SGLang decodes ~10 tokens/s here;
-    the sync lands within the first few.)"""
-    url = servers.a.url
+    the switch are v2's greedy continuation; it finishes reporting v2. keep (SGLang "in_place", on the server
+    without a radix cache): it stays where it is and continues on v2 over the KV v1 computed, keeping every
+    token so far; it finishes reporting v2. (SGLang decodes ~10 tokens/s here; the sync lands within the
+    first few.)"""
+    server = servers.b if policy == "keep" else servers.a
     try:
         trainer.load(61)
-        trainer.connect(**settings([url], 1, inflight_policy=policy))
+        trainer.connect(**settings([server.url], 2 if server is servers.b else 1, inflight_policy=policy))
         trainer.sync()
         v1 = trainer.sent()
         trainer.load(62)  # the next version is ready before the stream starts: its sync follows at once
-        generation = StreamedGeneration(url, PROMPTS[1], length)
+        generation = StreamedGeneration(server.url, PROMPTS[1], length)
         assert generation.first_tokens.wait(scaled(120)), "no tokens streamed"
         assert trainer.sync() == 2
         v2 = trainer.sent()
@@ -271,7 +275,8 @@ def test_a_sync_during_a_generation_follows_the_policy_and_the_answer_names_its_
     if policy == "abort":
         assert finish == "abort" and 0 < len(tokens) < length and version == "1"
         assert on_v1 == len(want), f"an aborted generation left v1 at token {on_v1}"
-    else:
-        assert finish == "length" and len(tokens) == length and version == "2"
-        assert on_v1 < len(want), "the generation never left v1's greedy tokens"
+        return
+    assert finish == "length" and len(tokens) == length and version == "2"
+    assert on_v1 < len(want), "the generation never left v1's greedy tokens"
+    if policy == "recompute":
         assert HFReference(QWEN3, v2).check(tokens[on_v1:on_v1 + 16], PROMPTS[1] + tokens[:on_v1]) is None
