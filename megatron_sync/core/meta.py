@@ -58,6 +58,10 @@ class TensorMeta:
         name, shape, dtype = wire
         return cls(name, tuple(shape), dtype_from_name(dtype))
 
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> "TensorMeta":
+        return cls(name, tuple(tensor.shape), tensor.dtype)
+
 
 @dataclass(frozen=True)
 class FlatEntry:
@@ -73,7 +77,3 @@ class FlatEntry:
     @property
     def meta(self) -> TensorMeta:
         return TensorMeta(self.name, self.shape, self.dtype)
-
-    @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> "TensorMeta":
-        return cls(name, tuple(tensor.shape), tensor.dtype)
