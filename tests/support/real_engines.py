@@ -296,7 +296,6 @@ class StreamingGeneration:
         self.tokens: list[int] = []
         self.finish_reason: Optional[str] = None
         self.spans: list[tuple[str, int, int]] = []
-        self.finished_at: Optional[float] = None
         self._error: Optional[BaseException] = None
         body = {"token_ids": prompt, "stream": True,
                 "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
@@ -313,7 +312,6 @@ class StreamingGeneration:
         except BaseException as e:  # noqa: BLE001 — surfaced by result()
             self._error = e
         finally:
-            self.finished_at = time.monotonic()  # when, for ordering against the sync's return (not a bound)
             self.first_tokens.set()
 
     def _chunk(self, line: str) -> None:
