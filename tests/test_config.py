@@ -171,3 +171,17 @@ def test_ipc_over_nccl_without_cuda_is_refused():
     with pytest.raises(ValueError, match="transport 'ipc' with backend 'nccl' .* no CUDA device; use backend 'auto'"):
         WeightSyncConfig(transport="ipc", backend="nccl")
     assert WeightSyncConfig(transport="ipc").backend == "auto"
+
+
+@pytest.mark.parametrize("fleet,match", [
+    ({"enabled": True, "relay": True}, r"a fleet of SGLang servers is fed by the trainer in one wave .* drop "
+                                       r"fleet.relay"),
+    ({"enabled": True, "wave_size": 1}, r"drop fleet.relay, fleet.wave_size and fleet.max_staleness"),
+])
+def test_a_fleet_of_sglang_servers_refuses_waves_and_relays(fleet, match):
+    engines = {"transport": "sglang", "engines": ["sglang=http://127.0.0.1:1"]}
+    assert WeightSyncConfig.from_dict({**engines, "fleet": {"enabled": True, "min_engines": 1}}).fleet
+    with pytest.raises(ValueError, match=match):
+        WeightSyncConfig.from_dict({**engines, "fleet": fleet})
+    with pytest.raises(ValueError, match=r"transport 'disk_delta' is not elastic yet"):
+        WeightSyncConfig.from_dict({"transport": "disk_delta", "delta_dir": "/d", "fleet": {"enabled": True}})

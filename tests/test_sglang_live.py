@@ -236,6 +236,73 @@ def test_a_server_killed_mid_sync_is_named_and_the_other_keeps_the_previous_vers
             victim.stop()
 
 
+def test_a_fleet_drops_a_server_killed_mid_sync_commits_on_the_others_and_takes_it_back_restarted(servers, trainer,
+                                                                                                  tmp_path):
+    """fleet.enabled over transport sglang, servers A and C. v2: C dies (SIGKILL) before bucket 1; A commits v2
+    (exact tokens, reports 2) and C's row says it left. C restarted on its port (serving its start checkpoint)
+    rejoins at v3 as generation 1 and both serve v3. v4: A refuses bucket 1 (its session closed by another
+    client); C commits v4 while A is given v3 again, whole, and serves v3, reporting 3."""
+    model = _model(tmp_path, seed=0)
+    victim = SGLangServer(model, log_path=str(tmp_path / "victim.log"))
+    restarted = None
+    url = servers.a.url
+    try:
+        victim.wait_ready()
+        trainer.load(61)
+        trainer.connect(**settings([url, victim.url], 2, fleet={"enabled": True, "min_engines": 1}))
+        first = trainer.call("sync_rows")
+        assert _outcomes(first) == {0: "committed", 1: "committed"}
+        assert {(e["event"], e["engine"]) for e in _events(first)} == {("joined", 0), ("joined", 1)}
+
+        trainer.call("apply", f"{JOBS}:kill_at_bucket", victim.url, victim.proc.pid, 1)
+        trainer.load(62)
+        second = trainer.call("sync_rows", timeout_s=scaled(REFUSAL_BOUND_S))
+        v2 = trainer.sent()
+        assert second["version"] == 2 and _outcomes(second) == {0: "committed", 1: "failed"}
+        assert "stopped answering" in _row(second, 1)["reason"]
+        assert [(e["event"], e["engine"]) for e in _events(second)] == [("left", 1)]
+        assert not victim.alive() and weight_version(url) == "2" and not problems_on(url, v2, "2")
+
+        trainer.call("apply", f"{JOBS}:clear_faults")
+        restarted = SGLangServer(model, log_path=str(tmp_path / "restarted.log"), port=victim.port).wait_ready()
+        assert weight_version(restarted.url) == "default"  # its start checkpoint, until the fleet takes it back
+        trainer.load(63)
+        third = trainer.call("sync_rows")
+        v3 = trainer.sent()
+        assert _outcomes(third) == {0: "committed", 1: "committed"} and _row(third, 1)["generation"] == 1
+        assert [(e["event"], e["engine"], e["generation"]) for e in _events(third)] == [("rejoined", 1, 1)]
+        for server_url in (url, restarted.url):
+            assert weight_version(server_url) == "3" and not problems_on(server_url, v3, "3"), server_url
+
+        trainer.call("apply", f"{JOBS}:end_session_at_bucket", url, 1)
+        trainer.load(64)
+        fourth = trainer.call("sync_rows", timeout_s=scaled(REFUSAL_BOUND_S))
+        v4 = trainer.sent()
+        assert _outcomes(fourth) == {0: "aborted", 1: "committed"} and "400" in _row(fourth, 0)["reason"]
+        assert weight_version(url) == "3" and not problems_on(url, v3, "3"), "A does not serve v3 exactly again"
+        assert weight_version(restarted.url) == "4" and not problems_on(restarted.url, v4, "4")
+    finally:
+        try:
+            trainer.call("apply", f"{JOBS}:clear_faults")
+            trainer.disconnect()
+        finally:
+            for server in (victim, restarted):
+                if server is not None:
+                    server.stop()
+
+
+def _outcomes(synced: dict) -> dict[int, str]:
+    return {row["engine"]: row["outcome"] for row in synced["fleet"] if "outcome" in row}
+
+
+def _row(synced: dict, engine: int) -> dict:
+    return next(row for row in synced["fleet"] if "outcome" in row and row["engine"] == engine)
+
+
+def _events(synced: dict) -> list[dict]:
+    return [row for row in synced["fleet"] if "event" in row]
+
+
 def _model(folder, seed: int) -> str:
     path = os.path.join(str(folder), "model")
     write_model_dir(path, QWEN3, seed=seed)

@@ -24,6 +24,7 @@ from megatron_sync.engines.driven import EngineFleet, clients_from_config
 from megatron_sync.core.errors import AgreedFailure, SyncAbortedError
 from megatron_sync.fleet.p2p import P2PFleetDriver
 from megatron_sync.fleet.trainer import FleetDriver
+from megatron_sync.fleet.servers import ServerFleet
 from megatron_sync.drivers.canary import TrainerCanary
 from megatron_sync.trainer.forward import token_logprobs
 from megatron_sync.trainer.megatron_config import check_model_config
@@ -154,12 +155,14 @@ class TrainerWeightSync:
             if self.stream.is_source:
                 check_model_complete(all_stage_metadata(self.stream), converter)
         self.engines = self._engine_fleet(config, engine_clients, transport_cls.trainer_joins(self.layout))
-        if config.fleet:
+        if config.fleet and not transport_cls.keeps_server_fleet:
             self._start_fleet(transport_cls, converter)
             return
         with failing_together("checking the driven engines and starting their joins", self._gather):
-            # Driven engines join this session only (run_id), like a launched inference job would.
+            # Driven engines join this session only (run_id), like a launched inference job would; servers the
+            # transport sends to directly take consecutive ranks even in a fleet (it keeps their membership)
             joining = config.replace(run_id=self.session.id) if self.session is not None else config
+            joining = joining.replace(fleet=False) if transport_cls.keeps_server_fleet else joining
             self.engines.start_joins(joining, num_trainer_stages=self.layout.pp)
         with failing_together("connecting to the inference ranks", self._gather):
             with self.engines.joined():  # driven engines' workers join while the trainer connects
@@ -169,6 +172,8 @@ class TrainerWeightSync:
                     self.transport = transport_cls.connect_trainer(config, self.layout, session=self.session)
                 self.sender = transport_cls.make_sender(self.transport, self.stream, config,
                                                         converter.keep_together)
+        if config.fleet:  # servers come and go between and during syncs (megatron_sync.fleet.servers)
+            self.engines = ServerFleet.over(self.engines, self.transport, config.min_engines)
 
     def _start_fleet(self, transport_cls: Any, converter: Any) -> None:
         """A fleet: the session is ready for the trainer ranks; link the initial engines (megatron_sync.fleet)."""
@@ -258,6 +263,8 @@ class TrainerWeightSync:
         if self.engines.driven:
             with failing_together(f"committing version {version} on the engines", self._gather):
                 self.engines.after_sync(version, ok=True)
+        if isinstance(self.engines, ServerFleet):
+            metrics.fleet = self.engines.take_rows()
         self.version = version
         self._check_canary(version, metrics)
         if self.auto_choice is not None and self.is_leader:

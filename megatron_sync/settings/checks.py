@@ -110,9 +110,13 @@ def _fleet(c: Config) -> None:
         check_int("engine_id", c.engine_id, minimum=0)
     if not c.fleet:
         return
-    if c.transport not in ("broadcast", "p2p"):
+    if c.transport not in ("broadcast", "p2p", "sglang"):
         raise ValueError(f"fleet: true runs over transport 'broadcast' or 'p2p' (one link per engine, rebuilt as "
-                         f"engines come and go); transport {c.transport!r} is not elastic yet")
+                         f"engines come and go) or 'sglang' (the servers of weight_sync.engines); transport "
+                         f"{c.transport!r} is not elastic yet")
+    if c.transport == "sglang" and (c.relay or c.wave_size or c.max_staleness):
+        raise ValueError("a fleet of SGLang servers is fed by the trainer in one wave (SGLang's ranks relay to no "
+                         "one): drop fleet.relay, fleet.wave_size and fleet.max_staleness")
     if c.transport == "p2p" and (c.relay or c.max_staleness):
         raise ValueError("a fleet over p2p chains the engines of one layout within each wave (p2p.forward) instead "
                          "of relaying after commits, and runs every wave before sync() returns: drop fleet.relay "

@@ -122,7 +122,9 @@ class WeightSyncConfig:
     with its own link to the trainer. An engine that fails or vanishes is dropped (one log line) and the sync goes
     on with the rest; a restarted or new engine joins at the next sync and gets the current version.
     num_inference_ranks is the initial fleet (the trainer waits up to timeout_s for it at start-up, then goes on
-    with at least fleet.min_engines). Both jobs must agree. Transport "broadcast" or "p2p"."""
+    with at least fleet.min_engines). Both jobs must agree. Transport "broadcast" or "p2p"; or "sglang", where the
+    engines are the SGLang servers of `engines`: one that fails a version or stops answering leaves the fleet and
+    the others commit it; one that answers again rejoins at the next sync and gets that version."""
 
     engine_id: Optional[int] = None
     """Fleet, inference job: which engine this job is (0, 1, ...). A restarted engine presents its id again and

@@ -93,6 +93,10 @@ class Transport(abc.ABC):
     """True: the two jobs meet at weight_sync.master_address:master_port, where the drivers host and join a
     sync session (the join handshake, `transport/session.py`) and pass it, ready, as `session=`. False: the
     transport meets by its own means (disk_delta: files in the shared directory) and gets `session=None`."""
+    keeps_server_fleet: ClassVar[bool] = False
+    """True: with fleet.enabled the engines are driven servers this transport's rank 0 sends to directly, whose
+    membership the trainer's leader keeps (`fleet.servers.ServerFleet`); False: a fleet of linked engines
+    (`fleet.trainer.FleetDriver`)."""
     shares: ClassVar[tuple[str, ...]] = ()
     """Settings (rows of `rendezvous.EXPECTATIONS`) both halves of this transport must agree on beyond the
     common ones (`rendezvous.COMMON`): the join handshake refuses a job that differs, naming the setting."""

@@ -42,7 +42,9 @@ class SGLangServer(LaunchedServer):
 
     name = "SGLang"
 
-    def __init__(self, model_dir: str, *args: str, log_path: str, tp: int = 1, dtype: str = "float32") -> None:
+    def __init__(self, model_dir: str, *args: str, log_path: str, tp: int = 1, dtype: str = "float32",
+                 port: Optional[int] = None) -> None:
+        """`port`: where to listen (a restarted server takes its predecessor's; None: a free one)."""
         env = {**os.environ, "PYTHON": sglang_python(), "PYTHONPATH": SHIM, "HF_HUB_OFFLINE": "1",
                # one core per TP rank: SGLang's CPU engine asks for one NUMA node per rank otherwise
                "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % os.cpu_count()) for r in range(tp))}
@@ -51,7 +53,7 @@ class SGLangServer(LaunchedServer):
                    "--max-total-tokens", "8192", "--skip-server-warmup",
                    # idle schedulers wait on their sockets instead of spinning a core each (2 cores here)
                    "--sleep-on-idle", *args]
-        self._launch(command, env, log_path, None)
+        self._launch(command, env, log_path, port)
 
     def wait_ready(self, timeout_s: float = SERVER_START_S) -> "SGLangServer":
         return super().wait_ready(timeout_s)

@@ -102,17 +102,22 @@ class SGLangEngineClient:
     def begin_transfer(self, version: int) -> None:
         """Nothing to start: the transport announces each bucket as it sends it."""
 
-    def after_sync(self, version: int, ok: bool) -> None:
+    def after_sync(self, version: int, ok: bool, *, holds: Optional[int] = None) -> None:
         """Close the session; on `ok` flush, tag and resume; after a failure resume on the previous version,
-        unless the transport could not restore it (tagged "partial"): then stay paused."""
+        unless the transport could not restore it (tagged "partial"): then stay paused. `holds`: after a
+        failure, the version the transport restored (tagged before resuming; None: the tag stays)."""
         self._call("/end_weight_update", body=requests.end_weight_update())
         if not ok:
             self.partially_updated = self.weight_version() == requests.PARTIAL
             if self.partially_updated:
                 log.error("SGLang at %s holds part of version %d and stays paused; the next successful sync "
                           "resumes it", self.url, version)
-            else:
-                self._call("/continue_generation", body=requests.continue_generation())
+                return
+            if holds is not None:  # restored to another version than it served before (it rejoined a fleet)
+                if self.plan.flush:
+                    request_json(self.url, "/flush_cache", timeout_s=self.timeout_s, text=True)
+                self._call("/update_weight_version", body=requests.update_weight_version(holds))
+            self._call("/continue_generation", body=requests.continue_generation())
             return
         if self.plan.flush:  # at once, while still paused: SGLang then ignores the requests "retract" queued
             request_json(self.url, "/flush_cache", timeout_s=self.timeout_s, text=True)

@@ -101,6 +101,7 @@ class GroupDelivery:
     def __init__(self, groups: Sequence[UpdateGroup], timeout_s: float) -> None:
         self.groups = {g.url: g for g in groups}
         self.timeout_s = timeout_s
+        self._dropped: dict[str, UpdateGroup] = {}  # groups of servers that stopped answering: `rejoin` re-forms
 
     @property
     def urls(self) -> list[str]:
@@ -123,14 +124,27 @@ class GroupDelivery:
             transfers[url] = group.group.broadcast(data, src=0, async_op=True)
         return Delivered(calls, transfers, self.timeout_s, lambda url: self.groups[url].break_off())
 
-    def recover(self, alive: Sequence[str]) -> None:
-        """Make the groups usable again after a break: rebuilt with the servers still answering, the others
-        dropped."""
-        for url in [u for u in self.groups if u not in alive]:
-            self.groups.pop(url).close(reachable=False)
+    def recover(self, dead: Sequence[str]) -> None:
+        """Make the groups usable again after a break: those of the `dead` servers dropped, the broken ones of
+        the others rebuilt."""
+        for url in [u for u in self.groups if u in dead]:
+            group = self.groups.pop(url)
+            group.close(reachable=False)
+            self._dropped[url] = group
         for group in self.groups.values():
             if group.broken:
                 group.rebuild()
+
+    def rejoin(self, url: str, tp_size: int) -> None:
+        """Form a new group with a server whose group was dropped (it answers again, perhaps restarted with
+        another TP size), under the next generation's name."""
+        group = self._dropped.pop(url, None)
+        if group is None:  # it left between syncs, its group intact but its ranks gone
+            group = self.groups.pop(url)
+            group.close(reachable=False)
+        group.tp_size, group.generation, group.group = tp_size, group.generation + 1, None
+        group.form()
+        self.groups[url] = group
 
     def close(self) -> None:
         for group in self.groups.values():
@@ -158,8 +172,12 @@ class TensorDelivery:
                                         f"SGLang at {url}, bucket {bucket.index}")
         return Delivered(calls, {}, self.timeout_s, lambda url: None)
 
-    def recover(self, alive: Sequence[str]) -> None:
+    def recover(self, dead: Sequence[str]) -> None:
         """Nothing to rebuild: each bucket is its own request."""
+
+    def rejoin(self, url: str, tp_size: int) -> None:
+        """A server that answers again takes one pickle per rank of its (perhaps new) TP size."""
+        self._tp[url] = tp_size
 
     def close(self) -> None:
         """Nothing held open."""

@@ -51,10 +51,11 @@ class Versions:
 
 
 def restore(delivery: Any, previous: Optional[list[tuple[BucketPlan, torch.Tensor]]],
-            alive: Sequence[str]) -> list[str]:
-    """Bring the servers at `alive` back to `previous` (None: their start checkpoints); return the failures."""
+            alive: Sequence[str], dead: Sequence[str] = ()) -> list[str]:
+    """Bring the servers at `alive` back to `previous` (None: their start checkpoints) once the `dead` ones are
+    dropped from the delivery; return the failures."""
     try:
-        delivery.recover(alive)
+        delivery.recover(dead)
         _reopen_sessions(alive, delivery.timeout_s)
         if previous is None:
             refused = _reload_start_checkpoints(list(alive), delivery.timeout_s)

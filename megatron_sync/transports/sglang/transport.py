@@ -25,6 +25,16 @@ restored by this trainer. A server that
 cannot be restored is tagged "partial-vN" and stays paused
 (`SGLangEngineClient.after_sync`). The cost: two host copies of the
 inference-format model on rank 0's host, and a failed sync costs a resend.
+
+A fleet of servers (`fleet.enabled`; the servers' membership is kept by
+`fleet.servers.ServerFleet` on the trainer's leader, which tells rank 0 who
+takes part, `take_part`). A server that refuses a bucket, whose ranks
+disagree, or that dies fails only itself: no more buckets go to it, and when
+at least `fleet.min_engines` servers took the version whole it commits on
+them, while rank 0 gives a failed server that still answers the previous
+version again (`restore`) and drops one that does not answer from the
+delivery. `outcomes` then says, per server, what happened; `rejoin` forms a
+new update group with a server that answers again.
 """
 
 from __future__ import annotations
@@ -56,6 +66,11 @@ if TYPE_CHECKING:
     from megatron_sync.plan.buckets import KeepTogether
     from megatron_sync.settings.config import WeightSyncConfig
 
+
+
+COMMITTED, RESTORED, PARTIAL, LEFT = "committed", "restored", "partial", "left"
+"""A server's outcome of a version (`SGLangTransport.outcomes`): it took the version whole; it was given the
+previous version again; it could not be (tagged partial, paused); it stopped answering."""
 
 
 class HTTPOnlyControl(ControlChannel):
@@ -113,11 +128,13 @@ class SGLangTransport(PlanBucketTransport):
     """Stage source `rank` of the trainer's side of SGLang's update API (rank 0 talks to the servers)."""
 
     name = "sglang"
+    keeps_server_fleet = True  # with fleet.enabled, rank 0 sends to the servers `fleet.servers.ServerFleet` keeps
     max_buckets_in_flight = 1  # a server takes the buckets one after another, each announced then broadcast
     meets_at_store = False  # the servers join SGLang's update group at master_address:master_port
 
     def __init__(self, *, stage: int, num_stages: int, num_inference_ranks: int, store: Any,
-                 stages: Any = None, delivery: Any = None, replicated: Optional[dict[str, frozenset]] = None) -> None:
+                 stages: Any = None, delivery: Any = None, replicated: Optional[dict[str, frozenset]] = None,
+                 fleet_min: Optional[int] = None) -> None:
         self.rank, self.num_stages = stage, num_stages
         self.world_size = num_stages + num_inference_ranks
         self.control = HTTPOnlyControl()
@@ -126,6 +143,9 @@ class SGLangTransport(PlanBucketTransport):
         self._replicated = replicated or {}  # multi-rank servers: params every TP rank holds whole
         self._failures: list[str] = []
         self._gone: set[str] = set()  # servers that stopped answering: rank 0 sends them nothing more
+        self._fleet_min = fleet_min  # a fleet: how many servers must take a version whole (None: every one)
+        self._server_failures: dict[str, str] = {}  # a fleet: the servers that failed the version under way
+        self.outcomes: dict[str, tuple[str, str]] = {}  # after each version: URL -> (outcome, what failed)
         self._last: Optional[_Forwarded] = None
         self._lock = threading.Lock()
 
@@ -160,7 +180,8 @@ class SGLangTransport(PlanBucketTransport):
         stages = stage_group(store, layout.pp, layout.pp_rank, port=config.master_port, backend=backend,
                              timeout_s=timeout) if layout.pp > 1 else None
         return cls(stage=layout.pp_rank, num_stages=layout.pp, num_inference_ranks=config.num_inference_ranks,
-                   store=store, stages=stages, delivery=delivery, replicated=replicated)
+                   store=store, stages=stages, delivery=delivery, replicated=replicated,
+                   fleet_min=config.min_engines if config.fleet else None)
 
     @classmethod
     def connect_inference(cls, config: "WeightSyncConfig", *, num_trainer_stages: int,
@@ -232,14 +253,38 @@ class SGLangTransport(PlanBucketTransport):
         if last is not None:
             last.wait()
 
-    def _targets(self) -> list[str]:
+    def _members(self) -> list[str]:
         return [url for url in self.delivery.urls if url not in self._gone]
 
-    def note_refusals(self, refusals: dict[str, str]) -> None:
-        """Keep the servers' refusals of a bucket for the next agreement."""
+    def _targets(self) -> list[str]:
         with self._lock:
-            self._failures.extend(f"SGLang at {url}: {message}" if url.startswith("http") else message
-                                  for url, message in refusals.items())
+            return [url for url in self._members() if url not in self._server_failures]
+
+    def note_refusals(self, refusals: dict[str, str]) -> None:
+        """Keep the servers' refusals of a bucket for the next agreement (in a fleet: that server's failure)."""
+        with self._lock:
+            for url, message in refusals.items():
+                if self._fleet_min is not None:
+                    self._server_failures.setdefault(url, message)
+                else:
+                    self._failures.append(f"SGLang at {url}: {message}")
+
+    # ---- a fleet of servers (rank 0; `fleet.servers.ServerFleet` decides) ----
+
+    def take_part(self, urls: list[str]) -> None:
+        """Send the next version to the servers at `urls` only (the others left the fleet)."""
+        self._gone = set(self.delivery.urls) - set(urls)
+
+    def rejoin(self, url: str) -> None:
+        """Make the server at `url`, which left and answers again, a target: a new update group is formed with
+        its ranks (raises, naming the server, when it cannot take part)."""
+        info = call_sglang(url, "/server_info", method="GET", timeout_s=self.delivery.timeout_s)
+        tp = int(info["tp_size"])
+        self.delivery.rejoin(url, tp)
+        self._replicated.pop(url, None)
+        if tp > 1:
+            self._replicated[url] = replicated_params(url, self.delivery.timeout_s)
+        self._gone.discard(url)
 
     # ---- agreeing, restoring ----
 
@@ -256,36 +301,83 @@ class SGLangTransport(PlanBucketTransport):
             with self._lock:
                 mine, self._failures = mine + self._failures, []
             if not mine and self._versions.current:  # every bucket went out: did every TP rank apply them?
-                mine = self._ranks_not_applied()
+                disagree = self._ranks_not_applied()
+                if self._fleet_min is None:
+                    mine = [f"SGLang at {url}: {problem}" for url, problem in disagree.items()]
+                else:
+                    self.note_refusals(disagree)
+                    mine = self._too_few_took_it()
         failures = [(rank, message) for rank, messages in enumerate(self.all_gather_json(mine))
                     for message in messages]
         if self.rank == 0:
             if failures:
                 failures += [(0, m) for m in self._restore_previous()]
-            else:
+            elif self._versions.current:
+                self._settle_fleet()
                 self._versions.commit()
         if failures:
             raise failure(failures) if failure is not None else AgreedFailure(what, failures)
 
-    def _ranks_not_applied(self) -> list[str]:
-        """Return, per multi-rank server, a TP rank that did not apply what rank 0 loaded (none: [])."""
-        problems = []
-        for url, names in self._replicated.items():
+    def _ranks_not_applied(self) -> dict[str, str]:
+        """Return, per multi-rank server taking part, why one of its TP ranks did not apply what rank 0 loaded."""
+        problems = {}
+        for url in self._targets():
+            if url not in self._replicated:
+                continue
             try:
-                problem = ranks_disagree(url, names, self.delivery.timeout_s)
+                problem = ranks_disagree(url, self._replicated[url], self.delivery.timeout_s)
             except EngineHTTPError as e:
                 problem = f"its ranks' weight digests could not be read: {e}"
             if problem is not None:
-                problems.append(f"SGLang at {url}: {problem}")
+                problems[url] = problem
         return problems
+
+    def _too_few_took_it(self) -> list[str]:
+        """A fleet: the failure to agree on when fewer than `fleet_min` servers took the version whole."""
+        took = self._targets()
+        if len(took) >= self._fleet_min:
+            return []
+        with self._lock:
+            failed = "; ".join(f"SGLang at {url}: {message}" for url, message in self._server_failures.items())
+        return [f"only {len(took)} SGLang server(s) took the version whole, fewer than weight_sync.fleet."
+                f"min_engines={self._fleet_min} ({failed or 'none serves'})"]
+
+    def _settle_fleet(self) -> None:
+        """A fleet whose version went through: give each server that failed it the previous version again if it
+        still answers (it stays on that version), drop it from the delivery if not; record every outcome."""
+        with self._lock:
+            failed, self._server_failures = self._server_failures, {}
+        self.outcomes = {url: (COMMITTED, "") for url in self._members() if url not in failed}
+        if not failed:
+            return
+        alive = [url for url in failed if answers(url)]
+        dead = [url for url in failed if url not in alive]
+        self._gone.update(dead)
+        problems = restore(self.delivery, self._versions.previous, alive, dead) if alive else []
+        if dead and not alive:
+            self.delivery.recover(dead)
+        for url in dead:
+            self.outcomes[url] = (LEFT, f"{failed[url]}; it stopped answering")
+        for url in alive:
+            undone = next((p for p in problems if url in p), None)
+            self.outcomes[url] = (PARTIAL if undone else RESTORED, f"{failed[url]}; {undone or 'restored'}")
 
     def _restore_previous(self) -> list[str]:
         """Send the previous version again to every server still answering; return what could not be restored."""
         self._versions.current = {}
-        alive = [url for url in self.delivery.urls if answers(url)]
-        self._gone.update(url for url in self.delivery.urls if url not in alive)
+        with self._lock:
+            failed, self._server_failures = self._server_failures, {}
+        members = self._members()
+        alive = [url for url in members if answers(url)]
+        dead = [url for url in members if url not in alive]
+        self._gone.update(dead)
         problems = [f"SGLang at {url} stopped answering; it keeps whatever it had loaded" for url in self._gone]
-        return problems + restore(self.delivery, self._versions.previous, alive)
+        undone = restore(self.delivery, self._versions.previous, alive, dead)
+        self.outcomes = {url: (LEFT, failed.get(url, "it stopped answering")) for url in dead}
+        for url in alive:
+            problem = next((p for p in undone if url in p), None)
+            self.outcomes[url] = (PARTIAL if problem else RESTORED, problem or failed.get(url, "the sync failed"))
+        return problems + undone
 
     def close(self) -> None:
         """Rank 0: the servers leave their update groups; every stage source releases its groups and store."""
