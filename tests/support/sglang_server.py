@@ -48,8 +48,12 @@ class SGLangServer(LaunchedServer):
         env = {**os.environ, "PYTHON": sglang_python(), "PYTHONPATH": SHIM, "HF_HUB_OFFLINE": "1",
                # one core per TP rank: SGLang's CPU engine asks for one NUMA node per rank otherwise
                "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % os.cpu_count()) for r in range(tp))}
+        # The KV cache holds --max-total-tokens (SGLang caps its profiled capacity there). On CPU SGLang profiles
+        # the machine's free memory before and after loading and refuses to start when the difference exceeds
+        # --mem-fraction-static of it; other tests' processes allocating meanwhile count as the model's, so the
+        # fraction leaves room for them (0.05 failed a run when they took 7% during a load).
         command = [os.path.join(ROOT, "launch", "serve_sglang.sh"), model_dir, "--host", "127.0.0.1",
-                   "--dtype", dtype, "--tp-size", str(tp), "--mem-fraction-static", "0.05",
+                   "--dtype", dtype, "--tp-size", str(tp), "--mem-fraction-static", "0.4",
                    "--max-total-tokens", "8192", "--skip-server-warmup",
                    # idle schedulers wait on their sockets instead of spinning a core each (2 cores here)
                    "--sleep-on-idle", *args]
