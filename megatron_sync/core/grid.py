@@ -1,7 +1,8 @@
 """The trainer's parallel grid, once: its sizes and rank order (`Grid`), one rank's coordinates
 (`TrainerRank`), and this process's place in it with its groups (`ParallelLayout`, read from Megatron once
 at the edge). The scale model's `TrainerLayout` is a `Grid` placed on nodes; the P2P schedule's holders are
-`TrainerRank`s; a live job's `ParallelLayout.grid` is the `Grid` the scale model plans with."""
+`TrainerRank`s; `ParallelLayout` is a `Grid` (its sizes, validated once) with this rank's coordinates and
+groups, and its `.grid` the `Grid` the scale model plans with."""
 
 from __future__ import annotations
 
@@ -138,23 +139,16 @@ class Grid:
         return " ".join(parts)
 
 
-@dataclass(frozen=True)
-class ParallelLayout:
-    """This trainer rank's place in Megatron's TP/CP/DP/PP and EP/ETP/EDP grids, with its groups.
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout(Grid):
+    """This trainer rank's place in Megatron's grid (`Grid`: the sizes, validated there once) with its
+    coordinates and its groups.
 
     Built once by `from_megatron()` (or `single()` for one process) and passed
     as an argument to everything that gathers; nothing else reads Megatron's
     globals. Groups are `None` where the axis has size 1.
     """
 
-    tp: int = 1
-    cp: int = 1
-    dp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    ep: int = 1
-    etp: int = 1
-    edp: int = 1
     tp_rank: int = 0
     cp_rank: int = 0
     dp_rank: int = 0
@@ -168,15 +162,21 @@ class ParallelLayout:
     etp_group: Any = None
 
     def __post_init__(self) -> None:
-        for axis in ("tp", "cp", "dp", "pp", "vpp", "ep", "etp", "edp"):
-            size, rank = getattr(self, axis), getattr(self, f"{axis}_rank", 0)
-            if size < 1 or not 0 <= rank < size:
+        super().__post_init__()
+        for axis in AXES:
+            size, rank = getattr(self, axis), getattr(self, f"{axis}_rank")
+            if not 0 <= rank < size:
                 raise ValueError(f"parallel layout: {axis} rank {rank} is outside size {size}")
+
+    @classmethod
+    def at(cls, grid: Grid, **coordinates: Any) -> "ParallelLayout":
+        """Return the place in `grid` (its sizes) given by `coordinates` (pp_rank=..., groups)."""
+        return cls(**Grid.sizes(grid), **coordinates)
 
     @property
     def grid(self) -> Grid:
         """Return the grid this rank belongs to (sizes only: the scale model plans with it)."""
-        return Grid(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, vpp=self.vpp, ep=self.ep, etp=self.etp)
+        return Grid(**self.sizes())
 
     @classmethod
     def single(cls) -> "ParallelLayout":
@@ -202,7 +202,7 @@ class ParallelLayout:
         pp = ps.get_pipeline_model_parallel_world_size()
         ep = ps.get_expert_model_parallel_world_size()
         etp = ps.get_expert_tensor_parallel_world_size()
-        return cls(
+        layout = cls(
             tp=tp,
             cp=ps.get_context_parallel_world_size(),
             dp=ps.get_data_parallel_world_size(),
@@ -210,7 +210,6 @@ class ParallelLayout:
             vpp=vpp,
             ep=ep,
             etp=etp,
-            edp=ps.get_expert_data_parallel_world_size(),
             tp_rank=ps.get_tensor_model_parallel_rank(),
             cp_rank=ps.get_context_parallel_rank(),
             dp_rank=ps.get_data_parallel_rank(),
@@ -223,6 +222,10 @@ class ParallelLayout:
             ep_group=group_if(ep, ps.get_expert_model_parallel_group),
             etp_group=group_if(etp, ps.get_expert_tensor_parallel_group),
         )
+        if layout.edp != ps.get_expert_data_parallel_world_size():
+            raise RuntimeError(f"megatron's expert data-parallel size {ps.get_expert_data_parallel_world_size()} "
+                               f"is not tp*cp*dp/(ep*etp) = {layout.edp}: an expert grid this library does not know")
+        return layout
 
     @property
     def gathers_dense(self) -> bool:

@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from megatron_sync.core.grid import ParallelLayout
+from megatron_sync.core.grid import Grid
 from megatron_sync.settings.config import parse_engine
 from megatron_sync.settings.sections import resolved
 from megatron_sync.scale.hardware import HardwareProfile, profile_named, profile_names
@@ -129,11 +129,10 @@ def choose(planner: ScalePlanner, profile: HardwareProfile, *, excluded: dict[st
     return Choice(best.transport, best.bucket_size_mb, best.seconds, best.bound, profile.name, tuple(candidates))
 
 
-def trainer_layout_of(layout: Any, gpus_per_node: int) -> TrainerLayout:
-    """Return the scale model's trainer layout of a `ParallelLayout` (or a `Grid`) on nodes of `gpus_per_node`
-    GPUs."""
-    grid = layout.grid if isinstance(layout, ParallelLayout) else layout  # a live job's, or a Grid already
-    return TrainerLayout(**grid.sizes(), gpus_per_node=gpus_per_node)
+def trainer_layout_of(grid: Grid, gpus_per_node: int) -> TrainerLayout:
+    """Return the scale model's trainer layout of `grid` (a live job's `ParallelLayout` is one) on nodes of
+    `gpus_per_node` GPUs."""
+    return TrainerLayout(**Grid.sizes(grid), gpus_per_node=gpus_per_node)
 
 
 def fleet_layout_of(config: Any, gpus_per_node: int, *, colocated: bool = False) -> FleetLayout:

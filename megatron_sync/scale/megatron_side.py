@@ -167,8 +167,7 @@ def stage_units(converter: Any, trainer: TrainerLayout, train_dtype: torch.dtype
     units = []
     dtypes: dict[tuple, torch.dtype] = {}  # an expert's index never changes its rule: ask once per layer and kind
     for stage, stage_tensors in enumerate(per_stage):
-        layout = ParallelLayout(tp=trainer.tp, cp=trainer.cp, dp=trainer.dp, pp=trainer.pp, vpp=trainer.vpp,
-                                ep=trainer.ep, etp=trainer.etp, edp=trainer.edp, pp_rank=stage)
+        layout = ParallelLayout.at(trainer, pp_rank=stage)
         stage_units_ = []
         for u in plan_gather_units(stage_tensors, layout):
             key = (_LOCAL_EXPERT.sub(r"\1#", u.name), u.dtype)

@@ -70,8 +70,7 @@ def trainer_units(planner: Any) -> list[SourceUnit]:
     t = planner.trainer
     out: list[SourceUnit] = []
     for stage, units in enumerate(planner.units):
-        layout = ParallelLayout(tp=t.tp, cp=t.cp, dp=t.dp, pp=t.pp, vpp=t.vpp, ep=t.ep, etp=t.etp, edp=t.edp,
-                                pp_rank=stage)
+        layout = ParallelLayout.at(t, pp_rank=stage)
         out += source_units(units, planner.known_outputs, layout)
     return out
 
