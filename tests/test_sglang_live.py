@@ -264,7 +264,8 @@ def test_a_fleet_drops_a_server_killed_mid_sync_commits_on_the_others_and_takes_
         assert not victim.alive() and weight_version(url) == "2" and not problems_on(url, v2, "2")
 
         trainer.call("apply", f"{JOBS}:clear_faults")
-        restarted = SGLangServer(model, log_path=str(tmp_path / "restarted.log"), port=victim.port).wait_ready()
+        restarted = SGLangServer(model, log_path=str(tmp_path / "restarted.log"), port=victim.port)
+        restarted.wait_ready()  # (assigned first: a server that fails to start is still stopped below)
         assert weight_version(restarted.url) == "default"  # its start checkpoint, until the fleet takes it back
         trainer.load(63)
         third = trainer.call("sync_rows")
