@@ -145,7 +145,8 @@ class MegatronWeightStream:
         Iterating the stream is `walk()`: its own gatherer and `metadata()`, units whole on the
         stage source, gathered in a background thread there (see the class doc). A transport that
         keeps its replica elsewhere (P2P: each rank converts its assigned units) walks with its own
-        gatherer (`gather(units)` yielding `(unit, full tensor or None)`), in this thread.
+        gatherer (`gather(units)` yielding `(unit, full tensor or None)`), in a prefetch thread too when
+        the gatherer hands its tensors off (`handoff`: held until `release(unit, full)`), else in this thread.
         `into(hf_name)` offers a destination to convert into (the yielded tensor is then that
         destination); `record` receives timeline events. Collective over the stage; a conversion
         error is raised once the walk is complete, so the stage's other ranks are never left in a gather.
@@ -162,8 +163,8 @@ class MegatronWeightStream:
         expected_iter = iter(expected)
         self._phase_seconds = seconds = {"gather": 0.0, "convert": 0.0}
         gathered = _timed(gatherer.gather(units), seconds, record)
-        if own and self.prefetch:
-            gathered = _Prefetcher(gathered, self._gatherer, self.gather_budget_bytes - self._gatherer.budget_bytes)
+        if (own and self.prefetch) or getattr(gatherer, "handoff", False):  # gathers run ahead, in a thread
+            gathered = _Prefetcher(gathered, gatherer, self.gather_budget_bytes - gatherer.budget_bytes)
         failure: Exception | None = None
         try:
             for index, (unit, full) in enumerate(gathered):
@@ -231,7 +232,7 @@ class _Prefetcher:
     the largest tensor. Errors in the thread (a dead peer) surface in the consumer.
     """
 
-    def __init__(self, gathered: Iterator, gatherer: ShardGatherer, ahead_bytes: int) -> None:
+    def __init__(self, gathered: Iterator, gatherer: Any, ahead_bytes: int) -> None:
         self._gathered, self._gatherer, self._ahead = gathered, gatherer, ahead_bytes
         self._queue: collections.deque = collections.deque()
         self._cond = threading.Condition()

@@ -59,7 +59,10 @@ class P2PSender(Sender):
         sends = {u.name for u in units if any(name in self.writer.names for name, _ in u.hf)}
         self.gatherer = ScheduledGatherer(stream.layout, TrainerRank.of(stream.layout, rank),
                                           {u.name: u for u in units}, schedule.balance.gathering, sends,
-                                          budget_bytes=stream.gather_budget_bytes, tracker=stream.tracker)
+                                          # half the budget gathers, the other half lets gathers run ahead in
+                                          # the stream's prefetch thread while this one converts and writes
+                                          budget_bytes=max(1, stream.gather_budget_bytes // 2),
+                                          tracker=stream.tracker, handoff=True)
         self.expected = [m for u in stream.units() if u.name in sends
                          for m in stream.converter.convert_meta(u.name, u.full_shape, u.dtype)]
         self.metrics_path = config.metrics_path

@@ -12,6 +12,10 @@ for small ones): a run of such units ends at a unit of another kind, whose kind 
 knows, or at the budget, which every member of the group counts alike; so the members of a group issue the
 same collectives, and every rank issues its collectives in unit order. A unit larger than the budget is
 gathered alone, in pieces.
+
+With `handoff` (the P2P sender's walk: its gathers run in the stream's prefetch thread, ahead of the thread
+that converts, stages and writes) a yielded full tensor counts as gathered until the consumer calls
+`release`, not merely until it asks for the next one.
 """
 
 from __future__ import annotations
@@ -37,9 +41,16 @@ class ScheduledGatherer:
 
     def __init__(self, layout: ParallelLayout, me: TrainerRank, sources: Mapping[str, SourceUnit],
                  gathering: Mapping[str, frozenset[GroupKey]], sends: set[str], *, budget_bytes: int,
-                 tracker: GatherMemoryTracker) -> None:
+                 tracker: GatherMemoryTracker, handoff: bool = False) -> None:
         self.layout, self.me, self.sources, self.gathering, self.sends = layout, me, sources, gathering, sends
-        self.budget_bytes, self.tracker = budget_bytes, tracker
+        self.budget_bytes, self.tracker, self.handoff = budget_bytes, tracker, handoff
+        self._owed: dict[int, int] = {}  # handoff: id(yielded full tensor) -> its bytes, until `release`
+
+    def release(self, unit: GatherUnit, full: Optional[torch.Tensor]) -> None:
+        """Handoff mode: the consumer is done with a yielded (unit, full); its bytes stop counting."""
+        nbytes = self._owed.pop(id(full), None) if full is not None else None
+        if nbytes is not None:
+            self.tracker.release(nbytes)
 
     def gather(self, units: list[GatherUnit]) -> Gathered:
         """Yield (unit, full tensor) for the units this rank sends, (unit, None) for those it only helps
@@ -115,6 +126,11 @@ class ScheduledGatherer:
         """Hand the consumer `full` (None: this rank only helped gather it); it stops counting when the
         consumer moves on."""
         self.tracker.saw_tensor(unit.nbytes)
+        if self.handoff and unit.name in self.sends:  # the consumer releases it
+            if full is not None:
+                self._owed[id(full)] = unit.nbytes
+            yield unit, full
+            return
         try:
             yield unit, full if unit.name in self.sends else None
         finally:
