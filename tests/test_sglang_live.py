@@ -236,6 +236,7 @@ def test_a_server_killed_mid_sync_is_named_and_the_other_keeps_the_previous_vers
             victim.stop()
 
 
+@pytest.mark.timeout(600)  # two server starts and four syncs: about 60 s idle, over 300 s on a machine at load 30
 def test_a_fleet_drops_a_server_killed_mid_sync_commits_on_the_others_and_takes_it_back_restarted(servers, trainer,
                                                                                                   tmp_path):
     """fleet.enabled over transport sglang, servers A and C. v2: C dies (SIGKILL) before bucket 1; A commits v2
