@@ -9,7 +9,9 @@ device the weights are produced on, and reused by every version.
 
 from __future__ import annotations
 
+
 import logging
+import time
 from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
@@ -69,6 +71,7 @@ class P2PSender(Sender):
         self.history: list[SyncMetrics] = []
         self.keep_sent = False  # checks and dumps: keep the full tensors this rank sent pieces of
         self._sent: dict[str, torch.Tensor] = {}
+        self._pulled = 0.0  # seconds the last walk kept this thread waiting
         self._attempt = 0  # syncs so far; trainer and engines count them in step
         self._target = 0  # the staging set every receiver takes the next version into
 
@@ -95,8 +98,17 @@ class P2PSender(Sender):
         return dict(self._sent) if self.keep_sent else None
 
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self._sent = {}
-        for name, full in self.stream.walk(self.gatherer, self.expected):
+        """The walk's tensors; `self._pulled` adds up the time this thread waited for them (converting, and
+        waiting for the prefetch thread's gathers)."""
+        self._sent, self._pulled = {}, 0.0
+        walk = self.stream.walk(self.gatherer, self.expected)
+        while True:
+            start = time.perf_counter()
+            item = next(walk, None)
+            self._pulled += time.perf_counter() - start
+            if item is None:
+                return
+            name, full = item
             if self.keep_sent:
                 self._sent[name] = full.clone()
             yield name, full
@@ -134,10 +146,11 @@ class P2PSender(Sender):
                     raise  # a receiver is gone: the transport must be rebuilt
                 except Exception as e:  # noqa: BLE001 — its receivers have the error; agreed on below
                     error = f"trainer rank {rank}: {describe(e, limit=3)}"
+            # gather: busy time in the prefetch thread, overlapping the rest; transfer: what writing took
+            # besides staging, checksums and waiting for the walk (converting, or a gather not yet done)
             metrics.add("gather", self.stream.phase_seconds.get("gather", 0.0))
             metrics.add("convert", self.stream.phase_seconds.get("convert", 0.0))
-            metrics.phases["transfer"] -= sum(metrics.phases.get(p, 0.0) for p in ("checksum", "pack", "gather",
-                                                                                    "convert"))
+            metrics.phases["transfer"] -= sum(metrics.phases.get(p, 0.0) for p in ("checksum", "pack")) + self._pulled
             with PhaseTimer(metrics, "commit"):
                 sender_rounds(self.transport, version, error)
             self._target = 1 - self._target  # every rank committed: the receivers flipped their sets
