@@ -277,7 +277,11 @@ class SGLangTransport(PlanBucketTransport):
 
     def rejoin(self, url: str) -> None:
         """Make the server at `url`, which left and answers again, a target: a new update group is formed with
-        its ranks (raises, naming the server, when it cannot take part)."""
+        its ranks (raises, naming the server, when it cannot take part). A server that does not answer within
+        seconds is asked again at the next sync: a host that swallows connections costs a boundary that
+        long, not timeout_s."""
+        if not answers(url):
+            raise EngineHTTPError(url, "/server_info", "no answer within seconds")
         info = call_sglang(url, "/server_info", method="GET", timeout_s=self.delivery.timeout_s)
         tp = int(info["tp_size"])
         self.delivery.rejoin(url, tp)
