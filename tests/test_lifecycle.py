@@ -279,3 +279,25 @@ def test_a_second_inference_job_is_refused_by_session_name_and_the_first_keeps_s
         for name, shard in h["shards"].items():
             assert torch.equal(shard, shard_of(slicer, name, sent[version][name])), (version, name)
     assert not multiprocessing.active_children()
+
+
+def test_a_signal_while_an_engine_rank_leaves_is_said_with_the_version_it_holds():
+    """torchrun stops an engine rank (SIGTERM) when its sibling exits while this one still waits on a silent
+    trainer to hear that it leaves: the rank says so with its version, and exits with the signal's code."""
+    from megatron_sync.core.lifecycle import Terminated
+    from megatron_sync.drivers.serve import _leave
+
+    class LeavingWhileSignalled:  # the weight sync, closing when the signal lands
+        def close(self, why: str) -> None:
+            raise Terminated(signal.SIGTERM)
+
+    class Leaving:
+        def close(self, why: str) -> None:
+            self.why = why
+
+    said: list[str] = []
+    assert _leave(LeavingWhileSignalled(), "", said.append, None) == 128 + signal.SIGTERM
+    assert said == ["stopped by SIGTERM while leaving"]
+    quiet = Leaving()
+    assert _leave(quiet, "PeerFailureError: gone", said.append, 1) == 1 and quiet.why == "PeerFailureError: gone"
+    assert len(said) == 1

@@ -163,16 +163,14 @@ def serve(me: EngineRank, config: WeightSyncConfig, *, num_trainer_stages: Optio
           on_stop: Optional[Callable[[], None]] = None) -> int:
     """Follow the trainer until "stop"; return the exit code. `handlers[name](isync, message)` serve app messages.
 
-    0: the trainer said stop, also in the middle of a sync (the engine holds its
-    last version, a sync under way is abandoned); 1: the trainer
-    went away, a peer died or fell silent mid-sync, or the rendezvous refused
-    this rank (the message says which);
-    128 + signum: SIGTERM / SIGINT, also when the rank was blocked (after
-    `STOP_GRACE_S`). Every way out prints the version held, after `on_stop()`.
-    """
+    0: the trainer said stop, also in the middle of a sync (the engine holds its last version, a sync under way
+    is abandoned); 1: the trainer went away, a peer died or fell silent mid-sync, or the rendezvous refused this
+    rank (the message says which); 128 + signum: SIGTERM / SIGINT, also when the rank was blocked (after
+    `STOP_GRACE_S`) or while it was leaving. Every way out prints the version held, after `on_stop()`."""
+    stopping = on_stop if on_stop is not None else (lambda: None)
+
     def say(how: str) -> None:
-        if on_stop is not None:
-            on_stop()
+        stopping()
         print(f"[inference rank {me.rank}] {how}; the engine stays on version {me.engine.version}", flush=True)
 
     with stop_on_signals(grace_s=STOP_GRACE_S, report=lambda what: say(f"stopped by {what}")) as stop:
@@ -193,21 +191,35 @@ def serve(me: EngineRank, config: WeightSyncConfig, *, num_trainer_stages: Optio
         except SyncStoppedError as e:  # stopped mid-sync: the transfer was abandoned, the version kept
             ended = str(e)
         except Terminated as e:
-            why = f"stopped by {e}"
-            say(why)
-            return e.exit_code
+            say(why := f"stopped by {e}")
+            return _leave(isync, why, say, e.exit_code)
         except Exception as e:  # noqa: BLE001 — _exit_after says it and picks the exit code, or raises it again
             why = f"{type(e).__name__}: {e}"
-            return _exit_after(e, stop.as_exception(), say, lambda: on_stop() if on_stop is not None else None,
-                               me.rank)
+            try:
+                code = _exit_after(e, stop.as_exception(), say, stopping, me.rank)
+            except BaseException:
+                _leave(isync, why, say, None)
+                raise
+            return _leave(isync, why, say, code)
         else:
             ended = "the trainer ended the session" + (f": {isync.stop_reason}" if isync.stop_reason else "")
-        finally:
-            isync.close(why)
-    if on_stop is not None:
-        on_stop()
+        if (signalled := _leave(isync, why, say, None)) is not None:
+            return signalled
+    stopping()
     print(f"[inference rank {me.rank}] stopped on version {me.engine.version} ({ended})", flush=True)
     return 0
+
+
+def _leave(isync: InferenceWeightSync, why: str, say: Callable[[str], None], code: Optional[int]) -> Optional[int]:
+    """Close the rank's weight sync and return `code`; a signal that arrives meanwhile (torchrun stopping this
+    rank because a sibling exited while this one waits on a silent trainer) is said, with the version held,
+    and its exit code returned instead."""
+    try:
+        isync.close(why)
+    except Terminated as e:
+        say(f"stopped by {e} while leaving")
+        return e.exit_code
+    return code
 
 
 def _exit_after(error: Exception, signalled: Optional[Terminated], say: Callable[[str], None],
