@@ -27,6 +27,7 @@ from megatron_sync.engines.base import EngineClient
 from megatron_sync.engines.driven import EngineFleet
 from megatron_sync.fleet.links import Deliveries
 from megatron_sync.fleet.roster import EngineState, Roster
+from megatron_sync.transports.sglang.transport import COMMITTED, LEFT, RESTORED
 
 log = logging.getLogger("megatron_sync")
 
@@ -82,22 +83,22 @@ class ServerFleet(EngineFleet):
         for record in self.roster.active():
             client = self.clients[record.engine]
             # no outcome: the sync failed before any bucket reached the servers, which hold what they held
-            outcome, reason = outcomes.get(client.url, ("committed", "") if ok else ("unchanged", "the sync failed"))
-            if outcome != "left":
+            outcome, reason = outcomes.get(client.url, (COMMITTED, "") if ok else ("unchanged", "the sync failed"))
+            if outcome != LEFT:
                 try:
-                    if outcome == "committed":
+                    if outcome == COMMITTED:
                         client.after_sync(version, ok=True)
                         self.roster.committed(record.engine, version)
                     else:
-                        held = self.version if outcome == "restored" else None
+                        held = self.version if outcome == RESTORED else None
                         client.after_sync(version, ok=False, holds=held or None)
                         self.roster.committed(record.engine, held or 0)
                 except Exception as e:  # noqa: BLE001 — that server leaves; the others are closed too
-                    outcome, reason = "left", f"closing its update failed: {describe(e, limit=1)}"
-            if outcome == "left":
+                    outcome, reason = LEFT, f"closing its update failed: {describe(e, limit=1)}"
+            if outcome == LEFT:
                 self._leave(record.engine, reason)
             rows.add(record.engine, record.generation, 0, "trainer",
-                     "committed" if outcome == "committed" else ("failed" if outcome == "left" else "aborted"),
+                     "committed" if outcome == COMMITTED else ("failed" if outcome == LEFT else "aborted"),
                      time.perf_counter() - self._started, reason=reason)
         if ok:
             self.version = version
