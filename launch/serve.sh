@@ -6,8 +6,8 @@
 #   NPROC=2 launch/serve.sh --engine reference --model-dir /models/qwen3-tiny \
 #       --config train.yaml --weight-sync-master-address 10.0.0.5
 #
-# The trainer's layout (its pipeline stages) is adopted at the rendezvous; only transport disk_delta, which
-# meets through files, needs --trainer-stages (the trainer's pipeline-parallel size). Settings come from the YAML's weight_sync:
+# The trainer's layout (its pipeline stages) is adopted at the rendezvous (disk_delta: in its directory
+# session), so --trainer-stages is not needed. Settings come from the YAML's weight_sync:
 # section, --weight-sync-* flags override them. vLLM runs as its own server: launch/serve_vllm.sh.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"

@@ -323,7 +323,7 @@ def test_readers_see_a_writer_that_died_as_gone_and_a_new_writer_still_starts(tm
     import subprocess
     import sys
 
-    from megatron_sync.transports.disk_delta.session import trainer_gone
+    from megatron_sync.transports.disk_delta.storedir import trainer_gone
     from megatron_sync.transports.disk_delta.writer import DeltaWriter
 
     root = str(tmp_path / "stage-0")

@@ -139,8 +139,7 @@ def delta_engine_job(rank: int, world_size: int, case: dict) -> dict:
                                 dtype=torch.float32)
     errors = _Errors()
     logging.getLogger("megatron_sync").addHandler(errors)
-    isync = InferenceWeightSync(config, me.engine, num_trainer_stages=1, inference_rank=me.rank,
-                                engine_group=me.group)
+    isync = InferenceWeightSync(config, me.engine, inference_rank=me.rank, engine_group=me.group)  # stages: adopted
     held, damaged = [], None
     try:
         while True:

@@ -9,11 +9,11 @@ engines, and every check compares bytes with what the stream produced.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 import torch
@@ -21,14 +21,13 @@ import torch
 from megatron_sync.settings.config import WeightSyncConfig
 from megatron_sync.core.wait import poll
 from megatron_sync.transports.disk_delta import receiver as delta_receiver
-from megatron_sync.transports.disk_delta import session as sessions
 from megatron_sync.transports.disk_delta.localcopy import open_committed
-from megatron_sync.core.errors import PeerFailureError
+from megatron_sync.core.errors import RendezvousError
 from megatron_sync.transports import get_transport
 from megatron_sync.session.control import ControlMessage, ControlOp, Report
-from megatron_sync.transports.disk_delta.transport import DiskDeltaTransport, control_dir, latest_version
+from megatron_sync.transports.disk_delta.transport import DiskDeltaTransport, latest_version
 from tests.support.fakes import STAGES, FakeEngine, FakeStream, make_tensor, shard_rule
-from tests.support.timing import bounded, scaled
+from tests.support.timing import scaled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,10 +42,12 @@ def _config(tmp_path, **extra) -> WeightSyncConfig:
 class _Run:
     """One trainer run (a stage source per stage) and two inference ranks, each inference rank on its own thread."""
 
-    def __init__(self, config: WeightSyncConfig, stages: int = 1) -> None:
+    def __init__(self, config: WeightSyncConfig, stages: int = 1, inference_stages: Optional[int] = -1) -> None:
+        """`inference_stages`: the trainer stages the inference ranks are told (-1: `stages`; None: none)."""
         self.config, self.metas = config, [m for stage in STAGES[:stages] for m in stage]
         pool = ThreadPoolExecutor(3)
-        inference = [pool.submit(self._connect_inference, r, stages) for r in range(2)]
+        told = stages if inference_stages == -1 else inference_stages
+        inference = [pool.submit(self._connect_inference, r, told) for r in range(2)]
         layouts = [SimpleNamespace(pp_rank=s, pp=stages, is_stage_source=True) for s in range(stages)]
         self.sources = [DiskDeltaTransport.connect_trainer(config, layout) for layout in reversed(layouts)][::-1]
         self.trainer = self.sources[0]  # the leader
@@ -55,7 +56,7 @@ class _Run:
         self.ranks = [f.result(timeout=30) for f in inference]
         self.pool = pool
 
-    def _connect_inference(self, rank: int, stages: int):
+    def _connect_inference(self, rank: int, stages: Optional[int]):
         transport = DiskDeltaTransport.connect_inference(self.config, num_trainer_stages=stages, inference_rank=rank)
         return transport, FakeEngine(self.metas, rank, 2)
 
@@ -150,58 +151,6 @@ def test_sync_means_the_newest_published_version_and_a_held_one_is_a_no_op(tmp_p
     run.close()
 
 
-def test_a_session_left_by_an_earlier_run_is_never_joined(tmp_path, monkeypatch):
-    folder = str(tmp_path / "control")
-    stale = sessions.Session("old", folder, 7, 1, 1)
-    os.makedirs(os.path.join(stale.folder, "board"))
-    with open(os.path.join(folder, sessions.SESSION), "w") as f:
-        json.dump(stale.to_json(), f)
-    with open(os.path.join(stale.folder, "started"), "w") as f:
-        json.dump({"0": "a token of the earlier run"}, f)
-    looked_again = _read_again_after_joining(monkeypatch, os.path.join(stale.folder, "joined", "0"))
-    with ThreadPoolExecutor(1) as pool:
-        joining = pool.submit(sessions.join_session, folder, inference_rank=0, num_stages=1, num_inference_ranks=1,
-                              timeout_s=20)
-        poll(lambda: looked_again.is_set() or joining.done(), within=scaled(20),
-             what="the joiner reading session.json again after joining the stale session")
-        assert looked_again.is_set() and not joining.done()  # the stale "started" lacks this rank's token
-        live = sessions.open_session(folder, version_offset=9, num_stages=1, num_inference_ranks=1, timeout_s=20)
-        joined = joining.result(timeout=20)
-    assert joined.id == live.id != "old" and joined.version_offset == 9
-    assert not os.path.exists(stale.folder)
-
-
-def _read_again_after_joining(monkeypatch, joined: str) -> threading.Event:
-    """Return an event set when a joiner reads session.json while its ticket `joined` exists: it posted the
-    ticket, checked that session's "started" and went round its wait again (the real read runs)."""
-    real, looked_again = sessions.read_session, threading.Event()
-
-    def read_session(control_dir: str):
-        if os.path.exists(joined):
-            looked_again.set()
-        return real(control_dir)
-
-    monkeypatch.setattr(sessions, "read_session", read_session)
-    return looked_again
-
-
-def test_ranks_of_an_old_session_fail_when_a_new_trainer_opens_one(tmp_path):
-    folder = str(tmp_path / "control")
-    with ThreadPoolExecutor(1) as pool:
-        joining = pool.submit(sessions.join_session, folder, inference_rank=0, num_stages=1, num_inference_ranks=1,
-                              timeout_s=20)
-        old = sessions.open_session(folder, version_offset=0, num_stages=1, num_inference_ranks=1, timeout_s=20)
-        joining.result(timeout=20)
-        board = sessions.DirectoryBoard(old.folder, rank=1, timeout_s=30, alive=sessions.liveness_check(old))
-        waiting = pool.submit(board.fetch, "control/1")
-        # noticed within about a second (the liveness check), not at the board's 30 s timeout
-        with bounded(5, "the old session's waiting rank noticing the new run") as bound:
-            with pytest.raises(PeerFailureError, match="did not join"):  # nobody joins the new run here
-                sessions.open_session(folder, version_offset=0, num_stages=1, num_inference_ranks=1, timeout_s=0.2)
-            with pytest.raises(PeerFailureError, match=f"session {old.id} in .* is over: a new trainer run opened"):
-                waiting.result(timeout=bound.deadline.remaining(floor=0.01))
-
-
 def _looks_finding(version: int, monkeypatch) -> collections.Counter:
     """Return a counter, per thread, of the receivers' looks at a stage's store that found `version` published
     there (the real look runs; a receiver looks at every stage's store once per round of its wait)."""
@@ -217,32 +166,58 @@ def _looks_finding(version: int, monkeypatch) -> collections.Counter:
     return looks
 
 
-def test_the_leader_names_the_ranks_that_never_joined(tmp_path):
-    with pytest.raises(PeerFailureError, match=r"inference ranks \[0, 1\] did not join .* within 0.3s"):
-        sessions.open_session(str(tmp_path / "control"), version_offset=0, num_stages=1, num_inference_ranks=2,
-                              timeout_s=0.3)
-
-
-def test_an_inference_job_with_another_shape_is_refused(tmp_path):
-    folder = str(tmp_path / "control")
+def test_an_inference_job_with_other_settings_is_refused_by_the_handshake_every_transport_passes(tmp_path):
+    """The directory session compares what the rendezvous store compares: here the dtype (and the stages the
+    inference job assumes); the trainer's leader fails too, quoting the refusal."""
+    trainer_config, inference_config = _config(tmp_path), _config(tmp_path, dtype="float16", num_inference_ranks=1,
+                                                                    engine_tp_size=1)
+    layout = SimpleNamespace(pp_rank=0, pp=1, is_stage_source=True)
     with ThreadPoolExecutor(1) as pool:
-        joining = pool.submit(sessions.join_session, folder, inference_rank=0, num_stages=2, num_inference_ranks=1,
-                              timeout_s=20)
-        sessions.open_session(folder, version_offset=0, num_stages=1, num_inference_ranks=1, timeout_s=20)
-        with pytest.raises(ValueError, match="pass --trainer-stages 1"):
+        joining = pool.submit(DiskDeltaTransport.connect_inference, inference_config, num_trainer_stages=2,
+                              inference_rank=0)
+        with pytest.raises(RendezvousError, match=r"expects 2 inference ranks, this inference job has 1.*engines "
+                                                  r"of 2 ranks .*, this inference job has 1.*sends dtype 'bfloat16', this inference job computes in 'float16'"):
+            DiskDeltaTransport.connect_trainer(trainer_config, layout)
+        with pytest.raises(RendezvousError, match="refused this rank: .*has 1 pipeline stages, this inference job "
+                                                  "expects 2"):
             joining.result(timeout=20)
 
 
-def test_the_file_gather_returns_every_rank_in_order_and_cleans_up(tmp_path):
-    board_dir = str(tmp_path / "session")
-    gathers = [sessions.FileGather(sessions.DirectoryBoard(board_dir, rank=r, timeout_s=20), name="g", index=r, size=3)
-               for r in range(3)]
-    with ThreadPoolExecutor(3) as pool:
-        for round_ in range(1, 5):
-            futures = [pool.submit(g, {"rank": r, "round": round_}) for r, g in enumerate(gathers)]
-            assert all(f.result(timeout=20) == [{"rank": r, "round": round_} for r in range(3)] for f in futures)
-    assert os.listdir(os.path.join(board_dir, "board", "gather", "g")) == ["4"]  # earlier rounds are gone
-    assert sorted(os.listdir(os.path.join(board_dir, "board", "gather", "g", "4"))) == ["0", "1", "2"]
+def test_the_drivers_present_their_models_and_an_engine_serving_another_model_is_refused(tmp_path):
+    """What the two drivers present at the directory session (`files_presentation`, `InferenceWeightSync`'s
+    identity) carries their HF configs' model fields, as at the rendezvous store."""
+    from megatron_sync.drivers.inference_sync import _identity
+    from megatron_sync.drivers.trainer_start import files_presentation
+    from megatron_sync.session.files import presenting
+    from tests.support.models import ModelSpec, hf_config
+
+    config = _config(tmp_path, num_inference_ranks=1, engine_tp_size=1)
+    layout = SimpleNamespace(pp_rank=0, pp=1, is_stage_source=True)
+    trainer_model = hf_config(ModelSpec("qwen3"))
+    engine_model = hf_config(ModelSpec("qwen3")).to_dict()
+    engine_model["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+    trainer = files_presentation(config, layout, DiskDeltaTransport, trainer_model, None)
+    engine = presenting(_identity(config, DiskDeltaTransport, "engine-job", 0, None, "gloo", engine_model),
+                        timeout_s=config.timeout_s)
+    assert trainer.identity.model and "backend" not in trainer.identity.expects
+    with ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(DiskDeltaTransport.connect_inference, config, num_trainer_stages=None,
+                              inference_rank=0, session=engine)
+        with pytest.raises(RendezvousError, match=r"the models differ in rope_parameters.rope_theta: trainer "
+                                                  r"10000.0, this inference job 1000000.0"):
+            DiskDeltaTransport.connect_trainer(config, layout, session=trainer)
+        with pytest.raises(RendezvousError, match="directory session in .* refused this rank: .*models differ"):
+            joining.result(timeout=20)
+
+
+def test_an_inference_job_that_leaves_out_the_trainer_stages_takes_them_from_the_session(tmp_path):
+    run = _Run(_config(tmp_path), stages=2, inference_stages=None)
+    assert [transport.num_stages for transport, _ in run.ranks] == [2, 2]
+    run.make_receivers()
+    run.sync(1, stream_version=1)
+    run.serve_one()
+    _assert_holds(run, 1, 1)
+    run.close()
 
 
 def test_two_pipeline_stages_publish_apart_and_engines_apply_only_versions_both_hold(tmp_path, monkeypatch):

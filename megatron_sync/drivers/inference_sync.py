@@ -28,6 +28,7 @@ from megatron_sync.fleet.engine import Relays, await_link, hello
 from megatron_sync.fleet.membership import link_config
 from megatron_sync.session.board import StoreBoard
 from megatron_sync.session.control import ControlMessage, ControlOp, Report
+from megatron_sync.session.files import presenting
 from megatron_sync.session.rendezvous import Identity, disagreements, expectations
 from megatron_sync.session.secret import SessionSecret
 from megatron_sync.session.session import DIAGNOSE_S, SyncSession
@@ -102,7 +103,8 @@ class InferenceWeightSync:
         transport_cls = None if auto else get_transport(config.transport)
         self.transport = None
         backend = config.resolved_backend(torch.cuda.is_available())
-        identity = _identity(config, transport_cls, job_id, inference_rank, num_trainer_stages, backend, hf_config)
+        identity = self._identity = _identity(config, transport_cls, job_id, inference_rank, num_trainer_stages,
+                                              backend, hf_config)
         meets_at_store = auto or transport_cls.meets_at_store  # auto chooses among transports that do
         if hf_config is None and meets_at_store:
             log.warning("[inference rank %d] no HF config given: the trainer cannot check that this engine's "
@@ -139,7 +141,8 @@ class InferenceWeightSync:
         log.info("transport auto: the trainer chose %s with %g MiB buckets", config.transport, config.bucket_size_mb)
         return transport_cls
 
-    def _connect(self, transport_cls: Any, num_trainer_stages: int, inference_rank: int, driven: bool) -> None:
+    def _connect(self, transport_cls: Any, num_trainer_stages: Optional[int], inference_rank: int,
+                 driven: bool) -> None:
         """Connect the transport (a fleet engine: over its own link, once the trainer opens it), build the
         receiver, and in a fleet say hello and set up relays; then the memory handoff."""
         config, engine = self.config, self.engine
@@ -147,6 +150,8 @@ class InferenceWeightSync:
         keep_together = keep_together_of(get_family(config.require_family()),
                                          [m.name for m in engine.expected_tensors()])
         session, settings = self.session, config
+        if transport_cls.meets_in_files:  # the trainer's directory session: presented where the transport meets
+            session = presenting(self._identity, timeout_s=config.timeout_s, secret=SessionSecret.from_environment())
         if config.fleet:  # this engine's own link, opened by the trainer at a sync boundary
             session = self.session.part(await_link(self.session, config.engine_id, IDLE_TIMEOUT_S))
             settings = link_config(config)
@@ -163,11 +168,14 @@ class InferenceWeightSync:
                                                      rank=inference_rank, ranks=config.engine_tp_size)
         self.handoff = EngineHandoff(engine, self.transport.rank, self.receiver.live_shards, config.metrics_path)
 
-    def _trainer_stages(self, transport_cls: Any) -> int:
+    def _trainer_stages(self, transport_cls: Any) -> Optional[int]:
         """Return the trainer's pipeline stages as its rendezvous host stated them (an inference job need not
-        repeat the trainer's layout); a transport that meets by its own means cannot tell it."""
+        repeat the trainer's layout): None where the transport takes them from its directory session; a
+        transport that meets by its own means cannot tell them."""
+        if transport_cls is not None and transport_cls.meets_in_files:
+            return None
         if self.session is None:
-            raise ValueError(f"transport {transport_cls.name!r} meets through files, not at the trainer's "
+            raise ValueError(f"transport {transport_cls.name!r} meets by its own means, not at the trainer's "
                              "rendezvous: pass num_trainer_stages (the serve job's --trainer-stages), the "
                              "trainer's pipeline-parallel size")
         return int(self.session.host_identity.expects["trainer_stages"])

@@ -246,8 +246,8 @@ def arg_parser(description: str = "megatron-sync inference job (run under torchr
     parser.add_argument("--engine", default="reference", help=f"one of {sorted(ENGINES)}")
     parser.add_argument("--model-dir", required=True, help="HF model directory: config.json [+ *.safetensors]")
     parser.add_argument("--trainer-stages", type=int, default=None,
-                        help="pipeline stages of the trainer job; leave it out (the trainer states it at the "
-                             "rendezvous) except for transport disk_delta, which meets through files")
+                        help="pipeline stages of the trainer job; leave it out: the trainer states it at the "
+                             "rendezvous (disk_delta: in its directory session)")
     parser.add_argument("--config", help="YAML whose weight_sync: section holds the settings (flags override)")
     add_weight_sync_args(parser, defaults=False)
     return parser

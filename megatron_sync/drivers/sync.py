@@ -37,7 +37,9 @@ from megatron_sync.session.secret import SessionSecret
 from megatron_sync.session.session import SyncSession
 
 from megatron_sync.drivers.inference_sync import AppHandler, IDLE_TIMEOUT_S, InferenceWeightSync  # noqa: F401
-from megatron_sync.drivers.trainer_start import build_converter, load_hf_config, open_trainer_session
+from megatron_sync.drivers.trainer_start import (
+    build_converter, files_presentation, load_hf_config, open_trainer_session,
+)
 
 log = logging.getLogger("megatron_sync")
 MiB = 2**20
@@ -169,7 +171,9 @@ class TrainerWeightSync:
                 if transport_cls.trainer_joins(self.layout):
                     if self.session is not None:
                         self.session.wait_ready()
-                    self.transport = transport_cls.connect_trainer(config, self.layout, session=self.session)
+                    meeting = self.session or files_presentation(config, self.layout, transport_cls, hf_config,
+                                                                 self._secret)
+                    self.transport = transport_cls.connect_trainer(config, self.layout, session=meeting)
                 self.sender = transport_cls.make_sender(self.transport, self.stream, config,
                                                         converter.keep_together)
         if config.fleet:  # servers come and go between and during syncs (megatron_sync.fleet.servers)

@@ -15,6 +15,7 @@ from megatron_sync.convert.model_digest import model_digest, model_fields
 from megatron_sync.core.agreement import failing_together
 from megatron_sync.core.grid import ParallelLayout
 from megatron_sync.core.meta import dtype_from_name
+from megatron_sync.session.files import FileRendezvous, presenting
 from megatron_sync.session.rendezvous import Identity, expectations
 from megatron_sync.session.secret import SessionSecret
 from megatron_sync.session.session import SyncSession, new_session_id
@@ -47,6 +48,29 @@ def build_converter(config: WeightSyncConfig, hf_config: Any = None) -> Any:
                          draft=config.draft == "sync")
 
 
+def trainer_identity(config: WeightSyncConfig, layout: ParallelLayout, transport_cls: Any, hf_config: Any, *,
+                     job: str, member: int, session: Optional[str]) -> Identity:
+    """Return what a trainer rank presents at the session: its settings (`expectations`) and its model."""
+    if hf_config is None:
+        log.warning("no HF config (a converter was passed without hf_config=): the rendezvous cannot compare "
+                    "the engines' model-defining config fields with the trainer's")
+    return Identity(job=job, role="trainer", member=member, session=session,
+                    expects=expectations(config, trainer_stages=layout.pp, shares=transport_cls.shares,
+                                         backend=config.resolved_backend(torch.cuda.is_available())),
+                    model=model_fields(hf_config) if hf_config is not None else None)
+
+
+def files_presentation(config: WeightSyncConfig, layout: ParallelLayout, transport_cls: Any, hf_config: Any,
+                       secret: Optional[SessionSecret]) -> Optional[FileRendezvous]:
+    """Return what this trainer rank presents at a directory session (`Transport.meets_in_files`), else None.
+    Only stage 0's source hosts one; the job is named by a fresh id, as no other rank of it presents."""
+    if not transport_cls.meets_in_files:
+        return None
+    identity = trainer_identity(config, layout, transport_cls, hf_config, job=f"trainer-{uuid.uuid4().hex[:8]}",
+                                member=0, session=config.run_id)
+    return presenting(identity, timeout_s=config.timeout_s, secret=secret)
+
+
 def open_trainer_session(config: WeightSyncConfig, layout: ParallelLayout, transport_cls: Any, hf_config: Any,
                          gather: Callable[[Any], list], secret: Optional[SessionSecret],
                          opened: Callable[[SyncSession], None]) -> None:
@@ -58,14 +82,8 @@ def open_trainer_session(config: WeightSyncConfig, layout: ParallelLayout, trans
     roster = gather({"joins": joins, "token": token, "session": config.run_id or new_session_id()})
     members = [entry["token"] for entry in roster if entry["joins"]]
     me = members.index(token) if joins else None
-    backend = config.resolved_backend(torch.cuda.is_available())
-    identity = Identity(job=f"trainer-{roster[0]['token'][:8]}", role="trainer", member=me if me is not None else -1,
-                        expects=expectations(config, trainer_stages=layout.pp, backend=backend,
-                                             shares=transport_cls.shares),
-                        model=model_fields(hf_config) if hf_config is not None else None, session=roster[0]["session"])
-    if hf_config is None:
-        log.warning("no HF config (a converter was passed without hf_config=): the rendezvous cannot compare "
-                    "the engines' model-defining config fields with the trainer's")
+    identity = trainer_identity(config, layout, transport_cls, hf_config, job=f"trainer-{roster[0]['token'][:8]}",
+                                member=me if me is not None else -1, session=roster[0]["session"])
     where = (config.master_address, config.master_port)
     with failing_together("hosting the sync session", gather):
         if me == 0:

@@ -7,7 +7,7 @@ notices and windows (`transports/p2p`), the ipc data path's keys, and disk delta
 - `WaitingBoard`: over a store connection of its own, blocking in the store's wait (about 0.1 ms to see a
   key; one per waiting thread), naming a colocated peer that dies while it waits;
 - `CountingBoard`: a `StoreBoard` that counts the bytes its messages carry;
-- `DirectoryBoard` (`transports/disk_delta/session.py`): files in the shared directory.
+- `DirectoryBoard` (`files.py`): files in a shared directory (a directory session's board).
 """
 
 from __future__ import annotations

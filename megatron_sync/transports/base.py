@@ -91,8 +91,12 @@ class Transport(abc.ABC):
     name: ClassVar[str]
     meets_at_store: ClassVar[bool] = True
     """True: the two jobs meet at weight_sync.master_address:master_port, where the drivers host and join a
-    sync session (the join handshake, `transport/session.py`) and pass it, ready, as `session=`. False: the
-    transport meets by its own means (disk_delta: files in the shared directory) and gets `session=None`."""
+    sync session (the join handshake, `session/session.py`) and pass it, ready, as `session=`. False: the
+    transport meets by its own means (see `meets_in_files`; SGLang: its servers' own update group)."""
+    meets_in_files: ClassVar[bool] = False
+    """True: the jobs meet in a directory session (`session/files.py`: the same join handshake, through files);
+    the drivers pass what this rank presents there (a `FileRendezvous`) as `session=`, and the transport hosts
+    or joins it where its files live (disk_delta: delta_dir/control)."""
     keeps_server_fleet: ClassVar[bool] = False
     """True: with fleet.enabled the engines are driven servers this transport's rank 0 sends to directly, whose
     membership the trainer's leader keeps (`fleet.servers.ServerFleet`); False: a fleet of linked engines

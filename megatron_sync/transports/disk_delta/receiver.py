@@ -44,13 +44,13 @@ from megatron_sync.core.agreement import agree, describe, failures_of
 from megatron_sync.transports.disk_delta.localcopy import read_slot
 from megatron_sync.transports.disk_delta.reader import DeltaReader, StagedVersion
 from megatron_sync.core.wait import clock, poll
-from megatron_sync.transports.disk_delta.session import LIVENESS_EVERY_S, trainer_gone
-from megatron_sync.transports.disk_delta.storedir import failed_versions, published_versions
+from megatron_sync.transports.disk_delta.storedir import failed_versions, published_versions, trainer_gone
 from megatron_sync.engines.base import EngineAdapter
 from megatron_sync.core.errors import SyncAbortedError
 from megatron_sync.core.metrics import PhaseTimer, SyncMetrics
 from megatron_sync.transports.base import Commit, Receiver
 from megatron_sync.session.commit import AgreedCommit
+from megatron_sync.session.files import LIVENESS_EVERY_S
 
 log = logging.getLogger("megatron_sync")
 Gather = Callable[[Any], list]

@@ -20,7 +20,7 @@ import re
 import shutil
 import socket
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import megatron_sync.transports.disk_delta.fsio as fsio
 from megatron_sync.transports.disk_delta.chain import Held, Lease, VersionInfo, versions_to_keep
@@ -39,6 +39,16 @@ _SAFE_READER = re.compile(r"[A-Za-z0-9._-]+")
 def writer_running(root: str) -> bool:
     """True while a writer holds `root`'s writer lock: it lives (a process that exits or dies releases it)."""
     return fsio.lock_held(os.path.join(root, WRITER_LOCK))
+
+
+def trainer_gone(stores: Sequence[str]) -> Optional[str]:
+    """Return why the trainer is gone when a stage's store has no live writer (its process exited or died,
+    which releases the writer lock), else None."""
+    for store in stores:
+        if not writer_running(store):
+            return (f"the trainer is gone: no process holds {os.path.join(store, WRITER_LOCK)} (the "
+                    "trainer's delta writer of that stage exited or was killed)")
+    return None
 
 
 def version_path(root: str, version: int) -> str:

@@ -5,7 +5,7 @@ fast network (or no network path at all). Everything goes through
 `weight_sync.disk_delta.dir`:
 
     <delta_dir>/stage-<s>/   stage s's store: one directory per published version (megatron_sync.transports.disk_delta)
-    <delta_dir>/control/     the session and its control files (megatron_sync.transports.disk_delta.session)
+    <delta_dir>/control/     the directory session and its control files (megatron_sync.session.files)
 
 Trainer: each stage source runs a `DeltaWriter` on its stage's store; `sync(v)`
 converts the stage straight into a writer buffer and returns (the writer
@@ -36,15 +36,17 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
-import megatron_sync.transports.disk_delta.session as sessions
 from megatron_sync.transports.disk_delta.options import writer_options
 from megatron_sync.transports.disk_delta.publish import PublishStats
 from megatron_sync.transports.disk_delta.receiver import DeltaReceiver
 from megatron_sync.transports.disk_delta.sender import DeltaSender
-from megatron_sync.transports.disk_delta.storedir import published_versions
+from megatron_sync.transports.disk_delta.storedir import published_versions, trainer_gone
 from megatron_sync.transports.disk_delta.writer import DeltaWriter
 from megatron_sync.transports.base import Commit, Transport
 from megatron_sync.session.control import ControlChannel, StoreControlChannel
+from megatron_sync.session.files import DirectoryBoard, FileGather, FileRendezvous, liveness_check, presenting
+from megatron_sync.session.rendezvous import Identity, expectations
+from megatron_sync.session.secret import SessionSecret
 
 if TYPE_CHECKING:
     from megatron_sync.settings.config import WeightSyncConfig
@@ -73,6 +75,15 @@ def latest_version(delta_dir: str) -> int:
                 for n in names if n.startswith("stage-")), default=0)
 
 
+def _presentation(config: "WeightSyncConfig", role: str, member: int, *,
+                  trainer_stages: Optional[int]) -> FileRendezvous:
+    """What a rank presents at the directory session when its driver gave nothing: its settings (no model
+    fields: the drivers add them from the HF config) and the session secret of its environment."""
+    expects = expectations(config, trainer_stages=trainer_stages, backend="", shares=DiskDeltaTransport.shares)
+    return presenting(Identity(job="", role=role, member=member, expects=expects, session=config.run_id),
+                      timeout_s=config.timeout_s, secret=SessionSecret.from_environment())
+
+
 class _LeaderOnly(ControlChannel):
     """The control channel of a stage source that is not the leader: only the leader talks to the engines."""
 
@@ -87,10 +98,11 @@ class DiskDeltaTransport(Transport):
 
     name = "disk_delta"
     meets_at_store = False  # the jobs meet through files in delta_dir/control (no network between them)
+    meets_in_files = True  # ... in a directory session (`session.files`): the drivers pass a `FileRendezvous`
 
     def __init__(self, config: "WeightSyncConfig", *, rank: int, num_stages: int, control: ControlChannel,
-                 version_offset: int, gather: Optional[sessions.FileGather] = None,
-                 board: Optional[sessions.DirectoryBoard] = None, writer: Optional["DeltaWriter"] = None) -> None:
+                 version_offset: int, gather: Optional[FileGather] = None,
+                 board: Optional[DirectoryBoard] = None, writer: Optional["DeltaWriter"] = None) -> None:
         self.config, self.rank, self.num_stages = config, rank, num_stages
         self.world_size = num_stages + config.num_inference_ranks
         self.control, self.version_offset = control, version_offset
@@ -102,19 +114,22 @@ class DiskDeltaTransport(Transport):
 
     @classmethod
     def connect_trainer(cls, config: "WeightSyncConfig", layout: "ParallelLayout", *,
-                        session: Any = None) -> "DiskDeltaTransport":
+                        session: Optional[FileRendezvous] = None) -> "DiskDeltaTransport":
+        """Stage `layout.pp_rank`'s source: its writer, and on stage 0 the directory session it hosts (as
+        `session`, the drivers' presentation of the trainer; one built from `config` when None)."""
         # Every stage source reads the same number: no writer of this run has published yet.
         transport = cls(config, rank=layout.pp_rank, num_stages=layout.pp, control=_LeaderOnly(),
                         version_offset=latest_version(config.delta_dir))
         transport.writer = DeltaWriter(stage_store(config.delta_dir, layout.pp_rank), writer_options(config),
                                        on_published=transport._published)
         try:
-            if layout.pp_rank == 0:
-                session = sessions.open_session(
-                    control_dir(config.delta_dir), version_offset=transport.version_offset, num_stages=layout.pp,
-                    num_inference_ranks=config.num_inference_ranks, timeout_s=config.timeout_s)
-                transport.control = StoreControlChannel(
-                    sessions.DirectoryBoard(session.folder, rank=0, timeout_s=config.timeout_s))
+            if layout.pp_rank == 0:  # after taking stage 0's writer lock: this is the directory's only trainer
+                rendezvous = session or _presentation(config, "trainer", 0, trainer_stages=layout.pp)
+                opened = rendezvous.host(control_dir(config.delta_dir),
+                                         members={"trainer": 1, "inference": config.num_inference_ranks},
+                                         details={"version_offset": transport.version_offset})
+                board = DirectoryBoard(opened.folder, rank=0, timeout_s=config.timeout_s)
+                transport.control = StoreControlChannel(board)
         except BaseException:
             transport.close()
             raise
@@ -126,18 +141,20 @@ class DiskDeltaTransport(Transport):
             self._sender.on_published(stats)
 
     @classmethod
-    def connect_inference(cls, config: "WeightSyncConfig", *, num_trainer_stages: int,
-                          inference_rank: int, session: Any = None) -> "DiskDeltaTransport":
-        rank = num_trainer_stages + inference_rank
-        session = sessions.join_session(
-            control_dir(config.delta_dir), inference_rank=inference_rank, num_stages=num_trainer_stages,
-            num_inference_ranks=config.num_inference_ranks, timeout_s=config.timeout_s)
-        stores = [stage_store(config.delta_dir, s) for s in range(num_trainer_stages)]
-        board = sessions.DirectoryBoard(session.folder, rank=rank, timeout_s=config.timeout_s,
-                                        alive=sessions.liveness_check(session, stores))
-        gather = sessions.FileGather(board, name="inference", index=inference_rank, size=config.num_inference_ranks)
-        return cls(config, rank=rank, num_stages=num_trainer_stages, control=StoreControlChannel(board),
-                   version_offset=session.version_offset, gather=gather, board=board)
+    def connect_inference(cls, config: "WeightSyncConfig", *, num_trainer_stages: Optional[int],
+                          inference_rank: int, session: Optional[FileRendezvous] = None) -> "DiskDeltaTransport":
+        """Inference rank `inference_rank`, admitted to the trainer's directory session (presenting `session`, or
+        an identity built from `config` when None); `num_trainer_stages` None takes the trainer's."""
+        rendezvous = session or _presentation(config, "inference", inference_rank, trainer_stages=num_trainer_stages)
+        opened = rendezvous.join(control_dir(config.delta_dir))
+        stages = int(opened.host.expects["trainer_stages"])
+        rank = stages + inference_rank
+        stores = [stage_store(config.delta_dir, s) for s in range(stages)]
+        board = DirectoryBoard(opened.folder, rank=rank, timeout_s=config.timeout_s,
+                               alive=liveness_check(opened, lambda: trainer_gone(stores)))
+        gather = FileGather(board, name="inference", index=inference_rank, size=config.num_inference_ranks)
+        return cls(config, rank=rank, num_stages=stages, control=StoreControlChannel(board),
+                   version_offset=int(opened.details["version_offset"]), gather=gather, board=board)
 
     # ---- the interface
 

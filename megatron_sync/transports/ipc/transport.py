@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from megatron_sync.transports.disk_delta.session import FileGather
+from megatron_sync.session.files import FileGather
 from megatron_sync.core.errors import PeerFailureError
 from megatron_sync.core.meta import TensorMeta
 from megatron_sync.plan.buckets import BucketPlan, SyncPlan
