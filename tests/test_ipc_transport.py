@@ -27,7 +27,7 @@ from megatron_sync.session.rendezvous import Identity
 from megatron_sync.transports.ipc.segments import (
     NAME_PREFIX, SEGMENT_DIR, HostSegment, SegmentInfo, leftover_segments, segment_name,
 )
-from megatron_sync.session.session import SyncSession
+from megatron_sync.session.session import SyncSession, new_session_id
 from tests.support.dist import free_port, run_ranks
 from tests.support.fakes import STAGES, FakeEngine, FakeStream, make_tensor, shard_rule, wire_corruption
 from tests.test_broadcast_sync import version_bound
@@ -99,7 +99,7 @@ def test_ipc_is_a_registered_transport_and_refuses_sglang_engines():
 
 def _session(rank: int, sc: dict) -> SyncSession:
     """Host (rank 0) or join the run's sync session; return it ready."""
-    me = Identity(job="", role="member", member=rank, expects={"world_size": P + N})
+    me = Identity(job="", role="member", member=rank, expects={"world_size": P + N}, session=sc["session"])
     where = ("127.0.0.1", sc["port"])
     session = (SyncSession.host(*where, me, members={"member": P + N}, timeout_s=sc["timeout"]) if rank == 0
                else SyncSession.join(*where, me, timeout_s=sc["timeout"]))
@@ -112,14 +112,15 @@ def _config(sc: dict, bucket: int = BUCKET_BYTES) -> WeightSyncConfig:
                             timeout_s=sc["timeout"], bucket_size_mb=bucket / 2**20)
 
 
-def _resources() -> dict:
-    """What this process holds now: open fds, mappings of ipc segments, resident KiB, /dev/shm names."""
+def _resources(session_id: str) -> dict:
+    """What this process holds now: open fds, mappings of ipc segments, resident KiB, /dev/shm names (of the
+    run's session: tests in the other worker make segments of their own meanwhile)."""
     with open("/proc/self/maps") as f:
         mapped = sum(NAME_PREFIX in line for line in f)
     with open("/proc/self/status") as f:
         rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     return {"fds": len(os.listdir("/proc/self/fd")), "mapped": mapped, "rss_kib": rss,
-            "dev_shm": len(leftover_segments())}
+            "dev_shm": len(leftover_segments(session_id))}
 
 
 def _rank_main(rank: int, sc: dict) -> list:
@@ -169,7 +170,7 @@ def _run_sender(rank: int, transport: IpcTransport, config: WeightSyncConfig, sc
         with version_bound(sc, v, f"stage {rank}'s sync of version {v}"):
             try:
                 metrics = sender.sync(v)
-                log.append((v, "ok", metrics.bytes, metrics.media_bytes, _resources(), metrics.num_buckets))
+                log.append((v, "ok", metrics.bytes, metrics.media_bytes, _resources(sc["session"]), metrics.num_buckets))
             except SyncError as e:
                 log.append((v, type(e).__name__, str(e)))
                 if isinstance(e, PeerFailureError):
@@ -196,7 +197,7 @@ def _run_receiver(rank: int, transport: IpcTransport, config: WeightSyncConfig, 
                 log.append((v, "ok", engine.version, _engine_matches(engine),
                             {"bytes": m.bytes, "copied": m.copied_bytes, "shard": m.shard_bytes,
                              "held": m.held_bytes, "staging": receiver.staging.nbytes, "media": m.media_bytes,
-                             "buckets": m.num_buckets}, _resources()))
+                             "buckets": m.num_buckets}, _resources(sc["session"])))
             except SyncError as e:
                 log.append((v, type(e).__name__, engine.version, _engine_matches(engine), str(e)))
                 if isinstance(e, PeerFailureError):
@@ -205,10 +206,9 @@ def _run_receiver(rank: int, transport: IpcTransport, config: WeightSyncConfig, 
 
 
 def _run(sc: dict, timeout: float = 120.0) -> dict:
-    sc = {"port": free_port(), "timeout": 20.0, **sc}
-    before = set(leftover_segments())
+    sc = {"port": free_port(), "timeout": 20.0, "session": new_session_id(), **sc}
     out = run_ranks(_rank_main, P + N, sc, timeout=timeout, init_group=False)
-    assert set(leftover_segments()) <= before, f"segments left in /dev/shm: {set(leftover_segments()) - before}"
+    assert leftover_segments(sc["session"]) == [], f"segments left in /dev/shm: {leftover_segments(sc['session'])}"
     return out
 
 
@@ -265,7 +265,8 @@ def test_twenty_versions_add_no_segment_handle_mapping_or_memory():
 def test_a_stage_source_killed_mid_handoff_fails_every_survivor_within_timeout(victim):
     """Stage source `victim` is SIGKILLed with its second bucket of version 2 in its slot, unannounced. Every
     survivor reports a dead peer: the session's store went with the victim that hosted it; a victim that did
-    not host it is named by the survivors' watch on their colocated peers (long before timeout_s). The
+    not host it is named by the survivors' watch on their colocated peers (long before timeout_s), unless the
+    store's host, a survivor too, noticed first and left with the store. The
     engines hold version 1 exactly, and nothing is left in /dev/shm (each segment's name went when every
     rank had mapped it)."""
     timeout = 60.0
@@ -273,13 +274,17 @@ def test_a_stage_source_killed_mid_handoff_fails_every_survivor_within_timeout(v
     out = _run({"versions": [1, 2], "timeout": timeout, "ends_within": {2: timeout},
                 "kill_source": {"rank": victim, "version": 2, "bucket": 1}})
     assert out[victim] == ("exited", -signal.SIGKILL), out[victim]
+    messages = []
     for rank in range(P, P + N):
         status, log = out[rank]
         assert status == "ok", (rank, log)
         assert log[0][1:4] == ("ok", 1, True)
         assert log[1][1:4] == ("PeerFailureError", 1, True), log[1]  # still version 1, bit for bit
-        if victim == 1:
-            assert "transport rank 1 (pid" in log[1][4] and "died while this rank waited" in log[1][4], log[1]
+        messages.append(log[1][4])
+    if victim == 1:  # named by a watch; a survivor whose watch came second may find the store's host gone first
+        assert any("transport rank 1 (pid" in m and "died while this rank waited" in m for m in messages), messages
+        assert all("transport rank 1 (pid" in m or "Connection was likely closed" in m or "Connection reset by peer"
+                   in m for m in messages), messages
     survivor = 1 - victim
     status, log = out[survivor]
     assert status == "ok" and len(log) == 2 and log[1][1] == "PeerFailureError", (status, log)
