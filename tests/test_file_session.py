@@ -16,6 +16,7 @@ import pytest
 from megatron_sync.core.errors import PeerFailureError, RendezvousError
 from megatron_sync.core.wait import poll
 from megatron_sync.session import files
+from megatron_sync.session.board import BoardGather
 from megatron_sync.session.rendezvous import Identity
 from megatron_sync.session.secret import SessionSecret
 from tests.support.timing import bounded, scaled
@@ -87,7 +88,7 @@ def test_ranks_of_an_old_session_fail_when_a_new_trainer_opens_one(tmp_path):
         joining = pool.submit(_rendezvous("inference").join, folder)
         old = _host(folder)
         joining.result(timeout=20)
-        board = files.DirectoryBoard(old.folder, rank=1, timeout_s=30, alive=files.liveness_check(old))
+        board = files.directory_board(old.folder, rank=1, timeout_s=30, alive=files.liveness_check(old))
         waiting = pool.submit(board.fetch, "control/1")
         # noticed within about a second (the liveness check), not at the board's 30 s timeout
         with bounded(5, "the old session's waiting rank noticing the new run") as bound:
@@ -143,9 +144,9 @@ def test_a_rank_holding_a_secret_never_presents_to_a_trainer_without_it(tmp_path
     assert os.listdir(os.path.join(files.read_session(folder).folder, "tickets")) == []
 
 
-def test_the_file_gather_returns_every_rank_in_order_and_cleans_up(tmp_path):
+def test_the_gather_over_a_directory_board_returns_every_rank_in_order_and_cleans_up(tmp_path):
     board_dir = str(tmp_path / "session")
-    gathers = [files.FileGather(files.DirectoryBoard(board_dir, rank=r, timeout_s=20), name="g", index=r, size=3)
+    gathers = [BoardGather(files.directory_board(board_dir, rank=r, timeout_s=20), name="g", index=r, size=3)
                for r in range(3)]
     with ThreadPoolExecutor(3) as pool:
         for round_ in range(1, 5):

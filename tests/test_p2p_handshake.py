@@ -33,12 +33,12 @@ def test_a_consumed_report_is_deleted_from_the_store():
 
     import torch.distributed as dist
 
-    from megatron_sync.session.board import StoreBoard
+    from megatron_sync.session.board import store_board
     from tests.support.dist import free_port
 
     store = dist.TCPStore("127.0.0.1", free_port(), None, True, timeout=datetime.timedelta(seconds=10),
                           wait_for_workers=False)
-    board = StoreBoard(store, prefix="p2p_test/", rank=0, timeout_s=5)
+    board = store_board(store, prefix="p2p_test/", rank=0, timeout_s=5)
     board.post("p2p/v1.1/report/0/1", b"{}")
     assert board.fetch("p2p/v1.1/report/0/1") == b"{}"
     board.remove("p2p/v1.1/report/0/1")

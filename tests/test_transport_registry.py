@@ -21,7 +21,7 @@ from megatron_sync.transports import register_transport, transport_names
 from megatron_sync.transports.base import BucketHeader, PendingBucket
 from megatron_sync.transports.buckets.transport import PlanBucketTransport
 from megatron_sync.session.control import StoreControlChannel
-from megatron_sync.session.board import StoreBoard
+from megatron_sync.session.board import Board, store_board
 from tests.support.fakes import shard_of
 
 
@@ -40,7 +40,7 @@ class _Done:
 class _StoreReceive(PendingBucket):
     """A bucket receive that fetches the posted bytes when waited on."""
 
-    def __init__(self, board: StoreBoard, key: str, out: torch.Tensor) -> None:
+    def __init__(self, board: Board, key: str, out: torch.Tensor) -> None:
         self.board, self.key, self.out = board, key, out
         self.header: Optional[BucketHeader] = None
 
@@ -65,7 +65,7 @@ class StoreTransport(PlanBucketTransport):
         world = num_stages + config.num_inference_ranks
         # The drivers hand every transport the sync session both jobs were admitted to; its store is this
         # toy's whole medium (keys under the session's id, so no other session's ranks can meet them).
-        self.board = StoreBoard(session.store, prefix=f"toy/{session.id}/", rank=rank, timeout_s=config.timeout_s)
+        self.board = store_board(session.store, prefix=f"toy/{session.id}/", rank=rank, timeout_s=config.timeout_s)
         self.rank, self.world_size, self.num_stages = rank, world, num_stages
         self.control = StoreControlChannel(self.board)
         self._gathers = 0

@@ -26,7 +26,7 @@ from megatron_sync.engines.handoff import EngineHandoff
 from megatron_sync.engines.serving import GenerationServer
 from megatron_sync.fleet.engine import Relays, await_link, hello
 from megatron_sync.fleet.membership import link_config
-from megatron_sync.session.board import StoreBoard
+from megatron_sync.session.board import store_board
 from megatron_sync.session.control import ControlMessage, ControlOp, Report
 from megatron_sync.session.files import presenting
 from megatron_sync.session.rendezvous import Identity, disagreements, expectations
@@ -161,7 +161,7 @@ class InferenceWeightSync:
         if config.fleet:
             hello(self.transport, self.receiver, relays=not driven)
             if hasattr(self.receiver, "join_fleet") and not driven:  # p2p: engines chain across links
-                self.receiver.join_fleet(StoreBoard(self.session.store, prefix="", rank=inference_rank,
+                self.receiver.join_fleet(store_board(self.session.store, prefix="", rank=inference_rank,
                                                     timeout_s=config.timeout_s),
                                          config.engine_id, self.session.generation)
             self.relays = None if driven else Relays(self.session, self.receiver, self.transport, config,

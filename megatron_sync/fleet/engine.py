@@ -22,7 +22,7 @@ from megatron_sync.fleet.relay import receive_live_set, send_live_set
 from megatron_sync.fleet.membership import OPEN_KEY
 from megatron_sync.core.metrics import SyncMetrics
 from megatron_sync.session.control import ControlMessage
-from megatron_sync.session.board import StoreBoard
+from megatron_sync.session.board import store_board
 
 log = logging.getLogger("megatron_sync")
 
@@ -30,7 +30,7 @@ log = logging.getLogger("megatron_sync")
 def await_link(session: Any, engine: int, idle_timeout_s: float) -> str:
     """Wait (up to `idle_timeout_s`; a trainer gone or silent is noticed within the session's timeout_s) until
     the leader opens this engine's link; return the session part to connect over."""
-    board = StoreBoard(session.store, prefix="", rank=0, timeout_s=session.timeout_s)
+    board = store_board(session.store, prefix="", rank=0, timeout_s=session.timeout_s)
     answer = board.fetch(OPEN_KEY.format(engine=engine, generation=session.generation), timeout_s=idle_timeout_s)
     if answer != b"open":
         raise RendezvousError(f"engine {engine} (generation {session.generation}): the trainer will not link this "

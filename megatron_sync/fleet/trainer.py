@@ -49,7 +49,7 @@ from megatron_sync.transports.buckets.sender import WeightSender
 from megatron_sync.trainer.stream import HFWeightStream
 from megatron_sync.session.commit import sender_rounds
 from megatron_sync.session.control import ControlMessage, ControlOp, Report
-from megatron_sync.session.board import StoreBoard
+from megatron_sync.session.board import store_board
 
 log = logging.getLogger("megatron_sync")
 
@@ -83,7 +83,7 @@ class FleetDriver(Membership):
         self._late_outcomes: dict[int, tuple[str, str, int]] = {}  # engine -> (state, reason, version)
         self._known: set[tuple[int, int]] = set()  # (engine, generation) linked or refused once: never again
         self._rejoining: dict[int, Any] = {}  # driven engine -> its join call under way (leader)
-        self._board = StoreBoard(session.store, prefix="", rank=0, timeout_s=config.timeout_s) \
+        self._board = store_board(session.store, prefix="", rank=0, timeout_s=config.timeout_s) \
             if self.is_leader else None
 
     def sync(self, version: int) -> SyncMetrics:

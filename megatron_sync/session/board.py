@@ -1,166 +1,197 @@
-"""Boards: small control data (keys and values, never weights) that the two jobs post and fetch.
+"""The board: small control data (keys and values, never weights) that the two jobs post and fetch.
 
-One protocol, `Board`, serves every control path: the control channel (`session/control.py`), P2P
-notices and windows (`transports/p2p`), the ipc data path's keys, and disk delta's files. The boards:
+One class, `Board`, serves every control path: the control channel (`session/control.py`), the transport
+group's posts (`group.py`), P2P notices and windows (`transports/p2p`), the ipc data path's keys, a fleet's
+links, and disk delta's files. It posts a value under a key, fetches one (waiting up to a bound and naming
+the key when nothing came), removes a consumed one, counts the bytes its messages carry when asked, and
+words a failure of the medium as the caller's `PeerFailureError`. What differs is where the entries live,
+the board's *medium*:
 
-- `StoreBoard`: over the rendezvous store, polled (a dead host is noticed at once), every call bounded;
-- `WaitingBoard`: over a store connection of its own, blocking in the store's wait (about 0.1 ms to see a
-  key; one per waiting thread), naming a colocated peer that dies while it waits;
-- `CountingBoard`: a `StoreBoard` that counts the bytes its messages carry;
-- `DirectoryBoard` (`files.py`): files in a shared directory (a directory session's board).
+- `PolledStore`: the rendezvous store, polled (a dead host is noticed at once), every call bounded;
+- `WaitingStore`: a store connection of its own, blocking in the store's wait (about 0.1 ms to see a key;
+  one per waiting thread), naming a colocated peer that dies while it waits (`watch`);
+- `Directory` (`files.py`): files in a shared directory.
+
+`BoardGather` is an all-gather of one JSON object per rank over any board.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-from typing import Any, Callable, Optional, Protocol
+import json
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch.distributed as dist
 
 from megatron_sync.core.errors import PeerFailureError, SyncError
-from megatron_sync.core.wait import Deadline, poll
+from megatron_sync.core.wait import Deadline, WaitTimeout, poll
 from megatron_sync.session.liveness import PeerWatch, death_notice
 from megatron_sync.session.store import bounded
 
-
-class Board(Protocol):
-    """Post small control data under a key, fetch it (waiting up to a timeout), remove it once consumed."""
-
-    timeout_s: float
-
-    def post(self, key: str, value: bytes) -> None: ...
-
-    def fetch(self, key: str, timeout_s: Optional[float] = None, *, max_pause_s: float = 0.1) -> bytes: ...
-
-    def remove(self, key: str) -> None: ...
+Failure = Callable[[str, BaseException], PeerFailureError]
 
 
-class StoreBoard:
-    """Small control data over a rendezvous store: `post` a value under a key, `fetch` it (bounded).
+class Medium(Protocol):
+    """Where a board's entries live: raw set / wait / delete under full keys."""
 
-    `fetch` polls rather than blocking in the store, so a store whose host died
-    (the trainer) is noticed at once as a PeerFailureError, and every call is
-    bounded (`store.BoundedStore`), so a host that is stopped or hung is noticed
-    within `timeout_s` as a `StoreSilentError`.
-    """
+    errors: tuple[type[BaseException], ...]  # what its calls raise when the peer or the host failed
 
-    def __init__(self, store: Any, *, prefix: str, rank: int, timeout_s: float,
-                 failure: Optional[Callable[[str, BaseException], PeerFailureError]] = None) -> None:
-        self._store = bounded(store, where="the rendezvous store", timeout_s=timeout_s)
-        self._prefix, self.rank, self.timeout_s = prefix, rank, timeout_s
+    def set(self, key: str, value: bytes) -> None: ...
+
+    def wait(self, key: str, deadline: Deadline, max_pause_s: float) -> Optional[bytes]:
+        """Return the value under `key` once posted, None if nothing was by `deadline`."""
+
+    def delete(self, key: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Board:
+    """Post small control data under a key, fetch it (waiting up to a timeout), remove it once consumed.
+
+    `prefix` is put before every key; `media`, when given, counts the bytes of keys and values under
+    "socket"; `failure` words an error of the medium (default: "[rank r] posting 'k' failed: ...")."""
+
+    def __init__(self, medium: Medium, *, rank: int, timeout_s: float, prefix: str = "",
+                 media: Optional[dict[str, int]] = None, failure: Optional[Failure] = None) -> None:
+        self.medium, self.rank, self.timeout_s, self._prefix, self._media = medium, rank, timeout_s, prefix, media
         self._failure = failure or (lambda op, e: PeerFailureError(f"[rank {rank}] {op} failed: {e}"))
 
     def post(self, key: str, value: bytes) -> None:
         """Publish `value` under `key` (small control data, not weights)."""
-        try:
-            self._store.set(self._prefix + key, value)
-        except SyncError:
-            raise
-        except (RuntimeError, dist.DistStoreError) as e:
-            raise self._failure(f"posting {key!r}", e) from e
+        self._count(key, value)
+        with self._failing(f"posting {key!r}"):
+            self.medium.set(self._prefix + key, value)
 
     def fetch(self, key: str, timeout_s: Optional[float] = None, *, max_pause_s: float = 0.1) -> bytes:
         """Return the value posted under `key`, waiting up to `timeout_s` (None: the board's timeout) and looking
         at least every `max_pause_s` (a wait inside a sync, where each pause is latency, asks for less)."""
-        full_key = self._prefix + key
         limit = self.timeout_s if timeout_s is None else timeout_s
-        deadline = Deadline.after(limit)
-        try:
-            poll(lambda: self._store.check([full_key], bound=deadline.remaining()), within=deadline,
-                 what=f"a value under {key!r}", max_pause_s=max_pause_s, timeout=lambda _: PeerFailureError(
-                     f"[rank {self.rank}] nothing was posted under {key!r} within {limit:g}s"))
-            return self._store.get(full_key, bound=deadline.remaining())
-        except SyncError:
-            raise
-        except (RuntimeError, dist.DistStoreError) as e:
-            raise self._failure(f"waiting for {key!r}", e) from e
+        with self._failing(f"waiting for {key!r}"):
+            value = self.medium.wait(self._prefix + key, Deadline.after(limit), max_pause_s)
+        if value is None:
+            raise PeerFailureError(f"[rank {self.rank}] nothing was posted under {key!r} within {limit:g}s")
+        self._count(key, value)
+        return value
 
     def remove(self, key: str) -> None:
-        """Remove `key` (a consumed value), so per-version keys do not pile up in the store."""
+        """Remove `key` (a consumed value), so per-version keys do not pile up."""
+        self._count(key, b"")
+        with self._failing(f"deleting {key!r}"):
+            self.medium.delete(self._prefix + key)
+
+    def close(self) -> None:
+        self.medium.close()
+
+    def _count(self, key: str, value: bytes) -> None:
+        if self._media is not None:
+            self._media["socket"] += len(key) + len(value)
+
+    @contextlib.contextmanager
+    def _failing(self, op: str) -> Iterator[None]:
         try:
-            self._store.delete_key(self._prefix + key)
+            yield
         except SyncError:
             raise
-        except (RuntimeError, dist.DistStoreError) as e:
-            raise self._failure(f"deleting {key!r}", e) from e
+        except self.medium.errors as e:
+            raise self._failure(op, e) from e
+
+
+class PolledStore:
+    """A board's medium over the rendezvous store, polled rather than blocking in the store, so a store whose
+    host died (the trainer) is noticed at once, and bounded (`store.BoundedStore`), so a host that is stopped
+    or hung is noticed within `timeout_s` as a `StoreSilentError`."""
+
+    errors = (RuntimeError, dist.DistStoreError)
+
+    def __init__(self, store: Any, *, timeout_s: float) -> None:
+        self._store = bounded(store, where="the rendezvous store", timeout_s=timeout_s)
+
+    def set(self, key: str, value: bytes) -> None:
+        self._store.set(key, value)
+
+    def wait(self, key: str, deadline: Deadline, max_pause_s: float) -> Optional[bytes]:
+        try:
+            poll(lambda: self._store.check([key], bound=deadline.remaining()), within=deadline,
+                 what=f"a value under {key!r}", max_pause_s=max_pause_s)
+        except WaitTimeout:
+            return None
+        return self._store.get(key, bound=deadline.remaining())
+
+    def delete(self, key: str) -> None:
+        self._store.delete_key(key)
 
     def close(self) -> None:
         self._store = None
 
 
-class CountingBoard:
-    """A `StoreBoard` (the control channel's) that counts the bytes its messages carry over the socket."""
+class WaitingStore:
+    """A board's medium on a store connection of its own, blocking in the store's own wait, which the store
+    answers the moment the key is set (about 0.1 ms here, where polling adds 5-100 ms to every message), and
+    which fails at once when the store's host is gone. A blocking wait holds its connection, so every thread
+    that waits has its own board, on its own clone of the session's store."""
 
-    def __init__(self, board: StoreBoard, media: dict[str, int]) -> None:
-        self._board, self._media = board, media
-        self.timeout_s = board.timeout_s
+    errors = (RuntimeError, dist.DistError)
 
-    def post(self, key: str, value: bytes) -> None:
-        self._media["socket"] += len(key) + len(value)
-        self._board.post(key, value)
-
-    def fetch(self, key: str, timeout_s: Optional[float] = None, *, max_pause_s: float = 0.1) -> bytes:
-        value = self._board.fetch(key, timeout_s, max_pause_s=max_pause_s)
-        self._media["socket"] += len(key) + len(value)
-        return value
-
-    def remove(self, key: str) -> None:
-        self._media["socket"] += len(key)
-        self._board.remove(key)
-
-    def close(self) -> None:
-        self._board.close()
-
-
-class WaitingBoard:
-    """Post / fetch / remove control keys of the data path on a store connection of its own.
-
-    `fetch` blocks in the store's own wait, which the store answers the moment the key is set
-    (about 0.1 ms here, where `StoreBoard`'s polling adds 5-100 ms to every message), and fails at once
-    when the store's host is gone. A blocking wait holds its connection, so every thread that waits
-    has its own board, on its own clone of the session's store. Bytes (keys and values) are counted.
-    """
-
-    def __init__(self, store: Any, *, prefix: str, timeout_s: float, media: dict[str, int],
-                 failure: Callable[[str, BaseException], PeerFailureError]) -> None:
-        self._store, self._prefix, self.timeout_s = store, prefix, timeout_s
-        self._media, self._failure = media, failure
+    def __init__(self, store: Any) -> None:
+        self._store = store
         self.watch: Optional[PeerWatch] = None  # once set, a peer that dies while we wait is named at once
 
-    def post(self, key: str, value: bytes) -> None:
-        self._media["socket"] += len(key) + len(value)
-        try:
-            self._store.set(self._prefix + key, value)
-        except (RuntimeError, dist.DistError) as e:
-            raise self._failure(f"posting {key!r}", e) from e
+    def set(self, key: str, value: bytes) -> None:
+        self._store.set(key, value)
 
-    def fetch(self, key: str, timeout_s: Optional[float] = None, *, max_pause_s: float = 0.1) -> bytes:
-        """Return the value posted under `key` (`max_pause_s` is moot: the store's own wait answers at once)."""
-        limit = self.timeout_s if timeout_s is None else timeout_s
+    def wait(self, key: str, deadline: Deadline, max_pause_s: float) -> Optional[bytes]:
+        """`max_pause_s` is moot: the store's own wait answers at once."""
         try:
             with self.watch.waiting(key) if self.watch is not None else contextlib.nullcontext():
-                self._store.wait([self._prefix + key], datetime.timedelta(seconds=limit))
-            value = self._store.get(self._prefix + key)
+                self._store.wait([key], datetime.timedelta(seconds=deadline.remaining()))
         except dist.DistStoreError as e:
             if "timeout" not in str(e):
-                raise self._failure(f"waiting for {key!r}", e) from e
-            raise PeerFailureError(f"nothing was posted under {key!r} within {limit:g}s") from e
-        except (RuntimeError, dist.DistError) as e:
-            raise self._failure(f"waiting for {key!r}", e) from e
-        self._media["socket"] += len(key) + len(value)
+                raise
+            return None
+        value = self._store.get(key)
         died = death_notice(value)
         if died is not None:
             raise PeerFailureError(f"{died} died while this rank waited for {key!r}")
         return value
 
-    def remove(self, key: str) -> None:
-        """Delete a consumed key (`FileGather` calls it once every rank read it)."""
-        self._media["socket"] += len(key)
-        try:
-            self._store.delete_key(self._prefix + key)
-        except (RuntimeError, dist.DistError) as e:
-            raise self._failure(f"deleting {key!r}", e) from e
+    def delete(self, key: str) -> None:
+        self._store.delete_key(key)
 
     def close(self) -> None:
         self._store = None
+
+
+def store_board(store: Any, *, prefix: str, rank: int, timeout_s: float, failure: Optional[Failure] = None,
+                media: Optional[dict[str, int]] = None) -> Board:
+    """Return a board over the rendezvous store, polled and bounded (`PolledStore`)."""
+    return Board(PolledStore(store, timeout_s=timeout_s), rank=rank, timeout_s=timeout_s, prefix=prefix,
+                 media=media, failure=failure)
+
+
+def waiting_board(store: Any, *, prefix: str, rank: int, timeout_s: float, media: dict[str, int],
+                  failure: Failure) -> Board:
+    """Return a board blocking in the store's wait on `store`, a connection this thread alone uses
+    (`WaitingStore`); its bytes are counted in `media`."""
+    return Board(WaitingStore(store), rank=rank, timeout_s=timeout_s, prefix=prefix, media=media, failure=failure)
+
+
+class BoardGather:
+    """All-gather of one JSON object per rank among `size` ranks, through a board (rounds numbered in order).
+
+    Each rank posts its object for round r and reads everybody's. Once a rank finished round r,
+    every rank has posted r, hence finished reading r - 1: the rank then removes its post of r - 1.
+    """
+
+    def __init__(self, board: Board, *, name: str, index: int, size: int) -> None:
+        self.board, self.name, self.index, self.size = board, name, index, size
+        self._round = 0
+
+    def __call__(self, obj: Any) -> list[Any]:
+        self._round += 1
+        self.board.post(f"gather/{self.name}/{self._round}/{self.index}", json.dumps(obj).encode())
+        values = [json.loads(self.board.fetch(f"gather/{self.name}/{self._round}/{r}")) for r in range(self.size)]
+        if self._round > 1:
+            self.board.remove(f"gather/{self.name}/{self._round - 1}/{self.index}")
+        return values

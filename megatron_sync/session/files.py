@@ -14,7 +14,7 @@ refusals worded the same way, the same secret proofs. Only the medium differs:
         tickets/<name>         a rank's presented identity (name: role-member-nonce, fresh per presentation)
         answers/<name>         the host's `Decision` on it
         ready | failed         every rank was admitted / why the session failed (quoted by every waiting rank)
-        board/...              `DirectoryBoard` keys: the control channel, reports, gathers
+        board/...              its board's keys (`Directory`): the control channel, reports, gathers
 
 A rank proceeds only on an answer to its own fresh ticket, so a session left
 over by an earlier run is never mistaken for the live one; when the live
@@ -41,7 +41,8 @@ import tempfile
 from typing import Any, Callable, Mapping, Optional
 
 from megatron_sync.core.errors import PeerFailureError, RendezvousError
-from megatron_sync.core.wait import Deadline, clock, poll
+from megatron_sync.core.wait import Deadline, WaitTimeout, clock, poll
+from megatron_sync.session.board import Board
 from megatron_sync.session.rendezvous import Admission, Decision, Identity, host_unproven, signed
 from megatron_sync.session.secret import SessionSecret, new_nonce
 from megatron_sync.session.session import new_session_id
@@ -282,29 +283,25 @@ def liveness_check(session: FileSession, gone: Callable[[], Optional[str]] = lam
     return check
 
 
-class DirectoryBoard:
-    """`post` / `fetch` small control data as files under `folder` (the `board.Board` protocol, over a directory).
+class Directory:
+    """A board's medium (`board.Board`) over files under `folder`/board: a key is a relative path, a value a
+    file written by rename. `alive`, when given, is called about once a second while a fetch waits, and
+    raises when the peer that should post is known to be gone."""
 
-    `alive`, when given, is called about once a second while `fetch` waits, and raises when the
-    peer that should post is known to be gone.
-    """
+    errors: tuple[type[BaseException], ...] = ()  # a file system's errors are the caller's to see as they are
 
-    def __init__(self, folder: str, *, rank: int, timeout_s: float, alive: Optional[Callable[[], None]] = None):
-        self.folder, self.rank, self.timeout_s, self._alive = folder, rank, timeout_s, alive
+    def __init__(self, folder: str, alive: Optional[Callable[[], None]] = None) -> None:
+        self.folder, self._alive = folder, alive
 
     def _path(self, key: str) -> str:
         parts = key.split("/")
         assert all(_KEY_PART.fullmatch(p) for p in parts), f"control key {key!r} is not a safe relative path"
         return os.path.join(self.folder, "board", *parts)
 
-    def post(self, key: str, value: bytes) -> None:
-        """Publish `value` under `key` (atomic: readers see all of it or nothing)."""
+    def set(self, key: str, value: bytes) -> None:
         _post(self._path(key), value)
 
-    def fetch(self, key: str, timeout_s: Optional[float] = None, *, max_pause_s: float = 0.1) -> bytes:
-        """Return the value posted under `key`, waiting up to `timeout_s` (None: the board's timeout), looking at
-        least every `max_pause_s`."""
-        limit = self.timeout_s if timeout_s is None else timeout_s
+    def wait(self, key: str, deadline: Deadline, max_pause_s: float) -> Optional[bytes]:
         path, checked = self._path(key), [clock().now()]
 
         def posted() -> Optional[bytes]:
@@ -314,12 +311,13 @@ class DirectoryBoard:
                 checked[0] = clock().now()
             return value
 
-        return poll(posted, within=limit, what=f"a value under {path}", max_pause_s=max_pause_s,
-                    timeout=lambda _: PeerFailureError(f"[rank {self.rank}] nothing was posted under {path} within "
-                                                       f"{limit:g}s"))
+        try:
+            return poll(posted, within=deadline, what=f"a value under {path}", max_pause_s=max_pause_s)
+        except WaitTimeout:
+            return None
 
-    def remove(self, key: str) -> None:
-        """Delete what was posted under `key` (once every reader has read it), and its folder once empty."""
+    def delete(self, key: str) -> None:
+        """Delete what was posted under `key`, and its folder once empty."""
         path = self._path(key)
         try:
             os.unlink(path)
@@ -331,21 +329,6 @@ class DirectoryBoard:
         self._alive = None
 
 
-class FileGather:
-    """All-gather of one JSON object per rank among `size` ranks, through a board (rounds numbered in order).
-
-    Each rank posts its object for round r and reads everybody's. Once a rank finished round r,
-    every rank has posted r, hence finished reading r - 1: the rank then deletes its post of r - 1.
-    """
-
-    def __init__(self, board: DirectoryBoard, *, name: str, index: int, size: int) -> None:
-        self.board, self.name, self.index, self.size = board, name, index, size
-        self._round = 0
-
-    def __call__(self, obj: Any) -> list[Any]:
-        self._round += 1
-        self.board.post(f"gather/{self.name}/{self._round}/{self.index}", json.dumps(obj).encode())
-        values = [json.loads(self.board.fetch(f"gather/{self.name}/{self._round}/{r}")) for r in range(self.size)]
-        if self._round > 1:
-            self.board.remove(f"gather/{self.name}/{self._round - 1}/{self.index}")
-        return values
+def directory_board(folder: str, *, rank: int, timeout_s: float, alive: Optional[Callable[[], None]] = None) -> Board:
+    """Return a board over files in `folder` (`Directory`)."""
+    return Board(Directory(folder, alive), rank=rank, timeout_s=timeout_s)

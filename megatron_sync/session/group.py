@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron_sync.core.errors import PeerFailureError
 from megatron_sync.session.rendezvous import Identity
 from megatron_sync.session.session import SyncSession
-from megatron_sync.session.board import StoreBoard
+from megatron_sync.session.board import store_board
 
 
 class TransportGroup:
@@ -35,7 +35,7 @@ class TransportGroup:
         self.rank, self.world_size = rank, world_size
         self.backend, self.timeout_s, self.group_name = backend, timeout_s, group_name
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        self.board = StoreBoard(store, prefix=f"{group_name}/post/", rank=rank, timeout_s=timeout_s,
+        self.board = store_board(store, prefix=f"{group_name}/post/", rank=rank, timeout_s=timeout_s,
                                 failure=self._fail)
         self._owned_session: Any = None
 

@@ -85,11 +85,12 @@ class ProcessId:
 class PeerWatch:
     """Watches `peers` (transport rank -> ProcessId) while this process waits; see the module doc.
 
-    `store` is a connection of the watch's own; `prefix` the waiting boards' key prefix.
+    `store` is a connection of the watch's own; the keys waited for are full store keys (a board's prefix
+    included: `board.WaitingStore` passes them so).
     """
 
-    def __init__(self, store: Any, prefix: str, peers: Mapping[int, ProcessId]) -> None:
-        self._store, self._prefix = store, prefix
+    def __init__(self, store: Any, peers: Mapping[int, ProcessId]) -> None:
+        self._store = store
         self._peers = {rank: p for rank, p in peers.items() if p.visible_here() and p.pid != os.getpid()}
         self._waiting: dict[int, str] = {}  # thread ident -> the key it waits for
         self._lock = threading.Lock()
@@ -121,7 +122,7 @@ class PeerWatch:
             notice = DEATH_NOTICE + f"transport rank {dead[0]} (pid {dead[1].pid})".encode()
             try:
                 for key in keys:
-                    self._store.compare_set(self._prefix + key, "", notice)
+                    self._store.compare_set(key, "", notice)
             except RuntimeError:
                 return  # the store is gone too: the waiter learns it from its own connection
 

@@ -15,7 +15,7 @@ local copy under `weight_sync.disk_delta.local_dir`; every rank loads its shards
 from it (see `megatron_sync.transports.disk_delta.receiver`).
 
 Control needs no network either. The leader's control channel is the usual
-`StoreControlChannel`, over a `DirectoryBoard` (files in delta_dir/control)
+`StoreControlChannel`, over a board of files in delta_dir/control (`session.files.Directory`)
 instead of a TCP store; the inference ranks' agreement rounds are an
 all-gather over files too. The trainer and the engines never agree with each
 other during a sync: the trainer does not wait for the engines, so the
@@ -44,7 +44,8 @@ from megatron_sync.transports.disk_delta.storedir import published_versions, tra
 from megatron_sync.transports.disk_delta.writer import DeltaWriter
 from megatron_sync.transports.base import Commit, Transport
 from megatron_sync.session.control import ControlChannel, StoreControlChannel
-from megatron_sync.session.files import DirectoryBoard, FileGather, FileRendezvous, liveness_check, presenting
+from megatron_sync.session.board import Board, BoardGather
+from megatron_sync.session.files import FileRendezvous, directory_board, liveness_check, presenting
 from megatron_sync.session.rendezvous import Identity, expectations
 from megatron_sync.session.secret import SessionSecret
 
@@ -101,8 +102,8 @@ class DiskDeltaTransport(Transport):
     meets_in_files = True  # ... in a directory session (`session.files`): the drivers pass a `FileRendezvous`
 
     def __init__(self, config: "WeightSyncConfig", *, rank: int, num_stages: int, control: ControlChannel,
-                 version_offset: int, gather: Optional[FileGather] = None,
-                 board: Optional[DirectoryBoard] = None, writer: Optional["DeltaWriter"] = None) -> None:
+                 version_offset: int, gather: Optional[BoardGather] = None,
+                 board: Optional[Board] = None, writer: Optional["DeltaWriter"] = None) -> None:
         self.config, self.rank, self.num_stages = config, rank, num_stages
         self.world_size = num_stages + config.num_inference_ranks
         self.control, self.version_offset = control, version_offset
@@ -128,7 +129,7 @@ class DiskDeltaTransport(Transport):
                 opened = rendezvous.host(control_dir(config.delta_dir),
                                          members={"trainer": 1, "inference": config.num_inference_ranks},
                                          details={"version_offset": transport.version_offset})
-                board = DirectoryBoard(opened.folder, rank=0, timeout_s=config.timeout_s)
+                board = directory_board(opened.folder, rank=0, timeout_s=config.timeout_s)
                 transport.control = StoreControlChannel(board)
         except BaseException:
             transport.close()
@@ -150,9 +151,9 @@ class DiskDeltaTransport(Transport):
         stages = int(opened.host.expects["trainer_stages"])
         rank = stages + inference_rank
         stores = [stage_store(config.delta_dir, s) for s in range(stages)]
-        board = DirectoryBoard(opened.folder, rank=rank, timeout_s=config.timeout_s,
-                               alive=liveness_check(opened, lambda: trainer_gone(stores)))
-        gather = FileGather(board, name="inference", index=inference_rank, size=config.num_inference_ranks)
+        board = directory_board(opened.folder, rank=rank, timeout_s=config.timeout_s,
+                                alive=liveness_check(opened, lambda: trainer_gone(stores)))
+        gather = BoardGather(board, name="inference", index=inference_rank, size=config.num_inference_ranks)
         return cls(config, rank=rank, num_stages=stages, control=StoreControlChannel(board),
                    version_offset=int(opened.details["version_offset"]), gather=gather, board=board)
 

@@ -24,7 +24,7 @@ byte over a socket:
 
 The plan handshake, the per-bucket checksums, the two commit rounds and the
 session handshake are the same as every bucket transport's: agreement rounds
-are all-gathers over the store (`FileGather` over this board). The bytes each
+are all-gathers over the store (`BoardGather` over this board). The bytes each
 rank moved through shared memory and through the store (keys and values of
 every control message) are counted per sync in `SyncMetrics.media_bytes`.
 
@@ -49,14 +49,13 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from megatron_sync.session.files import FileGather
 from megatron_sync.core.errors import PeerFailureError
 from megatron_sync.core.meta import TensorMeta
 from megatron_sync.plan.buckets import BucketPlan, SyncPlan
 from megatron_sync.transports.base import BucketHeader, PendingBucket, Receiver, Sender, Transport
 from megatron_sync.transports.buckets.transport import PlanBucketTransport
 from megatron_sync.session.control import StoreControlChannel
-from megatron_sync.session.board import CountingBoard, StoreBoard, WaitingBoard
+from megatron_sync.session.board import Board, BoardGather, WaitingStore, store_board, waiting_board
 from megatron_sync.session.liveness import PeerWatch, ProcessId
 from megatron_sync.transports.ipc.segments import (
     SLOTS, CudaSegment, HostSegment, Segment, SegmentInfo, segment_name, slot_bytes_for, unlink_session_segments,
@@ -103,23 +102,23 @@ class IpcTransport(PlanBucketTransport):
         self._worker_media = {"shm": 0, "socket": 0}  # counted by a source's worker thread
         prefix = f"ipc/{session.id}/"
         # Control messages poll the session's own connection (an idle engine waits there for hours); the data
-        # path and the agreement rounds wait on connections of their own (`WaitingBoard`).
-        self.control = StoreControlChannel(CountingBoard(StoreBoard(
-            session.store, prefix=prefix, rank=rank, timeout_s=config.timeout_s, failure=self._fail), self.media))
+        # path and the agreement rounds wait on connections of their own (`board.WaitingStore`).
+        self.control = StoreControlChannel(store_board(session.store, prefix=prefix, rank=rank,
+                                                       timeout_s=config.timeout_s, failure=self._fail, media=self.media))
         self._store = session.store.raw  # each thread's board waits on a connection of its own (`clone`)
         self.board = self._board_for_this_thread()
-        self._gather = FileGather(self.board, name="all", index=rank, size=self.world_size)
+        self._gather = BoardGather(self.board, name="all", index=rank, size=self.world_size)
         self.segments: dict[int, Segment] = {}  # stage -> its segment (a source: its own)
         self._sent = 0  # own buckets handed over so far (the next one's sequence number)
         self._asked = [0] * num_stages  # per stage, buckets this inference rank asked for so far
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._worker_board: Optional[WaitingBoard] = None
+        self._worker_board: Optional[Board] = None
         self._watch: Optional[PeerWatch] = None
         self.board.post(f"process/{rank}", ProcessId.mine().to_bytes())
 
-    def _board_for_this_thread(self, media: Optional[dict[str, int]] = None) -> WaitingBoard:
-        return WaitingBoard(self._store.clone(), prefix=f"ipc/{self.session_id}/", timeout_s=self.timeout_s,
-                            media=self.media if media is None else media, failure=self._fail)
+    def _board_for_this_thread(self, media: Optional[dict[str, int]] = None) -> Board:
+        return waiting_board(self._store.clone(), prefix=f"ipc/{self.session_id}/", rank=self.rank,
+                             timeout_s=self.timeout_s, media=self.media if media is None else media, failure=self._fail)
 
     def _fail(self, op: str, error: BaseException) -> PeerFailureError:
         return PeerFailureError(f"[transport rank {self.rank}] {op} on the ipc transport's store failed or timed out "
@@ -176,10 +175,10 @@ class IpcTransport(PlanBucketTransport):
             self.agree(error, what="mapping the ipc transport's shared segments")
         finally:
             self._unlink_all()
-        self._watch = PeerWatch(self._store.clone(), f"ipc/{self.session_id}/", peers)
+        self._watch = PeerWatch(self._store.clone(), peers)
         for board in (self.board, self._worker_board):
-            if board is not None:
-                board.watch = self._watch
+            if board is not None and isinstance(board.medium, WaitingStore):
+                board.medium.watch = self._watch
 
     def _create_own(self, plan: SyncPlan) -> None:
         own = [b.nbytes for b in plan.buckets if b.stage == self.rank]

@@ -38,7 +38,7 @@ from megatron_sync.transports.p2p.sender import P2PSender
 from megatron_sync.trainer.stream import MegatronWeightStream
 from megatron_sync.transports.base import Commit, Receiver, Sender, Transport
 from megatron_sync.session.control import StoreControlChannel
-from megatron_sync.session.board import StoreBoard
+from megatron_sync.session.board import Board, store_board
 from megatron_sync.session.group import TransportGroup, transport_group_over
 
 if TYPE_CHECKING:
@@ -95,9 +95,9 @@ def _needs(session: Optional["SyncSession"]) -> "SyncSession":
     return session
 
 
-def _sizes(session: "SyncSession", rank: int, timeout_s: float) -> StoreBoard:
+def _sizes(session: "SyncSession", rank: int, timeout_s: float) -> Board:
     """Return the session's board for the group's sizes (keys under the session's own prefix)."""
-    return StoreBoard(session.store, prefix=f"{GROUP_NAME}/{session.id}/sizes/", rank=rank, timeout_s=timeout_s)
+    return store_board(session.store, prefix=f"{GROUP_NAME}/{session.id}/sizes/", rank=rank, timeout_s=timeout_s)
 
 
 def _group(config: "WeightSyncConfig", session: "SyncSession", trainers: int, rank: int) -> TransportGroup:
