@@ -56,13 +56,14 @@ def test_one_torchrun_job_trains_and_serves_taking_turns_over_ipc(tmp_path):
     from tests.test_launch import _model_dir
 
     model_dir = _model_dir(tmp_path / "model", "qwen3")
+    run_id = f"colocate-{os.urandom(4).hex()}"
     config = tmp_path / "train.yaml"
     config.write_text(yaml.safe_dump({"weight_sync": {
         "family": "qwen3", "hf_config_path": os.path.join(model_dir, "config.json"), "dtype": "float32",
         "master_port": free_port(), "num_inference_ranks": 1, "engine_tp_size": 1, "timeout_s": 60,
         "bucket_size_mb": 0.5, "transport": "ipc", "metrics_path": str(tmp_path / "metrics.jsonl"),
+        "run_id": run_id,  # the session's id: its segments are told from other tests' running meanwhile
     }}))
-    before = set(leftover_segments())
     env = {**os.environ, "PYTHON": sys.executable, "NTRAIN": "1", "NSERVE": "1", "MASTER_PORT": str(free_port()),
            "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
@@ -78,4 +79,4 @@ def test_one_torchrun_job_trains_and_serves_taking_turns_over_ipc(tmp_path):
     assert len(handoffs) == 2 and all("engine-handoff 1 release" in h and "engine-handoff 1 restore" in h
                                       and "trainer-handoff 0 release" in h for h in handoffs), handoffs
     assert "trainer-handoff 0 restore" in handoffs[1]  # the grads it gave up for the first sync came back
-    assert set(leftover_segments()) <= before
+    assert leftover_segments(run_id) == [] and f"session {run_id}" in out  # the segments were the session's

@@ -151,12 +151,12 @@ def test_engine_rank_dying_mid_sync_fails_the_trainer_and_leaves_survivors_on_th
 
     timeout_s = 10
     path, job = _write_job(tmp_path, "demo_qwen3_moe_ep2.yaml")
-    segments_before = set(leftover_segments())
+    run_id = f"e2e-{os.urandom(4).hex()}"  # the session's id: its segments, not other tests' running meanwhile
     # the trainer names the failure instead of hanging: the run ends long before its own time limit
     done = _run_demo(path, "--weight-sync-timeout-s", str(timeout_s), "--test-exit-during-version", "2",
-                     "--weight-sync-transport", transport, time_limit=120 + timeout_s)
-    assert set(leftover_segments()) <= segments_before, "a shared-memory segment outlived the run"
+                     "--weight-sync-transport", transport, "--weight-sync-run-id", run_id, time_limit=120 + timeout_s)
     output = done.stdout + done.stderr
+    assert leftover_segments(run_id) == [] and f"session {run_id}" in output, "a shared-memory segment outlived the run"
     assert done.returncode != 0
     assert "fault injection: exiting while receiving version 2" in output
     # The trainer names the failure and the transport ranks it expected, instead of hanging.
