@@ -45,7 +45,7 @@ from megatron_sync.core.wait import Deadline, WaitTimeout, clock, poll
 from megatron_sync.session.board import Board
 from megatron_sync.session.rendezvous import Admission, Decision, Identity, host_unproven, signed
 from megatron_sync.session.secret import SessionSecret, new_nonce
-from megatron_sync.session.session import new_session_id
+from megatron_sync.session.session import log_decision, new_session_id
 
 log = logging.getLogger("megatron_sync")
 
@@ -189,10 +189,7 @@ def _answer(admission: Admission, session: FileSession, name: str) -> Decision:
     except (ValueError, TypeError) as e:  # not a megatron-sync rank: refused, and the session goes on
         return Decision(False, f"ticket {name} is not a rank's identity: {e}")
     decision = admission.decide(joiner)
-    if decision.accepted:
-        log.info("session %s: accepted %s", session.id, joiner.describe())
-    else:
-        log.warning("session %s refused %s: %s", session.id, joiner.describe(), decision.reason)
+    log_decision(session.id, joiner, decision)
     return decision
 
 

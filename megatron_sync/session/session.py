@@ -50,6 +50,14 @@ DIAGNOSE_S = 2.0  # how long `host_state` waits for the host to answer (a live s
 ANSWER_EVERY_S = 0.05  # how often the host looks for new join tickets
 
 
+def log_decision(session_id: str, identity: Identity, decision: Decision) -> None:
+    """Log a host's answer to a joining rank (either medium's host: the store's, the directory's)."""
+    if decision.accepted:
+        log.info("session %s: accepted %s", session_id, identity.describe())
+    else:
+        log.warning("session %s refused %s: %s", session_id, identity.describe(), decision.reason)
+
+
 def new_session_id() -> str:
     """Return a fresh session id: sortable by time, unique by a random suffix."""
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
@@ -170,10 +178,7 @@ class SyncSession:
         self._replied += 1
         if decision.fatal and failure == decision.reason:
             store.set("rdzv/failed", failure.encode())
-        if decision.accepted:
-            log.info("session %s: accepted %s", self.id, identity.describe())
-        else:
-            log.warning("session %s refused %s: %s", self.id, identity.describe(), decision.reason)
+        log_decision(self.id, identity, decision)
 
     # ---- joining ----
 

@@ -58,26 +58,21 @@ def write_json_atomic(path: str, obj: Any) -> None:
     write_atomic(path, json.dumps(obj, indent=1, sort_keys=True).encode())
 
 
-def write_atomic(path: str, data: bytes, *, durable: bool = True) -> None:
-    """Replace `path` with `data` atomically (temporary file + rename); `durable` also fsyncs file and directory.
-
-    Without `durable` the file is visible complete or not at all, but may be lost in a machine crash
-    (fine for control messages, which are meaningless after a crash).
-    """
+def write_atomic(path: str, data: bytes) -> None:
+    """Replace `path` with `data` atomically and durably: a temporary file, fsynced, renamed, and the directory
+    fsynced. (Control messages, which need no durability, are written by `megatron_sync.session.files`.)"""
     tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         write_all(fd, data, tmp)
-        if durable:
-            os.fsync(fd)
+        os.fsync(fd)
     except BaseException:
         os.close(fd)
         os.unlink(tmp)
         raise
     os.close(fd)
     os.replace(tmp, path)
-    if durable:
-        fsync_path(os.path.dirname(os.path.abspath(path)))
+    fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
 def publish_dir(tmp_dir: str, final_dir: str) -> None:
