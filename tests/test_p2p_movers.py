@@ -8,7 +8,8 @@ torch.distributed over gloo) moves one version; every receiver then checks its s
 tensors, that no byte outside its placements changed, and the bytes counted against its shard bytes; the
 trainer ranks' egress is one copy per layout. Once with the staging set as the window, once with bounded
 windows and arenas (rounds, releases, arena reuse). Faults: a corrupted piece, a sender failing mid-walk, a
-sender that stays silent: every receiver waiting for it raises a clear error within its bound.
+sender that stays silent: every receiver waiting for it raises a clear error within its bound. A relay
+corrupted on its way between two ranks of one engine is caught by the rank it lands in.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _send(rank, planned, mover, notices, fault=None):
     return {"sent": writer.write_version(tensors(), notices, {}).nbytes}
 
 
-def _receive(index, planned, mover, notices):
+def _receive(index, planned, mover, notices, corrupting=False):
     from megatron_sync.transports.p2p.notices import receiver
     from megatron_sync.transports.p2p.rounds import RoundReceiver
 
@@ -89,13 +90,15 @@ def _receive(index, planned, mover, notices):
     window = mover.alloc(schedule.window_bytes(index)) if bounded_window else staging
     mover.expose(receiver(index), window)
     rounds = RoundReceiver(schedule, index, mover, window, algorithm="xxh3", timeout_s=RECEIVE_TIMEOUT_S)
+    if corrupting:  # what this rank writes (its relays, its forwards) arrives with a byte flipped
+        rounds.mover = _CorruptingOnTheWire(mover)
     notices.board.post(f"exposed/{notices.version}/{index}", b"1")  # every window is up before anyone writes
     stats = rounds.receive_version(notices, staging, 0, 0)
     return {"wrong": misplaced(layout, staging, specs), "clean": untouched_outside_placements(layout, staging),
             "received": stats.nbytes, "forwarded": stats.forwarded, "shard_bytes": layout.shard_bytes}
 
 
-def _one_version(rank, world, planned, backend, group, version, fault=None):
+def _one_version(rank, world, planned, backend, group, version, fault=None, corrupting=None):
     from megatron_sync.transports.p2p.notices import Notices
 
     mover = _mover(backend, group, world)
@@ -105,7 +108,7 @@ def _one_version(rank, world, planned, backend, group, version, fault=None):
             for index in range(world - SENDERS):
                 group.board.fetch(f"exposed/{version}/{index}", 60)
             return _send(rank, planned, mover, notices, fault if rank == 0 else None)
-        return _receive(rank - SENDERS, planned, mover, notices)
+        return _receive(rank - SENDERS, planned, mover, notices, rank - SENDERS == corrupting)
     finally:
         _store_barrier(group, rank, world, f"end/{version}")  # nobody closes a window someone still writes
         mover.close()
@@ -175,6 +178,57 @@ class _Corrupting:
     def write(self, target, memory, spans):
         memory[spans[0].src] ^= 0xFF
         return self._mover.write(target, memory, spans)
+
+
+class _CorruptingOnTheWire:
+    """A mover whose writes arrive with the first byte of every batch flipped; the memory written from keeps
+    its bytes (flipped back once the write completed)."""
+
+    def __init__(self, mover):
+        self._mover = mover
+
+    def __getattr__(self, name):
+        return getattr(self._mover, name)
+
+    def write(self, target, memory, spans):
+        from megatron_sync.transports.p2p.movers import Done
+
+        memory[spans[0].src] ^= 0xFF
+        try:
+            self._mover.write(target, memory, spans).wait(RECEIVE_TIMEOUT_S)
+        finally:
+            memory[spans[0].src] ^= 0xFF
+        return Done()
+
+
+def _corrupt_relays(rank, world, port, planned, owner):
+    """One version in which inference rank `owner` relays (and forwards) with a byte flipped on the wire."""
+    from megatron_sync.core.errors import SyncError
+
+    group = _open_group(rank, world, port)
+    try:
+        result = _one_version(rank, world, planned, "nixl", group, 1, corrupting=owner)
+    except SyncError as e:
+        result = {"error": type(e).__name__, "message": str(e)}
+    _leave(group, rank, world)
+    return result
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_relay_corrupted_between_two_ranks_of_an_engine_is_caught_where_it_lands():
+    planned = _schedule()
+    schedule = planned[1]
+    owner = next(i for i, n in schedule.relayed_bytes().items() if n)
+    peers = {p.receiver for p in schedule.relays if p.via == owner}
+    assert peers
+    results = run_distributed(_corrupt_relays, SENDERS + len(schedule.receivers), free_port(), planned, owner,
+                              timeout=200, env=UCX_TCP)
+    mine = results[SENDERS + owner]
+    assert "error" not in mine and not mine["wrong"], mine  # it checked what it received; its own copy is intact
+    for peer in peers:
+        got = results[SENDERS + peer]
+        assert got.get("error") == "CorruptBucketError" and "does not match its checksum" in got["message"], got
 
 
 def _faulty_sender(rank, world, port, planned, backend):

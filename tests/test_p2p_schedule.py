@@ -57,7 +57,13 @@ def test_every_piece_is_written_by_a_rank_that_holds_its_tensor(family, engines,
 def test_the_trainer_writes_one_copy_per_layout_and_engines_forward_the_rest(family, engines, grid, piece):
     _, s = schedule_of(family, engines, grid, piece_bytes=piece)
     heads = [i for i, feed in enumerate(s.feeds) if feed == TRAINER]
-    assert s.trainer_egress() == sum(s.receivers[i].layout.shard_bytes for i in heads)
+    held: dict[int, dict[tuple, int]] = {}  # per head engine, what its ranks hold: each run of rows once
+    for i in heads:
+        for p in s.receivers[i].layout.placements:
+            held.setdefault(s.receivers[i].engine, {})[(p.name, p.source)] = p.nbytes
+    assert s.trainer_egress() == sum(sum(engine.values()) for engine in held.values())
+    several = any(r.rank > 0 for r in s.receivers)  # norms are on every rank of an engine
+    assert (s.trainer_egress() < sum(s.receivers[i].layout.shard_bytes for i in heads)) == several
     assert {p.receiver for p in s.pieces} == set(heads)
     for i, feed in enumerate(s.feeds):
         if feed != TRAINER:  # same rank of the engine before it, with the same layout
@@ -67,13 +73,40 @@ def test_the_trainer_writes_one_copy_per_layout_and_engines_forward_the_rest(fam
             assert s.forwarded_bytes()[feed] == s.receivers[i].layout.shard_bytes
 
 
+@pytest.mark.parametrize("family,engines,grid,piece", CASES)
+def test_rows_several_ranks_of_an_engine_hold_come_once_and_their_owner_relays_them(family, engines, grid, piece):
+    _, s = schedule_of(family, engines, grid, piece_bytes=piece)
+    assert bool(s.relays) == any(r.rank > 0 for r in s.receivers), "norms are on every rank of an engine"
+    for relay in s.relays:
+        origin = s.piece(relay.origin)
+        assert relay.relayed and not origin.relayed and relay.via == origin.receiver != relay.receiver
+        assert s.receivers[relay.via].engine == s.receivers[relay.receiver].engine
+        assert (relay.name, relay.region, relay.row, relay.rows, relay.nbytes, relay.round, relay.sender) == (
+            origin.name, origin.region, origin.row, origin.rows, origin.nbytes, origin.round, origin.sender)
+        assert relay in s.relays_from(relay.via, relay.round) and relay in s.incoming(relay.receiver)
+        assert relay.sender not in s.senders_of(relay.receiver, relay.round) or any(
+            p.sender == relay.sender for p in s.round_pieces(relay.receiver, relay.round) if not p.relayed)
+    relayed = s.relayed_bytes()
+    for engine in {r.engine for i, r in enumerate(s.receivers) if s.feeds[i] == TRAINER}:  # spread over the ranks
+        loads = [relayed[i] for i, r in enumerate(s.receivers) if r.engine == engine]
+        assert max(loads) - min(loads) <= max(p.nbytes for p in s.pieces) * len(loads)
+
+
+def test_without_forwarding_or_with_a_bounded_window_the_trainer_writes_every_rank_its_copy():
+    for options in (dict(forward=False), dict(window_bytes=20000)):
+        _, s = schedule_of("qwen3", [ref(2)], dict(tp=2), piece_bytes=4096, **options)
+        assert not s.relays and s.trainer_egress() == sum(r.layout.shard_bytes for r in s.receivers)
+
+
 def test_three_engines_of_one_layout_form_a_chain_and_without_forwarding_all_are_heads():
     _, s = schedule_of("qwen3", [ref(2), ref(2), ref(2)], dict(tp=2), piece_bytes=4096)
     assert s.feeds == (TRAINER, TRAINER, 0, 1, 2, 3)
     assert s.successor(0) == 2 and s.successor(2) == 4 and s.successor(4) is None
     _, flat = schedule_of("qwen3", [ref(2), ref(2), ref(2)], dict(tp=2), piece_bytes=4096, forward=False)
     assert flat.feeds == (TRAINER,) * 6
-    assert flat.trainer_egress() == 3 * s.trainer_egress()
+    one_engine = sum(r.layout.shard_bytes for r in s.receivers[:2])
+    assert flat.trainer_egress() == 3 * one_engine and not flat.relays  # every rank its own copy
+    assert s.trainer_egress() < one_engine  # one copy, its ranks relaying what they both hold
 
 
 def test_the_busiest_sender_carries_about_the_mean():

@@ -6,7 +6,9 @@ of pieces, so this module builds the same `Item`s without pieces, from the role-
 (`scale.plans.RegionTable`): per HF tensor, its bytes to the head engines; a tensor whose bytes to the
 heads exceed the piece size becomes one item per (head rank, run of rows) (`build.row_cuts`), in the
 order `build_schedule` gives them (the unit order of `build.placements_by_name`); and calls `balance` itself.
-`tests/test_scale_p2p.py` proves the loads equal `build_schedule`'s on mid-size models.
+Rows several ranks of the head engine hold (norms, routers, MLA's latent down-projections) come from the
+trainer once, to the rank `build.RelayOwners` picks (in the same order), which relays them to the others.
+`tests/test_scale_p2p.py` proves the loads and the relayed bytes equal `build_schedule`'s on mid-size models.
 
 From the balance it derives what the time model needs: bytes and items per sender, the all-gathers each
 sender's TP / ETP group runs (a dense unit is gathered by every replica group one of whose ranks sends
@@ -25,7 +27,7 @@ from typing import Any, Sequence
 from megatron_sync.core.grid import ParallelLayout
 from megatron_sync.layout.rank import Placement
 from megatron_sync.transports.p2p.balance import Balance, Item, balance
-from megatron_sync.transports.p2p.build import placements_by_name, row_cuts
+from megatron_sync.transports.p2p.build import RelayOwners, placements_by_name, row_cuts
 from megatron_sync.transports.p2p.holders import Holders, SourceUnit, source_units
 from megatron_sync.scale.summary import Endpoint, Traffic
 
@@ -42,6 +44,11 @@ class P2POptions:
     window_bytes: int = 0
     arena_bytes: int = 0
     forward: bool = True
+
+    @property
+    def relays(self) -> bool:
+        """Whether engine ranks relay the rows several of them hold (`build_schedule`'s rule)."""
+        return self.forward and not self.window_bytes
 
     @property
     def round_bytes(self) -> int:
@@ -63,6 +70,7 @@ class P2PTotals:
     gather: dict[int, Traffic] = field(default_factory=dict)
     local_sent: dict[int, int] = field(default_factory=dict)  # bytes a sender writes to GPUs of its own node
     local_received: dict[int, int] = field(default_factory=dict)  # per head inference rank
+    relay: dict[int, Traffic] = field(default_factory=dict)  # per head inference rank: bytes relayed in and out
 
 
 def trainer_units(planner: Any) -> list[SourceUnit]:
@@ -76,48 +84,85 @@ def trainer_units(planner: Any) -> list[SourceUnit]:
 
 
 class _Dest:
-    """Where an item's bytes land: every head rank holding the tensor (a whole item) or one rank."""
+    """Where an item's bytes land: `targets` (rank, bytes) of one head engine, in `head` or in every head."""
 
-    __slots__ = ("spec", "head", "rank")
+    __slots__ = ("spec", "head", "targets")
 
-    def __init__(self, spec: int, head: int | None, rank: int | None):
-        self.spec, self.head, self.rank = spec, head, rank
+    def __init__(self, spec: int, head: int | None, targets: Sequence[tuple[int, int]]):
+        self.spec, self.head, self.targets = spec, head, targets
+
+
+class _Groups:
+    """Per kind of tensor, the ranks of an engine holding the same region (one group per rank without relays),
+    each group's region and its row-cut sizes, in `build_schedule`'s order (first member, then rows)."""
+
+    def __init__(self, planner: Any, options: P2POptions):
+        self.planner, self.options = planner, options
+        self._cache: dict[tuple, list[tuple[list[int], list[int]]]] = {}
+
+    def of(self, i: int) -> list[tuple[list[int], list[int]]]:
+        kind = self.planner.regions.kind[i]
+        if kind not in self._cache:
+            spec = self.planner.specs[i]
+            by_region: dict[Any, list[int]] = {}
+            for rank, region in enumerate(self.planner.regions.of(i)):
+                if region is not None and region.numel:
+                    by_region.setdefault(region if self.options.relays else rank, []).append(rank)
+            groups = []
+            for members in by_region.values():
+                region = self.planner.regions.of(i)[members[0]]
+                placement = Placement(spec.name, region, spec.name, 0, region.numel * spec.dtype.itemsize)
+                groups.append((members, [n for *_, n in row_cuts(spec, placement, self.options.piece_bytes)]))
+            self._cache[kind] = groups
+        return self._cache[kind]
 
 
 def build_items(planner: Any, units: Sequence[SourceUnit], options: P2POptions,
-                heads: int) -> tuple[list[Item], list[_Dest]]:
-    """Return the items `build_schedule` balances for `heads` head engines, and where each one lands."""
-    regions = planner.regions
-    index = {s.name: i for i, s in enumerate(planner.specs)}
+                heads: int) -> tuple[list[Item], list[_Dest], dict[int, Traffic]]:
+    """Return the items `build_schedule` balances for `heads` head engines, where each one lands, and the
+    bytes each head rank relays in and out (module doc)."""
     where = placements_by_name(units)
-    order = sorted(where, key=lambda name: where[name][0])
-    kind_bytes: dict[tuple, int] = {}
-    cuts: dict[tuple, list[int]] = {}
+    index = {s.name: i for i, s in enumerate(planner.specs)}
+    groups, owners = _Groups(planner, options), RelayOwners()
+    relay: dict[int, Traffic] = defaultdict(Traffic)
     items: list[Item] = []
     dests: list[_Dest] = []
-    for name in order:
-        i = index[name]
-        spec, kind, unit = planner.specs[i], regions.kind[i], where[name][1]
-        if kind not in kind_bytes:
-            kind_bytes[kind] = sum(r.numel * spec.dtype.itemsize for r in regions.of(i) if r is not None)
-        total = kind_bytes[kind] * heads
+    for name in sorted(where, key=lambda name: where[name][0]):
+        i, unit = index[name], where[name][1]
+        cuts = []  # (owner, bytes) of one head engine, each run of rows once
+        for members, sizes in groups.of(i):
+            for n in sizes:
+                owner = owners.choose(members, n) if len(members) > 1 else members[0]
+                cuts.append((owner, n))
+                _count_relay(planner, relay, owner, members, n)
+        total = sum(n for _, n in cuts) * heads
         if total <= options.piece_bytes:
             if total:
                 items.append(Item(total, unit))
-                dests.append(_Dest(i, None, None))
+                dests.append(_Dest(i, None, cuts))
             continue
         for head in range(heads):
-            for rank, region in enumerate(regions.of(i)):
-                if region is None:
-                    continue
-                sizes = cuts.get((kind, rank))
-                if sizes is None:
-                    placement = Placement(spec.name, region, spec.name, 0, region.numel * spec.dtype.itemsize)
-                    sizes = cuts[(kind, rank)] = [n for *_, n in row_cuts(spec, placement, options.piece_bytes)]
-                for n in sizes:
-                    items.append(Item(n, unit))
-                    dests.append(_Dest(i, head, rank))
-    return items, dests
+            for owner, n in cuts:
+                items.append(Item(n, unit))
+                dests.append(_Dest(i, head, ((owner, n),)))
+    return items, dests, dict(relay)
+
+
+def _count_relay(planner: Any, relay: dict[int, Traffic], owner: int, members: Sequence[int], nbytes: int) -> None:
+    """Count `nbytes` relayed from `owner` to every other member, by whether the hop crosses nodes."""
+    if len(members) < 2:
+        return
+    fleet, trainer = planner.fleet, planner.trainer
+    home = fleet.node_of(owner, trainer)
+    for m in members:
+        if m == owner:
+            continue
+        if fleet.node_of(m, trainer) == home:
+            relay[owner].out_intra += nbytes
+            relay[m].in_intra += nbytes
+        else:
+            relay[owner].out_inter += nbytes
+            relay[m].in_inter += nbytes
 
 
 def plan_p2p(planner: Any, options: P2POptions) -> P2PTotals:
@@ -125,9 +170,9 @@ def plan_p2p(planner: Any, options: P2POptions) -> P2PTotals:
     fleet, trainer = planner.fleet, planner.trainer
     heads = 1 if options.forward else fleet.engines
     units = trainer_units(planner)
-    items, dests = build_items(planner, units, options, heads)
+    items, dests, relay = build_items(planner, units, options, heads)
     shares = balance(items, Holders(trainer.ranks()), slack_bytes=options.piece_bytes)
-    totals = P2PTotals(shares, len(items), heads, fleet.engines // heads)
+    totals = P2PTotals(shares, len(items), heads, fleet.engines // heads, relay=relay)
     for item, sender in zip(items, shares.senders):
         totals.sent_items[sender] = totals.sent_items.get(sender, 0) + 1
         totals.largest[sender] = max(totals.largest.get(sender, 0), item.nbytes)
@@ -177,17 +222,13 @@ def gather_traffic(planner: Any, units: Sequence[SourceUnit], shares: Balance,
 def _local_bytes(planner: Any, items: Sequence[Item], dests: Sequence[_Dest], senders: Sequence[int],
                  heads: int) -> tuple[dict[int, int], dict[int, int]]:
     """Return the bytes each sender writes to, and each head rank receives from, a GPU of its own node."""
-    trainer, fleet, regions = planner.trainer, planner.fleet, planner.regions
+    trainer, fleet = planner.trainer, planner.fleet
     sent: dict[int, int] = defaultdict(int)
     received: dict[int, int] = defaultdict(int)
     for item, dest, sender in zip(items, dests, senders):
         node = trainer.node_of(sender)
-        if dest.rank is not None:
-            targets = [(dest.head * fleet.engine_ranks + dest.rank, item.nbytes)]
-        else:
-            spec = planner.specs[dest.spec]
-            targets = [(h * fleet.engine_ranks + rank, r.numel * spec.dtype.itemsize)
-                       for h in range(heads) for rank, r in enumerate(regions.of(dest.spec)) if r is not None]
+        in_heads = range(heads) if dest.head is None else (dest.head,)
+        targets = [(h * fleet.engine_ranks + rank, nbytes) for h in in_heads for rank, nbytes in dest.targets]
         for receiver, nbytes in targets:
             if fleet.node_of(receiver, trainer) == node:
                 sent[sender] += nbytes

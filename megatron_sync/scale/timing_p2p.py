@@ -8,14 +8,17 @@ What the code does per version (`transports/p2p/schedule.py`, `build.py`, `balan
   convert, staging and checksum overlap the wire, one NIC per GPU (GPUDirect RDMA), NVLink to a GPU
   of its own node;
 - the head engine of each chain receives every byte it needs once, straight into its staging set (or a
-  bounded receive window copied into it round by round), at its NIC; each later engine of the chain
+  bounded receive window copied into it round by round), at its NIC; rows several of its ranks hold come
+  once, to one of them, which relays them to the others once it verified their round (NVLink inside a
+  node, the NIC across nodes, both directions at once); each later engine of the chain
   receives the same rounds from the engine before it, pipelined: it ends one round after the one
   before it;
 - the last round is verified on the GPU (wsum64), then two agreement rounds and the switch to the other
   staging set (no copy).
 
-So the sync takes max(the busiest sender's production and writes, a head receiver's ingress) plus
-(chain length - 1) rounds, the last round's verification and the agreement. NIXL and Mooncake both
+So the sync takes max(the busiest sender's production and writes, a head receiver's ingress, a head rank's
+relays out) plus the last round's relays, (chain length - 1) rounds, the last round's verification and the
+agreement. NIXL and Mooncake both
 write over RDMA from registered GPU memory here, so they share this model (`local` measures each).
 """
 
@@ -25,7 +28,7 @@ import math
 
 from megatron_sync.scale.hardware import HardwareProfile
 from megatron_sync.scale.phases import Phase, SyncOptions, device_checksum_rate, engine_tail, gather_seconds, rate_of
-from megatron_sync.scale.summary import PlanSummary
+from megatron_sync.scale.summary import PlanSummary, Traffic
 
 
 def _sender(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions, s) -> dict[str, float]:
@@ -56,6 +59,29 @@ def _hop_rate(summary: PlanSummary, profile: HardwareProfile) -> tuple[float, st
     return (profile.nvlink.value, "nvlink") if same else (profile.nic_per_gpu, "nic")
 
 
+def _head_engine(summary: PlanSummary, profile: HardwareProfile, out: list[Phase]):
+    """Append the head engine's phases to `out`: its ingress through its NIC and from its node, and the relays
+    of rows its ranks share; return the heads, the (seconds, rank) of each phase and the relays' link."""
+    totals = summary.extra["p2p"]
+    heads = [r for r in summary.receivers if r.rank < totals.heads * summary.fleet.engine_ranks]
+    relay = {r.rank: totals.relay.get(r.rank % summary.fleet.engine_ranks, Traffic()) for r in heads}
+    ingress = max(((r.bytes - totals.local_received.get(r.rank, 0) - relay[r.rank].in_intra) / profile.nic_per_gpu,
+                   r.rank) for r in heads)
+    local_in = max(((totals.local_received.get(r.rank, 0) + relay[r.rank].in_intra) / profile.nvlink.value, r.rank)
+                   for r in heads)
+    relay_out = max((max(t.out_inter / profile.nic_per_gpu, t.out_intra / profile.nvlink.value), rank)
+                    for rank, t in relay.items())
+    out.append(Phase("receive (head engine)", ingress[0], f"inference rank {ingress[1]}", rate_of(profile, "nic")))
+    if local_in[0]:
+        out.append(Phase("receive from its node", local_in[0], f"inference rank {local_in[1]}",
+                         rate_of(profile, "nvlink")))
+    relay_link = "nic" if any(t.out_inter for t in relay.values()) else "nvlink"
+    if relay_out[0]:
+        out.append(Phase("relay rows its engine's ranks share", relay_out[0], f"inference rank {relay_out[1]}",
+                         rate_of(profile, relay_link)))
+    return heads, ingress, local_in, relay_out, relay_link
+
+
 def p2p_gpu(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions):
     """Return the phases, total, bound and (no) CPU-seconds of a device-direct P2P sync (module doc)."""
     totals, opts = summary.extra["p2p"], summary.extra["options"]
@@ -68,16 +94,14 @@ def p2p_gpu(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions
              "checksum (wsum64)": "wsum64", "write": "nic"}
     out = [Phase(name, seconds, f"trainer rank {busiest}", rate_of(profile, links[name]))
            for name, seconds in sender_phases.items()]
-    heads = [r for r in summary.receivers if r.rank < totals.heads * summary.fleet.engine_ranks]
-    ingress = max(((r.bytes - totals.local_received.get(r.rank, 0)) / profile.nic_per_gpu, r.rank) for r in heads)
-    local_in = max((totals.local_received.get(r.rank, 0) / profile.nvlink.value, r.rank) for r in heads)
-    out.append(Phase("receive (head engine)", ingress[0], f"inference rank {ingress[1]}", rate_of(profile, "nic")))
-    if local_in[0]:
-        out.append(Phase("receive from its node", local_in[0], f"inference rank {local_in[1]}",
-                         rate_of(profile, "nvlink")))
+    heads, ingress, local_in, relay_out, relay_link = _head_engine(summary, profile, out)
     hop_rate, hop_link = _hop_rate(summary, profile)
     round_bytes = min(opts.round_bytes, max(r.bytes for r in summary.receivers))
     hop = round_bytes / hop_rate + profile.message_s.value
+    last_relay = relay_out[0] * round_bytes / max(r.bytes for r in heads)
+    if last_relay:
+        out.append(Phase("relay the last round", last_relay, f"inference rank {relay_out[1]}",
+                         rate_of(profile, relay_link)))
     out.append(Phase("forward along the chain", (totals.chain - 1) * hop,
                      f"{totals.chain} engines per chain, rounds of {round_bytes / 2**20:,.0f} MiB",
                      rate_of(profile, hop_link)))
@@ -86,11 +110,13 @@ def p2p_gpu(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions
         out.append(Phase("copy the last round out of the window", window, "last engine", rate_of(profile, "copy")))
     verify = round_bytes / device_checksum_rate(profile, options.checksum)
     out.append(Phase("verify the last round (wsum64)", verify, "last engine", rate_of(profile, "wsum64")))
-    transfer = max(send_end, ingress[0], local_in[0])
+    transfer = max(send_end, ingress[0], local_in[0], relay_out[0])
     tail = engine_tail(summary, profile, 2, options, copy=False)
-    total = transfer + (totals.chain - 1) * hop + window + verify + sum(p.seconds for p in tail)
-    if send_end >= max(ingress[0], local_in[0]):
+    total = transfer + last_relay + (totals.chain - 1) * hop + window + verify + sum(p.seconds for p in tail)
+    if send_end >= max(ingress[0], local_in[0], relay_out[0]):
         bound = f"trainer rank {busiest}: production and writes ({send_end:.2f} s)"
+    elif relay_out[0] > max(ingress[0], local_in[0]):
+        bound = f"relays (inference rank {relay_out[1]}: rows its engine's ranks share)"
     else:
         bound = f"receive (head engine) (inference rank {ingress[1]}: its shard through its NIC)"
     return out + tail, total, bound, None

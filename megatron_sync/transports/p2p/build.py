@@ -19,7 +19,8 @@ def build_schedule(units: Sequence[SourceUnit], ranks: Sequence[TrainerRank], te
     """Return the schedule writing every receiver's placements (see `schedule`); ValueError names a tensor
     a receiver needs that no trainer rank produces."""
     feeds = feeds_of(receivers, options.forward)
-    cuts = _cuts(units, tensors, receivers, [i for i, f in enumerate(feeds) if f == TRAINER], options.piece_bytes)
+    every = _cuts(units, tensors, receivers, [i for i, f in enumerate(feeds) if f == TRAINER], options.piece_bytes)
+    cuts, relayed = _relayed(every, receivers, options.forward and not options.window_bytes)
     items, item_of = _items(cuts, options.piece_bytes)
     shares = balance(items, Holders(ranks), slack_bytes=options.piece_bytes)
     senders = [shares.senders[item_of[i]] for i in range(len(cuts))]
@@ -27,14 +28,18 @@ def build_schedule(units: Sequence[SourceUnit], ranks: Sequence[TrainerRank], te
     arenas = _arenas(cuts, senders, options.arena_bytes)
     pieces = tuple(Piece(i, senders[i], c.receiver, c.name, c.region, c.row, c.rows, c.dst, c.nbytes,
                          windows[i][0], windows[i][1], arenas[i][0], arenas[i][1]) for i, c in enumerate(cuts))
+    relays = tuple(Piece(len(pieces) + k, pieces[o].sender, c.receiver, c.name, c.region, c.row, c.rows, c.dst,
+                         c.nbytes, pieces[o].round, c.dst, 0, 0, via=pieces[o].receiver, origin=o)
+                   for k, (c, o) in enumerate(relayed))
     rounds = [0] * len(receivers)
-    for p in pieces:
+    for p in pieces + relays:
         rounds[p.receiver] = max(rounds[p.receiver], p.round + 1)
     for i, feed in enumerate(feeds):
         if feed != TRAINER:
             rounds[i] = rounds[_head(feeds, i)]
     return Schedule(options, tuple(tensors), tuple(units), tuple(sorted(ranks, key=lambda r: r.rank)),
-                    tuple(receivers), feeds, pieces, _messages(pieces, options.piece_bytes), tuple(rounds), shares)
+                    tuple(receivers), feeds, pieces, _messages(pieces, options.piece_bytes), tuple(rounds), shares,
+                    relays)
 
 
 class _Cut:
@@ -74,6 +79,43 @@ def _cuts(units: Sequence[SourceUnit], tensors: Sequence[TensorSpec], receivers:
                                  offsets[p.param] + p.offset + start, nbytes, unit))
     cuts.sort(key=lambda c: c.key)
     return cuts
+
+
+class RelayOwners:
+    """Which rank of an engine receives a run of rows several of its ranks hold, and relays it to the others:
+    the one that has relayed the fewest bytes so far (then the lowest index), so relays spread evenly."""
+
+    def __init__(self) -> None:
+        self.load: dict[int, int] = {}
+
+    def choose(self, members: Sequence[int], nbytes: int) -> int:
+        """Return the owner among `members` (receiver indices) of `nbytes` bytes they all hold."""
+        chosen = min(members, key=lambda m: (self.load.get(m, 0), m))
+        self.load[chosen] = self.load.get(chosen, 0) + nbytes * (len(members) - 1)
+        return chosen
+
+
+def _relayed(cuts: list[_Cut], receivers: Sequence[InferenceRank],
+             enabled: bool) -> tuple[list[_Cut], list[tuple[_Cut, int]]]:
+    """Return the cuts the trainer writes, and every cut an engine rank relays with the index (among the
+    first) of the cut it copies: of the cuts of one engine with the same rows of a tensor, one (its owner's,
+    `RelayOwners`) comes from the trainer."""
+    if not enabled:
+        return cuts, []
+    groups: dict[tuple, list[int]] = {}
+    for i, c in enumerate(cuts):
+        members = groups.setdefault((receivers[c.receiver].engine, c.name, c.region, c.row, c.rows), [])
+        if all(cuts[j].receiver != c.receiver for j in members):
+            members.append(i)
+    owners, owner_of = RelayOwners(), {}
+    for members in groups.values():
+        if len(members) > 1:
+            chosen = owners.choose([cuts[i].receiver for i in members], cuts[members[0]].nbytes)
+            own = next(i for i in members if cuts[i].receiver == chosen)
+            owner_of.update({i: own for i in members if i != own})
+    direct = [i for i in range(len(cuts)) if i not in owner_of]
+    position = {i: k for k, i in enumerate(direct)}
+    return [cuts[i] for i in direct], [(cuts[i], position[owner_of[i]]) for i in sorted(owner_of)]
 
 
 def _items(cuts: Sequence[_Cut], piece_bytes: int) -> tuple[list[Item], list[int]]:

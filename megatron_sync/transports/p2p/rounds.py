@@ -4,7 +4,9 @@ The bytes land in this rank's registered window: the target staging set itself (
 copied), or a bounded window (a NIC that cannot register a whole shard) whose rounds are copied into the
 target set one by one. For each round the rank waits for the reports of everyone writing into it (the
 trainer ranks holding its pieces, or the engine rank it is chained behind), checks every piece's checksum
-where the bytes lie (on the GPU with `wsum64`), forwards the round from its window to the engine rank
+where the bytes lie (on the GPU with `wsum64`), relays the pieces it owns into the other ranks of its
+engine that hold the same rows (the schedule's relay pieces, with the trainer's checksums), takes and
+checks the relay pieces written into it, forwards the round from its window to the engine rank
 chained behind it (relaying the trainer's checksums, so the end of the chain checks against the source),
 copies a bounded window's round out and releases it. Verifying round r overlaps round r + 1 arriving.
 
@@ -38,6 +40,7 @@ class ReceiveStats:
 
     bytes_per_peer: dict[str, int] = field(default_factory=dict)
     forwarded: int = 0
+    relayed: int = 0
     pieces: int = 0
     sums: dict[int, int] = field(default_factory=dict)  # the trainer's checksum of every piece, by index
     checksum_seconds: float = 0.0
@@ -82,6 +85,8 @@ class RoundReceiver:
         self.bounded = bool(schedule.options.window_bytes)
         self.rounds = schedule.rounds[index]
         self._pieces = [schedule.round_pieces(index, r) for r in range(self.rounds)]
+        self._relays = [schedule.relays_from(index, r) for r in range(self.rounds)]
+        self._relayed_into = any(p.relayed for p in schedule.incoming(index))
 
     def own_route(self, notices: Notices) -> Route:
         """Return the route the schedule gives this rank (its chain inside one session)."""
@@ -99,60 +104,58 @@ class RoundReceiver:
         at = 0 if self.bounded else base
         if route.feed is not None:  # the rank forwarding to us writes at our window's offsets
             route.feed_notices.post_base(route.me, at)
+        elif self._relayed_into:  # so do the ranks of our engine relaying into us
+            notices.post_base(self.index, at)
         # A two-sided mover's receives are posted for the whole version at once; every one is matched, by the
         # bytes or a failed writer's filler. (In a bounded window rounds share places: a writer sends round
         # r + 1 only after round r was released, so the bytes still land in order.)
         posted = {r: self._expect(r, at, route) for r in range(self.rounds)} if self.mover.two_sided else {}
-        round_ = 0
+        round_, self._relayed_upto = 0, -1
         try:
             for round_ in range(self.rounds):
-                self._round(round_, notices, route, target, at, stats, posted.pop(round_, []))
+                self._round(round_, notices, route, target, at, stats, posted.get(round_, {}))
         except SyncError as e:
             self._give_up(notices, route, round_, f"inference rank {self.index}: {type(e).__name__}: {e}",
-                          [p for rest in posted.values() for p in rest])
+                          [p for rest in posted.values() for p in rest.values()])
             raise
         return stats
 
-    def _expect(self, round_: int, at: int, route: Route) -> list:
-        return [self.mover.expect(source, self.window, [Span(0, at + p.window, p.nbytes) for p in mine])
-                for source, mine in self._sources(round_, route).items()]
+    def _expect(self, round_: int, at: int, route: Route) -> dict:
+        return {source: self.mover.expect(source, self.window, [Span(0, at + p.window, p.nbytes) for p in mine])
+                for sources in self._sources(round_, route) for source, mine in sources.items()}
 
-    def _sources(self, round_: int, route: Route) -> dict[str, list[Piece]]:
-        """Return who writes into this round, with their pieces in the order they write them."""
+    def _sources(self, round_: int, route: Route) -> tuple[dict[str, list[Piece]], dict[str, list[Piece]]]:
+        """Return who writes into this round, with their pieces in the order they write them: the trainer
+        ranks (or the rank forwarding to us, which writes everything), then the ranks relaying to us."""
         if route.feed is not None:
-            return {route.feed: self._pieces[round_]}
-        by_sender: dict[str, list[Piece]] = {}
+            return {route.feed: self._pieces[round_]}, {}
+        direct: dict[str, list[Piece]] = {}
+        relayed: dict[str, list[Piece]] = {}
         for p in self._pieces[round_]:
-            by_sender.setdefault(trainer(p.sender), []).append(p)
-        return by_sender
+            if p.relayed:
+                relayed.setdefault(receiver(p.via), []).append(p)
+            else:
+                direct.setdefault(trainer(p.sender), []).append(p)
+        return direct, relayed
 
     def _round(self, round_: int, notices: Notices, route: Route, target: torch.Tensor, at: int,
-               stats: ReceiveStats, posted: list) -> None:
+               stats: ReceiveStats, posted: dict) -> None:
         pieces = self._pieces[round_]
         reports_on, me = (route.feed_notices, route.me) if route.feed is not None else (notices, self.index)
-        sums: dict[int, int] = {}
-        failed = []
-        for source in self._sources(round_, route):
-            try:
-                report = reports_on.take_report(source, me, round_, self.timeout_s)
-            except PeerFailureError as e:
-                if route.feed is None:
-                    raise  # a trainer rank is silent: this transport is broken
-                # the engine forwarding to us is gone or stuck; our own link is fine: abort this version only
-                raise SenderFailedError(f"{source}, which forwards version {notices.version} to this rank, sent "
-                                        f"nothing of round {round_} within {self.timeout_s:g}s: {e}") from e
-            if report.error is not None:
-                failed.append(f"{source} failed while sending version {notices.version}: {report.error}")
-            sums.update(report.checksums)
-            stats.bytes_per_peer[source] = stats.bytes_per_peer.get(source, 0) + report.nbytes
-        for pending in posted:  # the bytes, or a failed writer's filler
-            pending.wait(self.timeout_s)
-        if failed:
-            raise SenderFailedError("; ".join(failed))
+        direct, relayed = self._sources(round_, route)
+        sums = self._take(direct, round_, reports_on, me, notices.version, route, stats, posted)
         started = time.perf_counter()
-        self._verify(pieces, sums, at)
-        stats.sums.update(sums)
+        self._verify([p for mine in direct.values() for p in mine], sums, at)
         stats.checksum_seconds += time.perf_counter() - started
+        if route.feed is None and self._relays[round_]:
+            stats.relayed += self._relay(round_, notices, sums, at)
+        self._relayed_upto = round_
+        if relayed:
+            sums.update(self._take(relayed, round_, reports_on, me, notices.version, route, stats, posted))
+            started = time.perf_counter()
+            self._verify([p for mine in relayed.values() for p in mine], sums, at)
+            stats.checksum_seconds += time.perf_counter() - started
+        stats.sums.update(sums)
         stats.pieces += len(pieces)
         if route.next is not None:
             stats.forwarded += self._forward(round_, route, pieces, sums, at)
@@ -162,6 +165,48 @@ class RoundReceiver:
                 target[p.dst:p.dst + p.nbytes].copy_(self.window[p.window:p.window + p.nbytes])
             stats.copy_seconds += time.perf_counter() - started
             reports_on.release(me, round_)
+
+    def _take(self, sources: dict[str, list[Piece]], round_: int, reports_on: Notices, me: int, version: int,
+              route: Route, stats: ReceiveStats, posted: dict) -> dict[int, int]:
+        """Take the reports of `sources` on this round and wait for their bytes; return their checksums."""
+        sums: dict[int, int] = {}
+        failed = []
+        for source in sources:
+            try:
+                report = reports_on.take_report(source, me, round_, self.timeout_s)
+            except PeerFailureError as e:
+                posted.pop(source, None)  # nothing will come from it
+                if route.feed is None:
+                    raise  # a trainer rank is silent: this transport is broken
+                # the engine forwarding to us is gone or stuck; our own link is fine: abort this version only
+                raise SenderFailedError(f"{source}, which forwards version {version} to this rank, sent "
+                                        f"nothing of round {round_} within {self.timeout_s:g}s: {e}") from e
+            if report.error is not None:
+                failed.append(f"{source} failed while sending version {version}: {report.error}")
+            sums.update(report.checksums)
+            stats.bytes_per_peer[source] = stats.bytes_per_peer.get(source, 0) + report.nbytes
+        for source in sources:  # the bytes, or a failed writer's filler
+            pending = posted.pop(source, None)
+            if pending is not None:
+                pending.wait(self.timeout_s)
+        if failed:
+            raise SenderFailedError("; ".join(failed))
+        return sums
+
+    def _relay(self, round_: int, notices: Notices, sums: dict[int, int], at: int) -> int:
+        """Write this round's relay pieces from where their origins landed in the window into the other ranks of
+        this engine; report each with the trainer's checksums. Return the bytes written."""
+        written = 0
+        for peer, pieces in self._by_peer(self._relays[round_]).items():
+            there = notices.base(peer, self.timeout_s)
+            spans = [Span(at + self.schedule.piece(p.origin).window, there + p.window, p.nbytes) for p in pieces]
+            before = self.mover.bytes_written.get(receiver(peer), 0)
+            self.mover.write(receiver(peer), self.window, spans).wait(self.timeout_s)
+            moved = self.mover.bytes_written.get(receiver(peer), 0) - before
+            notices.report(receiver(self.index), peer, round_,
+                           RoundReport({p.index: sums[p.origin] for p in pieces if p.origin in sums}, moved))
+            written += moved
+        return written
 
     def _verify(self, pieces: list[Piece], sums: dict[int, int], at: int) -> None:
         if self.algorithm == "none":
@@ -174,6 +219,13 @@ class RoundReceiver:
                 raise CorruptBucketError(
                     f"inference rank {self.index}: piece {p.index} of {p.name} (rows {p.row}..{p.row + p.rows - 1}, "
                     f"{p.nbytes} bytes from trainer rank {p.sender}) does not match its checksum; nothing is applied")
+
+    @staticmethod
+    def _by_peer(pieces: list[Piece]) -> dict[int, list[Piece]]:
+        by_peer: dict[int, list[Piece]] = {}
+        for p in pieces:
+            by_peer.setdefault(p.receiver, []).append(p)
+        return by_peer
 
     def _forward(self, round_: int, route: Route, pieces: list[Piece], sums: dict[int, int], at: int) -> int:
         """Write this round from the window into the next rank's window; report it with the trainer's sums."""
@@ -189,10 +241,18 @@ class RoundReceiver:
         return moved
 
     def _give_up(self, notices: Notices, route: Route, failed_round: int, error: str, posted: list) -> None:
-        """Tell whoever waits on this rank that it stopped: the rank behind it (filler for its posted receives
-        of a two-sided mover, and the error for every round left), a bounded window's writers (`abort`); then
+        """Tell whoever waits on this rank that it stopped: the ranks of its engine it relays to and the rank
+        behind it (filler for their posted receives of a two-sided mover, and the error for every round left),
+        a bounded window's writers (`abort`); then
         take what the writers still send into this version's receives."""
         try:
+            if route.feed is None:  # the ranks of our engine waiting on our relays
+                for round_ in range(max(failed_round, self._relayed_upto + 1), self.rounds):
+                    for peer, pieces in self._by_peer(self._relays[round_]).items():
+                        if self.mover.two_sided:
+                            spans = [Span(p.window, p.window, p.nbytes) for p in pieces]
+                            self.mover.abandon(receiver(peer), self.window, spans).wait(self.timeout_s)
+                        notices.report(receiver(self.index), peer, round_, RoundReport(error=error))
             if route.next is not None:
                 for round_ in range(failed_round, self.rounds):
                     spans = [Span(p.window, p.window, p.nbytes) for p in self._pieces[round_]]

@@ -10,6 +10,13 @@ Pure data, computed once from metadata and identical on every rank (compare `dig
 - Pieces. Every head placement is cut into runs of whole rows of at most `piece_bytes`; a piece is
   contiguous at both ends (its sender copies those rows of its full tensor into its arena; they land at
   `dst` of the receiver's staging set).
+- Relays. Inside a head engine, the ranks that hold the same rows of a tensor (norms, routers, MLA's latent
+  down-projections, KV heads repeated when TP exceeds them) get them from the trainer once: one of those
+  ranks (its *owner*, chosen to spread the relayed bytes over the engine) receives the trainer's piece and,
+  once it verified the round, writes it from its window into each other holder's (a relay piece: `via` is
+  the owner, `origin` the trainer's piece, same checksum). With forwarding and an unbounded window only
+  (a bounded window's rounds are packed per rank, and a relay waiting on another rank's release could
+  wait on a younger write); so the trainer's egress is one model per layout, not one shard per rank.
 - Senders (`balance`): a small tensor's pieces all go with one of its holders (one gather, one
   conversion), a large tensor's one by one, so the busiest sender carries about the mean.
 - Order. Pieces are ordered by how far through its stage's walk their unit lies (`Piece.key`), so each
@@ -89,7 +96,10 @@ class ScheduleOptions:
 class Piece:
     """Rows [row, row + rows) of one region of HF tensor `name`, from trainer rank `sender` to head
     receiver `receiver`: at `dst` of its staging set, `window` of its receive window in round `round`, and
-    `arena` of the sender's arena in the sender's arena round `arena_round`."""
+    `arena` of the sender's arena in the sender's arena round `arena_round`.
+
+    A relay piece (`via` >= 0) is written instead by head receiver `via` of the same engine, from where the
+    trainer's piece `origin` (the same rows, from `sender`) landed in its window; it has no arena place."""
 
     index: int
     sender: int
@@ -104,6 +114,13 @@ class Piece:
     window: int
     arena: int
     arena_round: int
+    via: int = -1
+    origin: int = -1
+
+    @property
+    def relayed(self) -> bool:
+        """Whether an inference rank (`via`) writes this piece, not the trainer."""
+        return self.via >= 0
 
     def source(self, full: torch.Tensor) -> torch.Tensor:
         """Return this piece's bytes of the full tensor, contiguous (flat uint8)."""
@@ -111,7 +128,7 @@ class Piece:
 
     def to_wire(self) -> list:
         return [self.index, self.sender, self.receiver, self.name, self.region.to_wire(), self.row, self.rows,
-                self.dst, self.nbytes, self.round, self.window, self.arena, self.arena_round]
+                self.dst, self.nbytes, self.round, self.window, self.arena, self.arena_round, self.via, self.origin]
 
 
 @dataclass(frozen=True)
@@ -140,6 +157,7 @@ class Schedule:
     messages: tuple[Message, ...]
     rounds: tuple[int, ...]
     balance: Balance
+    relays: tuple[Piece, ...] = ()
 
     def head_of(self, receiver: int) -> int:
         """Return the head receiver whose pieces `receiver` gets (itself for a head)."""
@@ -152,13 +170,22 @@ class Schedule:
         return next((i for i, feed in enumerate(self.feeds) if feed == receiver), None)
 
     def round_pieces(self, receiver: int, round: int) -> list[Piece]:
-        """Return the pieces landing in `receiver`'s window in `round` (a forwarded one: its head's)."""
+        """Return the pieces landing in `receiver`'s window in `round` (a forwarded one: its head's), relay
+        pieces included."""
         head = self.head_of(receiver)
         return [p for p in self._incoming[head] if p.round == round]
 
     def incoming(self, receiver: int) -> list[Piece]:
-        """Return every piece `receiver` gets, in order (a forwarded one: its head's)."""
+        """Return every piece `receiver` gets, in order (a forwarded one: its head's), relay pieces last."""
         return list(self._incoming[self.head_of(receiver)])
+
+    def relays_from(self, owner: int, round: int) -> list[Piece]:
+        """Return the relay pieces head receiver `owner` writes into its engine's other ranks in `round`."""
+        return [p for p in self._relays_by_owner.get(owner, ()) if p.round == round]
+
+    def piece(self, index: int) -> Piece:
+        """Return the piece (trainer or relay) numbered `index`."""
+        return self.pieces[index] if index < len(self.pieces) else self.relays[index - len(self.pieces)]
 
     def sender_queue(self, sender: int) -> list[Piece]:
         """Return `sender`'s pieces in the order it stages them."""
@@ -170,7 +197,7 @@ class Schedule:
 
     def senders_of(self, receiver: int, round: int) -> list[int]:
         """Return the trainer ranks writing into head `receiver` in `round` (ascending)."""
-        return sorted({p.sender for p in self._incoming[receiver] if p.round == round})
+        return sorted({p.sender for p in self._incoming[receiver] if p.round == round and not p.relayed})
 
     def arena_bytes(self, sender: int) -> int:
         """Return the size of `sender`'s arena (0 when it sends nothing)."""
@@ -194,6 +221,13 @@ class Schedule:
         """Return the bytes every receiver gets per version (from the trainer or forwarded)."""
         return {i: sum(p.nbytes for p in self.incoming(i)) for i in range(len(self.receivers))}
 
+    def relayed_bytes(self) -> dict[int, int]:
+        """Return the bytes each head receiver relays into its engine's other ranks per version."""
+        out = {i: 0 for i in range(len(self.receivers))}
+        for p in self.relays:
+            out[p.via] += p.nbytes
+        return out
+
     def forwarded_bytes(self) -> dict[int, int]:
         """Return the bytes each receiver forwards per version (0 for the last of a chain)."""
         return {i: 0 if self.successor(i) is None else sum(p.nbytes for p in self.incoming(i))
@@ -204,13 +238,17 @@ class Schedule:
         canonical = [self.options.to_wire(), [t.to_wire() for t in self.tensors], [u.to_wire() for u in self.units],
                      [r.to_wire() for r in self.ranks],
                      [[r.engine, r.rank, r.layout.digest()] for r in self.receivers], list(self.feeds),
-                     [p.to_wire() for p in self.pieces],
+                     [p.to_wire() for p in self.pieces], [p.to_wire() for p in self.relays],
                      [[m.index, m.sender, m.receiver, m.round, list(m.pieces), m.nbytes] for m in self.messages]]
         return hashlib.sha256(json.dumps(canonical, separators=(",", ":")).encode()).hexdigest()
 
     @functools.cached_property
     def _incoming(self) -> dict[int, tuple[Piece, ...]]:
-        return _grouped(self.pieces, "receiver")
+        return _grouped(self.pieces + self.relays, "receiver")
+
+    @functools.cached_property
+    def _relays_by_owner(self) -> dict[int, tuple[Piece, ...]]:
+        return _grouped(self.relays, "via")
 
     @functools.cached_property
     def _queues(self) -> dict[int, tuple[Piece, ...]]:
@@ -218,7 +256,7 @@ class Schedule:
 
 
 def _grouped(pieces: Sequence[Piece], by: str) -> dict[int, tuple[Piece, ...]]:
-    """Return `pieces` grouped by `by` ("sender" or "receiver"), each group in order."""
+    """Return `pieces` grouped by `by` ("sender", "receiver" or "via"), each group in order."""
     grouped: dict[int, list[Piece]] = {}
     for p in pieces:
         grouped.setdefault(getattr(p, by), []).append(p)
