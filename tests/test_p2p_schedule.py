@@ -57,11 +57,11 @@ def test_every_piece_is_written_by_a_rank_that_holds_its_tensor(family, engines,
 def test_the_trainer_writes_one_copy_per_layout_and_engines_forward_the_rest(family, engines, grid, piece):
     _, s = schedule_of(family, engines, grid, piece_bytes=piece)
     heads = [i for i, feed in enumerate(s.feeds) if feed == TRAINER]
-    held: dict[int, dict[tuple, int]] = {}  # per head engine, what its ranks hold: each run of rows once
+    held: dict[tuple, int] = {}  # what the heads hold, each placement's rows once
     for i in heads:
         for p in s.receivers[i].layout.placements:
-            held.setdefault(s.receivers[i].engine, {})[(p.name, p.source)] = p.nbytes
-    assert s.trainer_egress() == sum(sum(engine.values()) for engine in held.values())
+            held[(p.name, p.source)] = p.nbytes
+    assert s.trainer_egress() == sum(held.values())
     several = any(r.rank > 0 for r in s.receivers)  # norms are on every rank of an engine
     assert (s.trainer_egress() < sum(s.receivers[i].layout.shard_bytes for i in heads)) == several
     assert {p.receiver for p in s.pieces} == set(heads)
@@ -74,22 +74,21 @@ def test_the_trainer_writes_one_copy_per_layout_and_engines_forward_the_rest(fam
 
 
 @pytest.mark.parametrize("family,engines,grid,piece", CASES)
-def test_rows_several_ranks_of_an_engine_hold_come_once_and_their_owner_relays_them(family, engines, grid, piece):
+def test_rows_several_heads_hold_come_once_and_their_owner_relays_them(family, engines, grid, piece):
     _, s = schedule_of(family, engines, grid, piece_bytes=piece)
     assert bool(s.relays) == any(r.rank > 0 for r in s.receivers), "norms are on every rank of an engine"
     for relay in s.relays:
         origin = s.piece(relay.origin)
         assert relay.relayed and not origin.relayed and relay.via == origin.receiver != relay.receiver
-        assert s.receivers[relay.via].engine == s.receivers[relay.receiver].engine
+        assert s.feeds[relay.via] == s.feeds[relay.receiver] == TRAINER  # between heads only
         assert (relay.name, relay.region, relay.row, relay.rows, relay.nbytes, relay.round, relay.sender) == (
             origin.name, origin.region, origin.row, origin.rows, origin.nbytes, origin.round, origin.sender)
         assert relay in s.relays_from(relay.via, relay.round) and relay in s.incoming(relay.receiver)
         assert relay.sender not in s.senders_of(relay.receiver, relay.round) or any(
             p.sender == relay.sender for p in s.round_pieces(relay.receiver, relay.round) if not p.relayed)
     relayed = s.relayed_bytes()
-    for engine in {r.engine for i, r in enumerate(s.receivers) if s.feeds[i] == TRAINER}:  # spread over the ranks
-        loads = [relayed[i] for i, r in enumerate(s.receivers) if r.engine == engine]
-        assert max(loads) - min(loads) <= max(p.nbytes for p in s.pieces) * len(loads)
+    loads = [relayed[i] for i, feed in enumerate(s.feeds) if feed == TRAINER]  # spread over the heads
+    assert max(loads) - min(loads) <= max(p.nbytes for p in s.pieces) * len(loads)
 
 
 def test_without_forwarding_or_with_a_bounded_window_the_trainer_writes_every_rank_its_copy():

@@ -92,8 +92,9 @@ RUNS = [
 @pytest.mark.parametrize("parallel,transport", RUNS)
 def test_megatron_trainer_syncs_three_versions_exactly(served, parallel, transport):
     """Each synced version: the server's greedy tokens are transformers' on the sent tensors; version reported.
-    Each worker receives and keeps only its own shard: over P2P the bytes it received are its shard's, over
-    broadcast it copies only its shard out of every bucket; it holds two staging sets of its shard."""
+    Each worker receives and keeps only its own shard: over P2P the bytes it received are its shard's (and the
+    trainer wrote the model once), over broadcast it copies only its shard out of every bucket; it holds two
+    staging sets of its shard."""
     greedy_completion(served.url, LONG_PROMPT, 4)  # the previous weights' KV for this prefix is now cached
     reports = run_distributed(megatron_job_syncs, 2, QWEN3, parallel, served.url,
                               settings(served.url, **transport), [*PROMPTS, LONG_PROMPT], timeout=360, env=UCX_TCP)[0]
@@ -112,8 +113,9 @@ def test_megatron_trainer_syncs_three_versions_exactly(served, parallel, transpo
             moved = m["bytes"] if transport else m["copied_bytes"]
             assert moved == m["shard_bytes"] > 0, m  # exactly this worker's shard
             assert m["held_bytes"] < 2.1 * m["shard_bytes"] + (0 if transport else 2 * 0.05 * 2**20 + 4096), m
-        if transport:
+        if transport:  # the model once out of the trainer: norms both workers hold come once, and one relays them
             shards = [m["shard_bytes"] for m in r["receivers"]]
+            assert r["trainer_bytes"] == r["model_bytes"] < sum(shards), (r["trainer_bytes"], r["model_bytes"], shards)
             assert sum(shards) < 1.2 * sum(t.nbytes for t in _full_model()), "workers received more than shards"
     assert len({tuple(r["tokens"]) for r in reports}) > 1, "training never changed the greedy tokens"
 

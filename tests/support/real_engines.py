@@ -564,7 +564,8 @@ def megatron_job_syncs(rank: int, world: int, spec: ModelSpec, parallel: dict, u
     `versions` versions to the vLLM server at `url` (settings `values`). Rank 0 returns, per version, how the
     server's greedy tokens differ from transformers' on the sent tensors (gathered from every rank; with a
     `quantization_config`, dequantized by the reference engine in the settings' dtype), its tokens and
-    reported version, and every inference rank's metrics."""
+    reported version, every inference rank's metrics, and the bytes the trainer's transport wrote against the
+    sent model's."""
     import torch.distributed as dist
 
     from megatron_sync.settings.config import WeightSyncConfig
@@ -596,6 +597,8 @@ def megatron_job_syncs(rank: int, world: int, spec: ModelSpec, parallel: dict, u
             everyone: list = [None] * world
             dist.all_gather_object(everyone, {n: t.clone() for n, t in (sync.sender.sent_tensors() or {}).items()})
             sent = {name: t for part in everyone for name, t in part.items()}
+            written: list = [None] * world  # what each trainer rank's transport wrote this version
+            dist.all_gather_object(written, synced.bytes)
             if rank == 0:
                 reference = None if quantization_config is None else DequantizedReference(
                     spec, sent, dtype=dtype, quantization_config=quantization_config)
@@ -604,7 +607,8 @@ def megatron_job_syncs(rank: int, world: int, spec: ModelSpec, parallel: dict, u
                     "problems": engine_problems(url, spec, sent, prompts, reference=reference),
                     "tokens": greedy_completion(url, prompts[0], 8), "reported": weight_version(url),
                     "spans": [(s["version"], s["start"], s["end"]) for s in generate(url, prompts[0], 2)["weight_versions"]],
-                    "receivers": [json.loads(m.to_json()) for m in sync.receiver_metrics(sync.version)]})
+                    "receivers": [json.loads(m.to_json()) for m in sync.receiver_metrics(sync.version)],
+                    "trainer_bytes": sum(written), "model_bytes": sum(t.numel() * t.element_size() for t in sent.values())})
             dist.barrier()
     finally:
         sync.close()

@@ -20,7 +20,7 @@ def build_schedule(units: Sequence[SourceUnit], ranks: Sequence[TrainerRank], te
     a receiver needs that no trainer rank produces."""
     feeds = feeds_of(receivers, options.forward)
     every = _cuts(units, tensors, receivers, [i for i, f in enumerate(feeds) if f == TRAINER], options.piece_bytes)
-    cuts, relayed = _relayed(every, receivers, options.forward and not options.window_bytes)
+    cuts, relayed = _relayed(every, options.forward and not options.window_bytes)
     items, item_of = _items(cuts, options.piece_bytes)
     shares = balance(items, Holders(ranks), slack_bytes=options.piece_bytes)
     senders = [shares.senders[item_of[i]] for i in range(len(cuts))]
@@ -82,7 +82,7 @@ def _cuts(units: Sequence[SourceUnit], tensors: Sequence[TensorSpec], receivers:
 
 
 class RelayOwners:
-    """Which rank of an engine receives a run of rows several of its ranks hold, and relays it to the others:
+    """Which head receiver gets a run of rows several of them hold from the trainer, and relays it to the others:
     the one that has relayed the fewest bytes so far (then the lowest index), so relays spread evenly."""
 
     def __init__(self) -> None:
@@ -95,16 +95,15 @@ class RelayOwners:
         return chosen
 
 
-def _relayed(cuts: list[_Cut], receivers: Sequence[InferenceRank],
-             enabled: bool) -> tuple[list[_Cut], list[tuple[_Cut, int]]]:
-    """Return the cuts the trainer writes, and every cut an engine rank relays with the index (among the
-    first) of the cut it copies: of the cuts of one engine with the same rows of a tensor, one (its owner's,
+def _relayed(cuts: list[_Cut], enabled: bool) -> tuple[list[_Cut], list[tuple[_Cut, int]]]:
+    """Return the cuts the trainer writes, and every cut a head receiver relays with the index (among the
+    first) of the cut it copies: of the head cuts with the same rows of a tensor, one (its owner's,
     `RelayOwners`) comes from the trainer."""
     if not enabled:
         return cuts, []
     groups: dict[tuple, list[int]] = {}
     for i, c in enumerate(cuts):
-        members = groups.setdefault((receivers[c.receiver].engine, c.name, c.region, c.row, c.rows), [])
+        members = groups.setdefault((c.name, c.region, c.row, c.rows), [])
         if all(cuts[j].receiver != c.receiver for j in members):
             members.append(i)
     owners, owner_of = RelayOwners(), {}

@@ -4,9 +4,9 @@ The bytes land in this rank's registered window: the target staging set itself (
 copied), or a bounded window (a NIC that cannot register a whole shard) whose rounds are copied into the
 target set one by one. For each round the rank waits for the reports of everyone writing into it (the
 trainer ranks holding its pieces, or the engine rank it is chained behind), checks every piece's checksum
-where the bytes lie (on the GPU with `wsum64`), relays the pieces it owns into the other ranks of its
-engine that hold the same rows (the schedule's relay pieces, with the trainer's checksums), takes and
-checks the relay pieces written into it, forwards the round from its window to the engine rank
+where the bytes lie (on the GPU with `wsum64`), relays the pieces it owns into the other head receivers
+that hold the same rows (the other ranks of its engine, mostly: the schedule's relay pieces, with the
+trainer's checksums), takes and checks the relay pieces written into it, forwards the round from its window to the engine rank
 chained behind it (relaying the trainer's checksums, so the end of the chain checks against the source),
 copies a bounded window's round out and releases it. Verifying round r overlaps round r + 1 arriving.
 
@@ -194,8 +194,8 @@ class RoundReceiver:
         return sums
 
     def _relay(self, round_: int, notices: Notices, sums: dict[int, int], at: int) -> int:
-        """Write this round's relay pieces from where their origins landed in the window into the other ranks of
-        this engine; report each with the trainer's checksums. Return the bytes written."""
+        """Write this round's relay pieces from where their origins landed in the window into the other head
+        receivers holding them; report each with the trainer's checksums. Return the bytes written."""
         written = 0
         for peer, pieces in self._by_peer(self._relays[round_]).items():
             there = notices.base(peer, self.timeout_s)
@@ -241,12 +241,12 @@ class RoundReceiver:
         return moved
 
     def _give_up(self, notices: Notices, route: Route, failed_round: int, error: str, posted: list) -> None:
-        """Tell whoever waits on this rank that it stopped: the ranks of its engine it relays to and the rank
+        """Tell whoever waits on this rank that it stopped: the head receivers it relays to and the rank
         behind it (filler for their posted receives of a two-sided mover, and the error for every round left),
         a bounded window's writers (`abort`); then
         take what the writers still send into this version's receives."""
         try:
-            if route.feed is None:  # the ranks of our engine waiting on our relays
+            if route.feed is None:  # the head receivers waiting on our relays
                 for round_ in range(max(failed_round, self._relayed_upto + 1), self.rounds):
                     for peer, pieces in self._by_peer(self._relays[round_]).items():
                         if self.mover.two_sided:

@@ -10,11 +10,12 @@ Pure data, computed once from metadata and identical on every rank (compare `dig
 - Pieces. Every head placement is cut into runs of whole rows of at most `piece_bytes`; a piece is
   contiguous at both ends (its sender copies those rows of its full tensor into its arena; they land at
   `dst` of the receiver's staging set).
-- Relays. Inside a head engine, the ranks that hold the same rows of a tensor (norms, routers, MLA's latent
-  down-projections, KV heads repeated when TP exceeds them) get them from the trainer once: one of those
-  ranks (its *owner*, chosen to spread the relayed bytes over the engine) receives the trainer's piece and,
-  once it verified the round, writes it from its window into each other holder's (a relay piece: `via` is
-  the owner, `origin` the trainer's piece, same checksum). With forwarding and an unbounded window only
+- Relays. Head receivers that hold the same rows of a tensor (the ranks of an engine: norms, routers, MLA's
+  latent down-projections, KV heads repeated when TP exceeds them; and heads of other layouts holding the
+  same placement) get them from the trainer once: one of them (its *owner*, chosen to spread the relayed
+  bytes over the receivers) gets the trainer's piece and, once it verified the round, writes it from its
+  window into each other holder's (a relay piece: `via` is the owner, `origin` the trainer's piece, same
+  checksum). With forwarding and an unbounded window only
   (a bounded window's rounds are packed per rank, and a relay waiting on another rank's release could
   wait on a younger write); so the trainer's egress is one model per layout, not one shard per rank.
 - Senders (`balance`): a small tensor's pieces all go with one of its holders (one gather, one
@@ -98,7 +99,7 @@ class Piece:
     receiver `receiver`: at `dst` of its staging set, `window` of its receive window in round `round`, and
     `arena` of the sender's arena in the sender's arena round `arena_round`.
 
-    A relay piece (`via` >= 0) is written instead by head receiver `via` of the same engine, from where the
+    A relay piece (`via` >= 0) is written instead by head receiver `via` (which holds the same rows), from where the
     trainer's piece `origin` (the same rows, from `sender`) landed in its window; it has no arena place."""
 
     index: int
@@ -180,7 +181,7 @@ class Schedule:
         return list(self._incoming[self.head_of(receiver)])
 
     def relays_from(self, owner: int, round: int) -> list[Piece]:
-        """Return the relay pieces head receiver `owner` writes into its engine's other ranks in `round`."""
+        """Return the relay pieces head receiver `owner` writes into other head receivers in `round`."""
         return [p for p in self._relays_by_owner.get(owner, ()) if p.round == round]
 
     def piece(self, index: int) -> Piece:
@@ -222,7 +223,7 @@ class Schedule:
         return {i: sum(p.nbytes for p in self.incoming(i)) for i in range(len(self.receivers))}
 
     def relayed_bytes(self) -> dict[int, int]:
-        """Return the bytes each head receiver relays into its engine's other ranks per version."""
+        """Return the bytes each head receiver relays into other head receivers per version."""
         out = {i: 0 for i in range(len(self.receivers))}
         for p in self.relays:
             out[p.via] += p.nbytes
