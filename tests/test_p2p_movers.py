@@ -229,6 +229,7 @@ def test_a_relay_corrupted_between_two_ranks_of_an_engine_is_caught_where_it_lan
     for peer in peers:
         got = results[SENDERS + peer]
         assert got.get("error") == "CorruptBucketError" and "does not match its checksum" in got["message"], got
+        assert f"relayed by inference rank {owner})" in got["message"], got
 
 
 def _faulty_sender(rank, world, port, planned, backend):

@@ -104,7 +104,7 @@ class RoundReceiver:
         at = 0 if self.bounded else base
         if route.feed is not None:  # the rank forwarding to us writes at our window's offsets
             route.feed_notices.post_base(route.me, at)
-        elif self._relayed_into:  # so do the ranks of our engine relaying into us
+        elif self._relayed_into:  # so do the head receivers relaying into us
             notices.post_base(self.index, at)
         # A two-sided mover's receives are posted for the whole version at once; every one is matched, by the
         # bytes or a failed writer's filler. (In a bounded window rounds share places: a writer sends round
@@ -218,7 +218,9 @@ class RoundReceiver:
             if checksum(self.window[at + p.window:at + p.window + p.nbytes], self.algorithm) != sums[p.index]:
                 raise CorruptBucketError(
                     f"inference rank {self.index}: piece {p.index} of {p.name} (rows {p.row}..{p.row + p.rows - 1}, "
-                    f"{p.nbytes} bytes from trainer rank {p.sender}) does not match its checksum; nothing is applied")
+                    f"{p.nbytes} bytes from trainer rank {p.sender}"
+                    f"{f', relayed by inference rank {p.via}' if p.relayed else ''}) does not match its checksum; "
+                    "nothing is applied")
 
     @staticmethod
     def _by_peer(pieces: list[Piece]) -> dict[int, list[Piece]]:
