@@ -10,8 +10,11 @@
   factor for a loaded machine.
 - Workers (`tests/support/workers.py`): under pytest-xdist, the tests of a file
   that share a module fixture run in one worker.
+- Scratch (`tests/support/scratch.py`): the sockets vLLM's processes meet on
+  go to a folder of the test process, removed at its end, not into /tmp.
 """
 
 from __future__ import annotations
 
-pytest_plugins = ["tests.support.tiers", "tests.support.durations", "tests.support.timing", "tests.support.workers"]
+pytest_plugins = ["tests.support.tiers", "tests.support.durations", "tests.support.timing", "tests.support.workers",
+                  "tests.support.scratch"]
