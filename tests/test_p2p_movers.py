@@ -180,22 +180,15 @@ class _Corrupting:
         return self._mover.write(target, memory, spans)
 
 
-class _CorruptingOnTheWire:
+class _CorruptingOnTheWire(_Corrupting):
     """A mover whose writes arrive with the first byte of every batch flipped; the memory written from keeps
     its bytes (flipped back once the write completed)."""
-
-    def __init__(self, mover):
-        self._mover = mover
-
-    def __getattr__(self, name):
-        return getattr(self._mover, name)
 
     def write(self, target, memory, spans):
         from megatron_sync.transports.p2p.movers import Done
 
-        memory[spans[0].src] ^= 0xFF
         try:
-            self._mover.write(target, memory, spans).wait(RECEIVE_TIMEOUT_S)
+            super().write(target, memory, spans).wait(RECEIVE_TIMEOUT_S)
         finally:
             memory[spans[0].src] ^= 0xFF
         return Done()
