@@ -86,10 +86,10 @@ def trainer_units(planner: Any) -> list[SourceUnit]:
 class _Dest:
     """Where an item's bytes land: `targets` (rank, bytes) of one head engine, in `head` or in every head."""
 
-    __slots__ = ("spec", "head", "targets")
+    __slots__ = ("head", "targets")
 
-    def __init__(self, spec: int, head: int | None, targets: Sequence[tuple[int, int]]):
-        self.spec, self.head, self.targets = spec, head, targets
+    def __init__(self, head: int | None, targets: Sequence[tuple[int, int]]):
+        self.head, self.targets = head, targets
 
 
 class _Groups:
@@ -139,12 +139,12 @@ def build_items(planner: Any, units: Sequence[SourceUnit], options: P2POptions,
         if total <= options.piece_bytes:
             if total:
                 items.append(Item(total, unit))
-                dests.append(_Dest(i, None, cuts))
+                dests.append(_Dest(None, cuts))
             continue
         for head in range(heads):
             for owner, n in cuts:
                 items.append(Item(n, unit))
-                dests.append(_Dest(i, head, ((owner, n),)))
+                dests.append(_Dest(head, ((owner, n),)))
     return items, dests, dict(relay)
 
 
