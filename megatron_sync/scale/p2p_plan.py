@@ -29,6 +29,7 @@ from megatron_sync.layout.rank import Placement
 from megatron_sync.transports.p2p.balance import Balance, Item, balance
 from megatron_sync.transports.p2p.build import RelayOwners, placements_by_name, row_cuts
 from megatron_sync.transports.p2p.holders import Holders, SourceUnit, source_units
+from megatron_sync.transports.p2p.schedule import relays_on
 from megatron_sync.scale.summary import Endpoint, Traffic
 
 
@@ -48,7 +49,7 @@ class P2POptions:
     @property
     def relays(self) -> bool:
         """Whether engine ranks relay the rows several of them hold (`build_schedule`'s rule)."""
-        return self.forward and not self.window_bytes
+        return relays_on(self.forward, self.window_bytes)
 
     @property
     def round_bytes(self) -> int:

@@ -20,7 +20,7 @@ def build_schedule(units: Sequence[SourceUnit], ranks: Sequence[TrainerRank], te
     a receiver needs that no trainer rank produces."""
     feeds = feeds_of(receivers, options.forward)
     every = _cuts(units, tensors, receivers, [i for i, f in enumerate(feeds) if f == TRAINER], options.piece_bytes)
-    cuts, relayed = _relayed(every, options.forward and not options.window_bytes)
+    cuts, relayed = _relayed(every, options.relays)
     items, item_of = _items(cuts, options.piece_bytes)
     shares = balance(items, Holders(ranks), slack_bytes=options.piece_bytes)
     senders = [shares.senders[item_of[i]] for i in range(len(cuts))]

@@ -89,8 +89,18 @@ class ScheduleOptions:
                 raise ValueError(f"{name}={bound} is smaller than one piece ({self.piece_bytes} bytes, the bucket "
                                  "size); raise the arena size or lower weight_sync.bucket_size_mb")
 
+    @property
+    def relays(self) -> bool:
+        """Whether head receivers relay the rows several of them hold (module doc: forwarding on, window unbounded)."""
+        return relays_on(self.forward, self.window_bytes)
+
     def to_wire(self) -> list:
         return [self.piece_bytes, self.window_bytes, self.round_bytes, self.arena_bytes, self.forward]
+
+
+def relays_on(forward: bool, window_bytes: int) -> bool:
+    """Return whether a schedule with these options relays (the one place the rule is written)."""
+    return forward and not window_bytes
 
 
 @dataclass(frozen=True)
