@@ -299,6 +299,7 @@ def test_mooncake_refuses_rdma_without_a_device_and_unregistered_sources():
     mover.write("receiver/0", source, [Span(0, 100, 32), Span(32, 132, 32)]).wait(5)  # lands in our own window
     assert bool((window[100:164] == 7).all()) and int(window[:100].sum()) == 0
     assert mover.bytes_written == {"receiver/0": 64}
+    assert mover.write("receiver/0", source, []).done()  # nothing to write (an empty round) is done at once
     mover.close()
 
 

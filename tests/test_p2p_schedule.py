@@ -91,10 +91,20 @@ def test_rows_several_heads_hold_come_once_and_their_owner_relays_them(family, e
     assert max(loads) - min(loads) <= max(p.nbytes for p in s.pieces) * len(loads)
 
 
-def test_without_forwarding_or_with_a_bounded_window_the_trainer_writes_every_rank_its_copy():
-    for options in (dict(forward=False), dict(window_bytes=20000)):
-        _, s = schedule_of("qwen3", [ref(2)], dict(tp=2), piece_bytes=4096, **options)
-        assert not s.relays and s.trainer_egress() == sum(r.layout.shard_bytes for r in s.receivers)
+def test_without_forwarding_the_trainer_writes_every_rank_its_copy():
+    _, s = schedule_of("qwen3", [ref(2)], dict(tp=2), piece_bytes=4096, forward=False)
+    assert not s.relays and s.trainer_egress() == sum(r.layout.shard_bytes for r in s.receivers)
+
+
+def test_a_bounded_window_still_relays_so_the_trainer_writes_one_copy():
+    _, unbounded = schedule_of("qwen3", [ref(2), ref(2)], dict(tp=2), piece_bytes=4096)
+    _, s = schedule_of("qwen3", [ref(2), ref(2)], dict(tp=2), piece_bytes=4096, window_bytes=8192)
+    assert s.relays and s.trainer_egress() == unbounded.trainer_egress() < sum(
+        r.layout.shard_bytes for r in s.receivers[:2])
+    for relay in s.relays:  # lands in its origin's round, inside the peer's window, beside nothing else
+        assert relay.round == s.piece(relay.origin).round
+        assert relay.window + relay.nbytes <= 8192
+    assert max(s.rounds) > 1 and _runs_to_the_end(s)
 
 
 def test_three_engines_of_one_layout_form_a_chain_and_without_forwarding_all_are_heads():
@@ -131,7 +141,61 @@ def test_bounded_windows_hold_each_round_and_senders_never_wait_backwards(window
         for p in s.sender_queue(sender):
             assert p.round >= last.get(p.receiver, 0)
             last[p.receiver] = p.round
-    assert max(s.rounds) > 1
+    assert max(s.rounds) > 1 and s.relays
+    assert _runs_to_the_end(s)
+
+
+@pytest.mark.parametrize("family,engines,grid,piece", CASES)
+@pytest.mark.parametrize("window", [1, 3])
+def test_every_rank_waiting_on_bounded_windows_and_relays_gets_to_the_end(family, engines, grid, piece, window):
+    """Play the protocol's waits (`writer`, `rounds`) on the schedule until nothing moves: every write, relay
+    and release happens, whatever the layouts, with windows of one to three pieces."""
+    _, s = schedule_of(family, engines, grid, piece_bytes=piece, window_bytes=window * piece)
+    assert _runs_to_the_end(s)
+
+
+def _runs_to_the_end(s) -> bool:
+    """Whether the waits of a bounded-window version (heads only: forwarding adds a chain behind each) all end.
+
+    A sender posts its messages in order, each once its receiver released the round before. A head receiver,
+    round by round: takes the senders' messages, relays its pieces to each peer once that peer released the
+    round before, takes the relays into it, releases the round."""
+    heads = [i for i, feed in enumerate(s.feeds) if feed == TRAINER]
+    queues = {sender: s.sender_messages(sender) for sender in {p.sender for p in s.pieces}}
+    at = dict.fromkeys(queues, 0)  # sender -> messages posted
+    written: set[int] = set()
+    released = dict.fromkeys(heads, -1)
+    state = {i: [0, 0] for i in heads}  # head -> [round, relay peers done (-1: trainer's writes not all in yet)]
+    expected = {(m.receiver, m.round): set() for m in s.messages}
+    for m in s.messages:
+        expected[(m.receiver, m.round)].add(m.index)
+    relayed: set[tuple[int, int, int]] = set()  # (owner, peer, round)
+    moved = True
+    while moved:
+        moved = False
+        for sender, queue in queues.items():
+            while at[sender] < len(queue) and released[queue[at[sender]].receiver] >= queue[at[sender]].round - 1:
+                written.add(queue[at[sender]].index)
+                at[sender], moved = at[sender] + 1, True
+        for i in heads:
+            moved |= _step(s, i, state, released, written, expected, relayed)
+    return all(at[k] == len(q) for k, q in queues.items()) and all(state[i][0] == s.rounds[i] for i in heads)
+
+
+def _step(s, i, state, released, written, expected, relayed) -> bool:
+    round_, done = state[i]
+    if round_ == s.rounds[i] or not expected.get((i, round_), set()) <= written:
+        return False
+    peers = sorted({p.receiver for p in s.relays_from(i, round_)})
+    while done < len(peers) and released[peers[done]] >= round_ - 1:
+        relayed.add((i, peers[done], round_))
+        done += 1
+    moved, state[i][1] = done > state[i][1], done
+    into = {(p.via, i, round_) for p in s.round_pieces(i, round_) if p.relayed}
+    if done < len(peers) or not into <= relayed:
+        return moved
+    released[i], state[i] = round_, [round_ + 1, 0]
+    return True
 
 
 def test_an_unbounded_window_is_the_staging_set_cut_into_rounds_that_pace_forwarding():

@@ -183,13 +183,12 @@ def test_p2p_syncs_exact_shards_and_only_shard_bytes_through_the_drivers(backend
         assert all(ratio == 1.0 for ratio in ratios.values()), (version, ratios)
         sent_bytes = sum(json.loads(t["metrics"][version - 1])["bytes"] for t in trainers)
         # The model once: identical engines are chained, and rows several ranks of an engine hold (norms, KV
-        # heads repeated) come once and are relayed inside it (the ratios above: every rank got all its bytes).
-        # A bounded window has no relays: the trainer writes every rank its copy.
+        # heads repeated) come once and are relayed inside it (the ratios above: every rank got all its bytes),
+        # into bounded windows too.
         egress = trainers[0]["share"]["egress"]
         model = sum(t.numel() * t.element_size() for t in sent[version - 1].values())
         one_engine = sum(shard_bytes) // case.get("engines", 1)
-        relays = case["engine_tp"] > 1 and "p2p_window_mb" not in case.get("weight_sync", {})
-        assert sent_bytes == egress == (model if relays else one_engine), (version, sent_bytes, egress, model)
+        assert sent_bytes == egress == (model if case["engine_tp"] > 1 else one_engine), (version, sent_bytes, egress)
         assert model < one_engine or case["engine_tp"] == 1
         # Every phase P2P runs is measured (gather, convert and checksum on the senders; checksum on receivers).
         for t in trainers:

@@ -49,7 +49,7 @@ class P2POptions:
     @property
     def relays(self) -> bool:
         """Whether engine ranks relay the rows several of them hold (`build_schedule`'s rule)."""
-        return relays_on(self.forward, self.window_bytes)
+        return relays_on(self.forward)
 
     @property
     def round_bytes(self) -> int:

@@ -10,8 +10,8 @@ from megatron_sync.layout.rank import Placement
 from megatron_sync.layout.regions import TensorSpec
 from megatron_sync.transports.p2p.balance import Item, balance
 from megatron_sync.transports.p2p.holders import Holders, SourceUnit
-from megatron_sync.transports.p2p.schedule import (ALIGN, TRAINER, InferenceRank, Message, Piece, Schedule,
-                                                   ScheduleOptions)
+from megatron_sync.transports.p2p.schedule import (TRAINER, InferenceRank, Message, Piece, Schedule,
+                                                   ScheduleOptions, aligned)
 
 
 def build_schedule(units: Sequence[SourceUnit], ranks: Sequence[TrainerRank], tensors: Sequence[TensorSpec],
@@ -24,12 +24,12 @@ def build_schedule(units: Sequence[SourceUnit], ranks: Sequence[TrainerRank], te
     items, item_of = _items(cuts, options.piece_bytes)
     shares = balance(items, Holders(ranks), slack_bytes=options.piece_bytes)
     senders = [shares.senders[item_of[i]] for i in range(len(cuts))]
-    windows = _windows(cuts, options)
+    windows, relay_windows = _windows(cuts, relayed, options)
     arenas = _arenas(cuts, senders, options.arena_bytes)
     pieces = tuple(Piece(i, senders[i], c.receiver, c.name, c.region, c.row, c.rows, c.dst, c.nbytes,
                          windows[i][0], windows[i][1], arenas[i][0], arenas[i][1]) for i, c in enumerate(cuts))
     relays = tuple(Piece(len(pieces) + k, pieces[o].sender, c.receiver, c.name, c.region, c.row, c.rows, c.dst,
-                         c.nbytes, pieces[o].round, c.dst, 0, 0, via=pieces[o].receiver, origin=o)
+                         c.nbytes, *relay_windows[k], 0, 0, via=pieces[o].receiver, origin=o)
                    for k, (c, o) in enumerate(relayed))
     rounds = [0] * len(receivers)
     for p in pieces + relays:
@@ -138,15 +138,19 @@ def _items(cuts: Sequence[_Cut], piece_bytes: int) -> tuple[list[Item], list[int
     return items, item_of
 
 
-def _windows(cuts: Sequence[_Cut], options: ScheduleOptions) -> list[tuple[int, int]]:
-    """Return each cut's (round, offset in its receiver's window): bounded windows are packed per round,
-    an unbounded one is the staging set (offset = dst) cut into rounds of `round_bytes`."""
+def _windows(cuts: Sequence[_Cut], relayed: Sequence[tuple[_Cut, int]],
+             options: ScheduleOptions) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Return each cut's and each relayed cut's (round, offset in its receiver's window): bounded windows are
+    packed per round, an unbounded one is the staging set (offset = dst) cut into rounds of `round_bytes`; a
+    relayed cut lands in its origin's round."""
+    if options.window_bytes and relayed:
+        return _shared_windows(cuts, relayed, options.window_bytes)
     state: dict[int, list[int]] = {}  # receiver -> [round, bytes used in it]
     out = []
     for c in cuts:
         round_, used = state.setdefault(c.receiver, [0, 0])
         if options.window_bytes:
-            start = -(-used // ALIGN) * ALIGN
+            start = aligned(used)
             if used and start + c.nbytes > options.window_bytes:
                 round_, start = round_ + 1, 0
             state[c.receiver] = [round_, start + c.nbytes]
@@ -156,7 +160,38 @@ def _windows(cuts: Sequence[_Cut], options: ScheduleOptions) -> list[tuple[int, 
             round_, used = round_ + 1, 0
         state[c.receiver] = [round_, used + c.nbytes]
         out.append((round_, c.dst))
-    return out
+    return out, [(out[o][0], c.dst) for c, o in relayed]
+
+
+def _shared_windows(cuts: Sequence[_Cut], relayed: Sequence[tuple[_Cut, int]],
+                    window_bytes: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Bounded windows with relays: every head receiver's rounds end at the same cuts, and a trainer cut lands
+    together with the cuts relayed from it (a new round for all when one of them does not fit its window).
+
+    Why: a relay into round r of a peer waits for the peer's release of round r - 1, which waits for every
+    relay into that round, hence for whole rounds r - 1 of other receivers. With rounds cut per receiver,
+    those could end after a younger trainer write the peer's round r waits for (a cycle). With shared ends,
+    round r - 1 everywhere holds only cuts older than any of round r, and each sender writes in round order.
+    """
+    riders: dict[int, list[int]] = {}
+    for k, (_, origin) in enumerate(relayed):
+        riders.setdefault(origin, []).append(k)
+    used: dict[int, int] = {}  # head receiver -> bytes used in the current round
+    round_ = 0
+    out: list[tuple[int, int]] = []
+    relay_out: list[tuple[int, int]] = [(0, 0)] * len(relayed)
+    for i, c in enumerate(cuts):
+        members = [(c, None)] + [(relayed[k][0], k) for k in riders.get(i, ())]
+        if any(used.get(m.receiver, 0) and aligned(used[m.receiver]) + m.nbytes > window_bytes for m, _ in members):
+            round_, used = round_ + 1, {}
+        for m, k in members:
+            start = aligned(used.get(m.receiver, 0))
+            used[m.receiver] = start + m.nbytes
+            if k is None:
+                out.append((round_, start))
+            else:
+                relay_out[k] = (round_, start)
+    return out, relay_out
 
 
 def _arenas(cuts: Sequence[_Cut], senders: Sequence[int], arena_bytes: int) -> list[tuple[int, int]]:
@@ -165,7 +200,7 @@ def _arenas(cuts: Sequence[_Cut], senders: Sequence[int], arena_bytes: int) -> l
     out = []
     for c, sender in zip(cuts, senders):
         round_, used = state.setdefault(sender, [0, 0])
-        start = -(-used // ALIGN) * ALIGN
+        start = aligned(used)
         if arena_bytes and used and start + c.nbytes > arena_bytes:
             round_, start = round_ + 1, 0
         state[sender] = [round_, start + c.nbytes]

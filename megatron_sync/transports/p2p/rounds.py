@@ -198,6 +198,7 @@ class RoundReceiver:
         receivers holding them; report each with the trainer's checksums. Return the bytes written."""
         written = 0
         for peer, pieces in self._by_peer(self._relays[round_]).items():
+            self._await_release(notices, peer, round_, f"inference rank {peer}, which this rank relays to")
             there = notices.base(peer, self.timeout_s)
             spans = [Span(at + self.schedule.piece(p.origin).window, there + p.window, p.nbytes) for p in pieces]
             before = self.mover.bytes_written.get(receiver(peer), 0)
@@ -232,8 +233,7 @@ class RoundReceiver:
     def _forward(self, round_: int, route: Route, pieces: list[Piece], sums: dict[int, int], at: int) -> int:
         """Write this round from the window into the next rank's window; report it with the trainer's sums."""
         notices = route.next_notices
-        if self.bounded and round_ > 0 and not notices.released(route.next_index, round_ - 1, self.timeout_s):
-            raise SenderFailedError(f"{route.next}, chained behind this rank, gave up on version {notices.version}")
+        self._await_release(notices, route.next_index, round_, f"{route.next}, chained behind this rank")
         there = notices.base(route.next_index, self.timeout_s)
         spans = [Span(at + p.window, there + p.window, p.nbytes) for p in pieces]
         before = self.mover.bytes_written.get(route.next, 0)
@@ -241,6 +241,12 @@ class RoundReceiver:
         moved = self.mover.bytes_written.get(route.next, 0) - before
         notices.report(route.name, route.next_index, round_, RoundReport(sums, moved))
         return moved
+
+    def _await_release(self, notices: Notices, index: int, round_: int, who: str) -> None:
+        """Into a bounded window, wait until rank `index` released the round before `round_` (`who` names it
+        when it gave up instead)."""
+        if self.bounded and round_ > 0 and not notices.released(index, round_ - 1, self.timeout_s):
+            raise SenderFailedError(f"{who}, gave up on version {notices.version}")
 
     def _give_up(self, notices: Notices, route: Route, failed_round: int, error: str, posted: list) -> None:
         """Tell whoever waits on this rank that it stopped: the head receivers it relays to and the rank

@@ -15,9 +15,8 @@ Pure data, computed once from metadata and identical on every rank (compare `dig
   same placement) get them from the trainer once: one of them (its *owner*, chosen to spread the relayed
   bytes over the receivers) gets the trainer's piece and, once it verified the round, writes it from its
   window into each other holder's (a relay piece: `via` is the owner, `origin` the trainer's piece, same
-  checksum). With forwarding and an unbounded window only
-  (a bounded window's rounds are packed per rank, and a relay waiting on another rank's release could
-  wait on a younger write); so the trainer's egress is one model per layout, not one shard per rank.
+  checksum). With forwarding on (the `relays` option); so the trainer's egress is one model per layout,
+  not one shard per rank, whatever the window.
 - Senders (`balance`): a small tensor's pieces all go with one of its holders (one gather, one
   conversion), a large tensor's one by one, so the busiest sender carries about the mean.
 - Order. Pieces are ordered by how far through its stage's walk their unit lies (`Piece.key`), so each
@@ -26,8 +25,10 @@ Pure data, computed once from metadata and identical on every rank (compare `dig
   (`window_bytes` of registered memory the bytes land in before they are copied into the staging set) or,
   when the staging set itself is the window (`window_bytes` 0), into rounds of `round_bytes` that only pace
   forwarding (0: one round). A round is reported, verified and forwarded as a whole; into a bounded
-  window, round r + 1 is written only once the receiver released round r. Since every sender writes in
-  key order and every round ends at a key, the oldest waiting write never waits on a younger one.
+  window, round r + 1 is written (by a sender, a forwarding rank or a relaying one) only once the receiver
+  released round r. Since every sender writes in key order and every round ends at a key, the oldest
+  waiting write never waits on a younger one. With relays into bounded windows every head receiver's rounds
+  end at the same keys, and relayed rows land in their origin's round (`build._shared_windows` says why).
 - Arena. A sender stages its pieces in order at `arena` offsets of its registered arena, wrapping when
   `arena_bytes` are used (its arena rounds: space is reused once the writes from it completed).
 - Messages. A sender's pieces to one receiver of one round and one arena round travel in batches of at
@@ -91,16 +92,17 @@ class ScheduleOptions:
 
     @property
     def relays(self) -> bool:
-        """Whether head receivers relay the rows several of them hold (module doc: forwarding on, window unbounded)."""
-        return relays_on(self.forward, self.window_bytes)
+        """Whether head receivers relay the rows several of them hold (module doc: forwarding on)."""
+        return relays_on(self.forward)
 
     def to_wire(self) -> list:
         return [self.piece_bytes, self.window_bytes, self.round_bytes, self.arena_bytes, self.forward]
 
 
-def relays_on(forward: bool, window_bytes: int) -> bool:
-    """Return whether a schedule with these options relays (the one place the rule is written)."""
-    return forward and not window_bytes
+def relays_on(forward: bool) -> bool:
+    """Return whether a schedule with these options relays (the one place the rule is written): whenever
+    engines forward, since a relay is a forward between the heads of one layout."""
+    return forward
 
 
 @dataclass(frozen=True)
@@ -212,13 +214,13 @@ class Schedule:
 
     def arena_bytes(self, sender: int) -> int:
         """Return the size of `sender`'s arena (0 when it sends nothing)."""
-        return max((_aligned(p.arena + p.nbytes) for p in self._queues.get(sender, ())), default=0)
+        return max((aligned(p.arena + p.nbytes) for p in self._queues.get(sender, ())), default=0)
 
     def window_bytes(self, receiver: int) -> int:
         """Return the size of `receiver`'s receive window (its staging set's when the set is the window)."""
         if not self.options.window_bytes:
             return self.receivers[receiver].layout.nbytes
-        return max((_aligned(p.window + p.nbytes) for p in self.incoming(receiver)), default=0)
+        return max((aligned(p.window + p.nbytes) for p in self.incoming(receiver)), default=0)
 
     def bytes_from_sender(self) -> dict[int, int]:
         """Return the bytes every trainer rank writes per version (0 when it writes none)."""
@@ -274,5 +276,6 @@ def _grouped(pieces: Sequence[Piece], by: str) -> dict[int, tuple[Piece, ...]]:
     return {k: tuple(v) for k, v in grouped.items()}
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """Return `n` rounded up to a multiple of ALIGN."""
     return -(-n // ALIGN) * ALIGN
