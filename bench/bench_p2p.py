@@ -16,6 +16,10 @@ transport of the same bytes over the same mover between the same processes. Repo
   their number; above 1.00 / model where an engine's ranks each hold a replicated tensor, as the reference
   engine holds the vocabulary on every rank; broadcast: not counted).
 
+A point may bound the registered memory on both sides (`nixl:1x2w8`: `p2p.window_mb` and `p2p.arena_mb` of
+8 MB, below the 41 MB each rank receives), so each version streams through both in rounds; it has no raw
+replay (a replay needs the whole share in the arena) and shows that relays keep egress / model at 1.00.
+
 Machine caveat: 2 + N processes share this machine's cores (2 here): with more processes than cores
 every figure is CPU-bound (memcpy, checksums, loopback TCP), not network-bound.
 
@@ -43,19 +47,24 @@ TRANSPORTS = {
     "torch": {"transport": "p2p", "p2p": {"backend": "torch"}},
 }
 ONE_SIDED = ("nixl", "mooncake")
-DEFAULT_POINTS = "nixl:1x2,mooncake:1x2,torch:1x2,broadcast:1x2,nixl:3x1,broadcast:3x1"
-"""transport:ENGINESxTP: one engine of TP=2 per mover and broadcast; three engines of one layout (a chain)."""
+DEFAULT_POINTS = "nixl:1x2,mooncake:1x2,torch:1x2,broadcast:1x2,nixl:3x1,broadcast:3x1,nixl:1x2w8"
+"""transport:ENGINESxTP[wMB]: one engine of TP=2 per mover and broadcast; three engines of one layout (a chain);
+NIXL through an 8 MB window and arena."""
 MB = 1e6
 
 
 def run_point(transport: str, *, engines: int = 1, engine_tp: int = 1, versions: int = 4, bucket_mb: float = 8.0,
-              replays: int = 3, dtype: str = "bfloat16") -> dict:
-    """Run one trainer job (TP=2) and `engines` engines of `engine_tp` ranks over `transport`; return medians."""
-    raw = replays if transport in ONE_SIDED else 0
+              replays: int = 3, dtype: str = "bfloat16", window_mb: float = 0.0) -> dict:
+    """Run one trainer job (TP=2) and `engines` engines of `engine_tp` ranks over `transport` (P2P windows and
+    arenas of `window_mb`, 0: unbounded); return medians."""
+    raw = replays if transport in ONE_SIDED and not window_mb else 0
+    settings = dict(TRANSPORTS[transport])
+    if window_mb:
+        settings["p2p"] = {**settings["p2p"], "window_mb": window_mb, "arena_mb": window_mb}
     case = {"spec": SPEC, "layout": {"tp": 2}, "engines": engines, "engine_tp": engine_tp, "versions": versions,
             "receiver_metrics": True, "keep_tensors": False, "timeout_s": 600.0, "raw_replays": raw,
             "env": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"} if transport == "nixl" else {},
-            "weight_sync": {"dtype": dtype, "bucket_size_mb": bucket_mb, **TRANSPORTS[transport]}}
+            "weight_sync": {"dtype": dtype, "bucket_size_mb": bucket_mb, **settings}}
     start = time.monotonic()
     trainers, _ = run_pair(case, timeout=1800)
     wall = time.monotonic() - start
@@ -74,7 +83,7 @@ def run_point(transport: str, *, engines: int = 1, engine_tp: int = 1, versions:
                               for r in range(raw)) if raw else None
     share = trainers[0].get("share")
     egress = sum(statistics.median(syncs[v][i]["bytes"] for v in measured) for i in range(len(trainers)))
-    return {"transport": transport, "engines": engines, "tp": engine_tp, "sync_s": phases["total"], "phases": phases,
+    return {"transport": transport, "engines": engines, "tp": engine_tp, "window_mb": window_mb, "sync_s": phases["total"], "phases": phases,
             "warmup_s": slowest(0)["phases_s"]["total"], "recv": recv, "raw_s": raw_s, "wall": wall,
             "egress_over_model": egress / MODEL_BYTES if share else None,
             "egress_over_engine": egress / sum(recv[:engine_tp]) if share else None}
@@ -102,7 +111,8 @@ def format_rows(rows: list[dict]) -> str:
     for r in rows:
         p = r["phases"]
         raw = r["raw_s"]
-        lines.append([r["transport"], f"{r['engines']}x{r['tp']}", f"{r['sync_s']:.3f}",
+        window = f" w{r['window_mb']:g}MB" if r["window_mb"] else ""
+        lines.append([r["transport"], f"{r['engines']}x{r['tp']}{window}", f"{r['sync_s']:.3f}",
                       "-" if raw is None else f"{raw:.3f}", "-" if raw is None else f"{r['sync_s'] / raw:.2f}",
                       f"{r['warmup_s']:.3f}", *(f"{p[k]:.3f}" for k in ("gather", "convert", "pack", "checksum",
                                                                           "transfer", "commit")),
@@ -128,9 +138,10 @@ def main(argv=None) -> None:
     rows = []
     for point in args.points.split(","):
         transport, sizes = point.split(":")
+        sizes, _, window = sizes.partition("w")
         engines, tp = map(int, sizes.split("x"))
         rows.append(run_point(transport, engines=engines, engine_tp=tp, versions=args.versions,
-                              bucket_mb=args.bucket_mb, replays=args.replays))
+                              bucket_mb=args.bucket_mb, replays=args.replays, window_mb=float(window or 0)))
         r = rows[-1]
         print(f"  {point}: sync {r['sync_s']:.3f}s ({r['wall']:.0f}s wall with start-up)", flush=True)
     print(format_rows(rows))
