@@ -127,14 +127,17 @@ def test_the_busiest_sender_carries_about_the_mean():
     assert len({p.sender for p in embed}) > 1
 
 
-@pytest.mark.parametrize("window", [6000, 20000])
-def test_bounded_windows_hold_each_round_and_senders_never_wait_backwards(window):
-    _, s = schedule_of("qwen3_moe", [ref(2), ref(2)], dict(tp=2, ep=2), piece_bytes=4096, window_bytes=window)
+@pytest.mark.parametrize("window,round_bytes,slots", [(6000, 0, 1), (20000, 0, 2), (40000, 8192, 4)])
+def test_bounded_windows_hold_each_round_in_its_slot_and_senders_never_wait_backwards(window, round_bytes, slots):
+    _, s = schedule_of("qwen3_moe", [ref(2), ref(2)], dict(tp=2, ep=2), piece_bytes=4096, window_bytes=window,
+                       round_bytes=round_bytes)
+    assert s.slots == slots  # as many rounds of round_bytes as fit, at least two where two pieces fit
+    slot = window if slots == 1 else window // slots // 64 * 64
     for receiver in range(len(s.receivers)):
         assert s.window_bytes(receiver) <= window
         for round_ in range(s.rounds[receiver]):
             spans = sorted((p.window, p.window + p.nbytes) for p in s.round_pieces(receiver, round_))
-            assert spans and spans[-1][1] <= window
+            assert all(round_ % slots * slot <= a and b <= (round_ % slots + 1) * slot for a, b in spans)
             assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "two pieces overlap in a window"
     for sender in {p.sender for p in s.pieces}:  # every sender's pieces to a receiver come in round order
         last: dict[int, int] = {}
@@ -157,9 +160,10 @@ def test_every_rank_waiting_on_bounded_windows_and_relays_gets_to_the_end(family
 def _runs_to_the_end(s) -> bool:
     """Whether the waits of a bounded-window version (heads only: forwarding adds a chain behind each) all end.
 
-    A sender posts its messages in order, each once its receiver released the round before. A head receiver,
-    round by round: takes the senders' messages, relays its pieces to each peer once that peer released the
-    round before, takes the relays into it, releases the round."""
+    A sender posts its messages in order, each once its receiver released the last round in the slot of the
+    window it lands in (`Schedule.reuses`). A head receiver, round by round: takes the senders' messages,
+    relays its pieces to each peer once that peer released the last round in the slot, takes the relays into
+    it, releases the round."""
     heads = [i for i, feed in enumerate(s.feeds) if feed == TRAINER]
     queues = {sender: s.sender_messages(sender) for sender in {p.sender for p in s.pieces}}
     at = dict.fromkeys(queues, 0)  # sender -> messages posted
@@ -174,7 +178,7 @@ def _runs_to_the_end(s) -> bool:
     while moved:
         moved = False
         for sender, queue in queues.items():
-            while at[sender] < len(queue) and released[queue[at[sender]].receiver] >= queue[at[sender]].round - 1:
+            while at[sender] < len(queue) and released[queue[at[sender]].receiver] >= s.reuses(queue[at[sender]].round):
                 written.add(queue[at[sender]].index)
                 at[sender], moved = at[sender] + 1, True
         for i in heads:
@@ -187,7 +191,7 @@ def _step(s, i, state, released, written, expected, relayed) -> bool:
     if round_ == s.rounds[i] or not expected.get((i, round_), set()) <= written:
         return False
     peers = sorted({p.receiver for p in s.relays_from(i, round_)})
-    while done < len(peers) and released[peers[done]] >= round_ - 1:
+    while done < len(peers) and released[peers[done]] >= s.reuses(round_):
         relayed.add((i, peers[done], round_))
         done += 1
     moved, state[i][1] = done > state[i][1], done

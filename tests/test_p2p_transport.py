@@ -129,7 +129,7 @@ CASES = [
                               versions=2, env=UCX_TCP), id="pp2-into-three-chained-engines-replicated-kv-nixl"),
     # Registered memory smaller than a shard: the arena and the window are reused round by round.
     pytest.param("nixl", dict(spec={"family": "qwen3_moe"}, layout={"ep": 2}, engine_tp=2, versions=2, env=UCX_TCP,
-                              weight_sync={"p2p_arena_mb": 0.03, "p2p_window_mb": 0.025}),
+                              weight_sync={"p2p_arena_mb": 0.03, "p2p_window_mb": 0.05}),
                  id="ep2-bounded-arena-and-window-nixl"),
 ]
 
@@ -195,6 +195,8 @@ def test_p2p_syncs_exact_shards_and_only_shard_bytes_through_the_drivers(backend
             phases = json.loads(t["metrics"][version - 1])["phases_s"]
             assert all(phases[p] > 0 for p in ("gather", "convert", "checksum", "transfer", "commit")), phases
         assert all(json.loads(m)["phases_s"]["checksum"] > 0 for m in reports), reports
+    if "p2p_window_mb" in case["weight_sync"]:  # the window holds two rounds at once; a version takes more
+        assert trainers[0]["share"]["slots"] == 2 and trainers[0]["share"]["rounds"] > 2, trainers[0]["share"]
     # The schedule: every trainer rank writes a part, none everything, the busiest about the mean.
     scheduled = [t["share"]["scheduled"] for t in trainers]
     assert sum(scheduled) == trainers[0]["share"]["egress"] and all(0 < b < sum(scheduled) for b in scheduled)

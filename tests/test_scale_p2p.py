@@ -143,14 +143,17 @@ def test_kimi_k2_on_32_plus_32_h100_nodes_is_within_2x_its_bound_and_flat_from_4
 
 
 def _a_bounded_window_adds_a_release_wait_per_round(at: ScalePlanner, unbounded, h100) -> None:
-    """Into a window smaller than a shard, round r + 1 is written once round r was verified, relayed, copied
-    out and released. With rounds as large as the unbounded window's (4 pieces), that wait is what the bounded
-    window costs; the trainer still writes the model once (relays stay on)."""
-    plan = at.plan("p2p", bucket_bytes=64 << 20, window_bytes=256 << 20)
-    assert plan.extra["egress"] == at.model_bytes
-    bounded = predict(plan, h100)
-    wait = next(ph for ph in bounded.phases if ph.name.startswith("wait for each round's release"))
-    rounds = -(-max(at.shard_bytes()[0]) // (256 << 20))
-    assert wait.where == f"{rounds} rounds of 256 MiB" and wait.seconds > 0
-    assert bounded.seconds > unbounded.seconds and not any(ph.name.startswith("wait for") for ph in unbounded.phases)
-
+    """Into a window smaller than a shard, round r is written once the last round in its slot was verified,
+    relayed, copied out and released. A window of one piece has one slot, so the writes stop at every round; a
+    4 GiB window has 16 slots of 4 pieces, and the rounds between cover the wait. Either way the trainer still
+    writes the model once (relays stay on)."""
+    predicted, waits = {}, {}
+    for window in (64 << 20, 4 << 30):
+        plan = at.plan("p2p", bucket_bytes=64 << 20, window_bytes=window)
+        assert plan.extra["egress"] == at.model_bytes
+        predicted[window] = predict(plan, h100)
+        waits[window] = [ph for ph in predicted[window].phases if ph.name.startswith("wait for each round's")]
+    rounds = -(-max(at.shard_bytes()[0]) // (64 << 20))
+    assert [w.where for w in waits[64 << 20]] == [f"{rounds} rounds of 64 MiB"] and waits[64 << 20][0].seconds > 0
+    assert predicted[64 << 20].seconds > unbounded.seconds and not waits[4 << 30]
+    assert abs(predicted[4 << 30].seconds - unbounded.seconds) < 0.01 * unbounded.seconds

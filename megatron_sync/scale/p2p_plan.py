@@ -29,12 +29,8 @@ from megatron_sync.layout.rank import Placement
 from megatron_sync.transports.p2p.balance import Balance, Item, balance
 from megatron_sync.transports.p2p.build import RelayOwners, placements_by_name, row_cuts
 from megatron_sync.transports.p2p.holders import Holders, SourceUnit, source_units
-from megatron_sync.transports.p2p.schedule import relays_on
+from megatron_sync.transports.p2p.schedule import ROUND_PIECES, relays_on, slot_bytes, window_slots
 from megatron_sync.scale.summary import Endpoint, Traffic
-
-
-ROUND_PIECES = 4
-"""Pieces per forwarding round when the staging set is the receive window (the runtime's choice)."""
 
 
 @dataclass(frozen=True)
@@ -52,10 +48,17 @@ class P2POptions:
         return relays_on(self.forward)
 
     @property
+    def slots(self) -> int:
+        """Rounds a bounded window holds at once (`schedule.window_slots`, pieces of at most `piece_bytes`)."""
+        return window_slots(self.window_bytes, ROUND_PIECES * self.piece_bytes, self.piece_bytes)
+
+    @property
     def round_bytes(self) -> int:
-        """Bytes of one forwarding round: the bounded window, else four pieces (buckets) of the staging set,
-        as the runtime cuts them (`transports/p2p/sender.py` `schedule_options`)."""
-        return self.window_bytes or ROUND_PIECES * self.piece_bytes
+        """Bytes of one forwarding round: a slot of the bounded window, else four pieces (buckets) of the
+        staging set, as the runtime cuts them (`transports/p2p/sender.py` `schedule_options`)."""
+        if self.window_bytes:
+            return slot_bytes(self.window_bytes, self.slots)
+        return ROUND_PIECES * self.piece_bytes
 
 
 @dataclass

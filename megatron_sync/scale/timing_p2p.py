@@ -17,10 +17,11 @@ What the code does per version (`transports/p2p/schedule.py`, `build.py`, `balan
   staging set (no copy).
 
 So the sync takes max(the busiest sender's production and writes, a head receiver's ingress, a head rank's
-relays out) plus, into a bounded window, a turnaround per round but the last (the writes of round r + 1 wait
-until round r was verified, relayed, copied out and released), plus the last round's relays, (chain
-length - 1) rounds, the last round's verification and the agreement. NIXL and Mooncake both write over RDMA
-from registered GPU memory here, so they share this model (`local` measures each).
+relays out), plus the last round's relays, (chain length - 1) rounds, the last round's verification and the
+agreement. Into a bounded window, each round but the last can add a stall: the writes of a round wait until
+the last round in its slot of the window was verified, relayed, copied out and released, and only the
+rounds in the other slots arrive meanwhile. NIXL and Mooncake both write over RDMA from registered GPU memory
+here, so they share this model (`local` measures each).
 """
 
 from __future__ import annotations
@@ -111,10 +112,12 @@ def p2p_gpu(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions
         out.append(Phase("copy the last round out of the window", window, "last engine", rate_of(profile, "copy")))
     verify = round_bytes / device_checksum_rate(profile, options.checksum)
     out.append(Phase("verify the last round (wsum64)", verify, "last engine", rate_of(profile, "wsum64")))
-    # One bounded window per rank: round r + 1 is written once round r was verified, relayed, copied out and
-    # released (a report and a release message), so the writes stop that long at every round but the last.
-    rounds = sender_rounds(summary)
-    turns = (rounds - 1) * (verify + window + last_relay + 2 * profile.message_s.value) if window else 0.0
+    # A bounded window of `slots` rounds: round r is written once round r - slots was verified, relayed, copied
+    # out and released (a report and a release message); the slots - 1 rounds between arrive meanwhile, so
+    # the writes stop only for what the turnaround takes beyond them, at every round but the last.
+    rounds, turnaround = sender_rounds(summary), verify + window + last_relay + 2 * profile.message_s.value
+    stall = max(0.0, turnaround - (opts.slots - 1) * round_bytes / profile.nic_per_gpu)
+    turns = (rounds - 1) * stall if window else 0.0
     if turns:
         out.append(Phase("wait for each round's release (bounded window)", turns,
                          f"{rounds} rounds of {round_bytes / 2**20:,.0f} MiB", rate_of(profile, "copy")))

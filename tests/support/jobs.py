@@ -163,7 +163,8 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
                         "egress": sender.schedule.trainer_egress(), "busiest_over_mean":
                         sender.schedule.balance.busiest_over_mean(), "gather_peak": sender.stream.tracker.peak,
                         "largest": sender.stream.tracker.largest_tensor,
-                        "gather_budget": sender.stream.gather_budget_bytes}
+                        "gather_budget": sender.stream.gather_budget_bytes, "slots": sender.schedule.slots,
+                        "rounds": max(sender.schedule.rounds)}
     return out
 
 

@@ -11,7 +11,7 @@ from megatron_sync.layout.regions import TensorSpec
 from megatron_sync.transports.p2p.balance import Item, balance
 from megatron_sync.transports.p2p.holders import Holders, SourceUnit
 from megatron_sync.transports.p2p.schedule import (TRAINER, InferenceRank, Message, Piece, Schedule,
-                                                   ScheduleOptions, aligned)
+                                                   ScheduleOptions, aligned, slot_bytes, window_slots)
 
 
 def build_schedule(units: Sequence[SourceUnit], ranks: Sequence[TrainerRank], tensors: Sequence[TensorSpec],
@@ -24,7 +24,9 @@ def build_schedule(units: Sequence[SourceUnit], ranks: Sequence[TrainerRank], te
     items, item_of = _items(cuts, options.piece_bytes)
     shares = balance(items, Holders(ranks), slack_bytes=options.piece_bytes)
     senders = [shares.senders[item_of[i]] for i in range(len(cuts))]
-    windows, relay_windows = _windows(cuts, relayed, options)
+    largest = max((c.nbytes for c in cuts), default=0)
+    slots = window_slots(options.window_bytes, options.round_bytes, largest)
+    windows, relay_windows = _windows(cuts, relayed, options, slots)
     arenas = _arenas(cuts, senders, options.arena_bytes)
     pieces = tuple(Piece(i, senders[i], c.receiver, c.name, c.region, c.row, c.rows, c.dst, c.nbytes,
                          windows[i][0], windows[i][1], arenas[i][0], arenas[i][1]) for i, c in enumerate(cuts))
@@ -39,7 +41,7 @@ def build_schedule(units: Sequence[SourceUnit], ranks: Sequence[TrainerRank], te
             rounds[i] = rounds[_head(feeds, i)]
     return Schedule(options, tuple(tensors), tuple(units), tuple(sorted(ranks, key=lambda r: r.rank)),
                     tuple(receivers), feeds, pieces, _messages(pieces, options.piece_bytes), tuple(rounds), shares,
-                    relays)
+                    relays, slots)
 
 
 class _Cut:
@@ -138,23 +140,24 @@ def _items(cuts: Sequence[_Cut], piece_bytes: int) -> tuple[list[Item], list[int
     return items, item_of
 
 
-def _windows(cuts: Sequence[_Cut], relayed: Sequence[tuple[_Cut, int]],
-             options: ScheduleOptions) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def _windows(cuts: Sequence[_Cut], relayed: Sequence[tuple[_Cut, int]], options: ScheduleOptions,
+             slots: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """Return each cut's and each relayed cut's (round, offset in its receiver's window): bounded windows are
-    packed per round, an unbounded one is the staging set (offset = dst) cut into rounds of `round_bytes`; a
-    relayed cut lands in its origin's round."""
+    packed per round into slot round mod `slots`, an unbounded one is the staging set (offset = dst) cut into
+    rounds of `round_bytes`; a relayed cut lands in its origin's round."""
+    slot = slot_bytes(options.window_bytes, slots)
     if options.window_bytes and relayed:
-        return _shared_windows(cuts, relayed, options.window_bytes)
+        return _shared_windows(cuts, relayed, slot, slots)
     state: dict[int, list[int]] = {}  # receiver -> [round, bytes used in it]
     out = []
     for c in cuts:
         round_, used = state.setdefault(c.receiver, [0, 0])
         if options.window_bytes:
             start = aligned(used)
-            if used and start + c.nbytes > options.window_bytes:
+            if used and start + c.nbytes > slot:
                 round_, start = round_ + 1, 0
             state[c.receiver] = [round_, start + c.nbytes]
-            out.append((round_, start))
+            out.append((round_, round_ % slots * slot + start))
             continue
         if options.round_bytes and used and used + c.nbytes > options.round_bytes:
             round_, used = round_ + 1, 0
@@ -163,15 +166,16 @@ def _windows(cuts: Sequence[_Cut], relayed: Sequence[tuple[_Cut, int]],
     return out, [(out[o][0], c.dst) for c, o in relayed]
 
 
-def _shared_windows(cuts: Sequence[_Cut], relayed: Sequence[tuple[_Cut, int]],
-                    window_bytes: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def _shared_windows(cuts: Sequence[_Cut], relayed: Sequence[tuple[_Cut, int]], slot: int,
+                    slots: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """Bounded windows with relays: every head receiver's rounds end at the same cuts, and a trainer cut lands
     together with the cuts relayed from it (a new round for all when one of them does not fit its window).
 
-    Why: a relay into round r of a peer waits for the peer's release of round r - 1, which waits for every
-    relay into that round, hence for whole rounds r - 1 of other receivers. With rounds cut per receiver,
+    Why: a relay into round r of a peer waits for the peer's release of an earlier round, which waits for
+    every relay into that round, hence for whole rounds of other receivers. With rounds cut per receiver,
     those could end after a younger trainer write the peer's round r waits for (a cycle). With shared ends,
-    round r - 1 everywhere holds only cuts older than any of round r, and each sender writes in round order.
+    an earlier round everywhere holds only cuts older than any of round r, and each sender writes in round
+    order.
     """
     riders: dict[int, list[int]] = {}
     for k, (_, origin) in enumerate(relayed):
@@ -182,15 +186,15 @@ def _shared_windows(cuts: Sequence[_Cut], relayed: Sequence[tuple[_Cut, int]],
     relay_out: list[tuple[int, int]] = [(0, 0)] * len(relayed)
     for i, c in enumerate(cuts):
         members = [(c, None)] + [(relayed[k][0], k) for k in riders.get(i, ())]
-        if any(used.get(m.receiver, 0) and aligned(used[m.receiver]) + m.nbytes > window_bytes for m, _ in members):
+        if any(used.get(m.receiver, 0) and aligned(used[m.receiver]) + m.nbytes > slot for m, _ in members):
             round_, used = round_ + 1, {}
         for m, k in members:
             start = aligned(used.get(m.receiver, 0))
             used[m.receiver] = start + m.nbytes
             if k is None:
-                out.append((round_, start))
+                out.append((round_, round_ % slots * slot + start))
             else:
-                relay_out[k] = (round_, start)
+                relay_out[k] = (round_, round_ % slots * slot + start)
     return out, relay_out
 
 

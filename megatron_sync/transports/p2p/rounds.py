@@ -6,9 +6,10 @@ target set one by one. For each round the rank waits for the reports of everyone
 trainer ranks holding its pieces, or the engine rank it is chained behind), checks every piece's checksum
 where the bytes lie (on the GPU with `wsum64`), relays the pieces it owns into the other head receivers
 that hold the same rows (the other ranks of its engine, mostly: the schedule's relay pieces, with the
-trainer's checksums), takes and checks the relay pieces written into it, forwards the round from its window to the engine rank
-chained behind it (relaying the trainer's checksums, so the end of the chain checks against the source),
-copies a bounded window's round out and releases it. Verifying round r overlaps round r + 1 arriving.
+trainer's checksums), takes and checks the relay pieces written into it, forwards the round from its window
+to the engine rank chained behind it (relaying the trainer's checksums, so the end of the chain checks
+against the source), copies a bounded window's round out and releases it. Verifying round r overlaps round
+r + 1 arriving (into a bounded window of several slots too: `Schedule.slots`).
 
 Who feeds a rank and whom it forwards to is its `Route`: by default the schedule's own chains (engines of
 one session); a fleet, whose engines each have their own link, passes the route of each version.
@@ -107,8 +108,8 @@ class RoundReceiver:
         elif self._relayed_into:  # so do the head receivers relaying into us
             notices.post_base(self.index, at)
         # A two-sided mover's receives are posted for the whole version at once; every one is matched, by the
-        # bytes or a failed writer's filler. (In a bounded window rounds share places: a writer sends round
-        # r + 1 only after round r was released, so the bytes still land in order.)
+        # bytes or a failed writer's filler. (In a bounded window rounds share slots: a writer sends round
+        # r only after the round before it in its slot was released, so the bytes still land in order.)
         posted = {r: self._expect(r, at, route) for r in range(self.rounds)} if self.mover.two_sided else {}
         round_, self._relayed_upto = 0, -1
         try:
@@ -243,9 +244,10 @@ class RoundReceiver:
         return moved
 
     def _await_release(self, notices: Notices, index: int, round_: int, who: str) -> None:
-        """Into a bounded window, wait until rank `index` released the round before `round_` (`who` names it
-        when it gave up instead)."""
-        if self.bounded and round_ > 0 and not notices.released(index, round_ - 1, self.timeout_s):
+        """Into a bounded window, wait until rank `index` released the last round in the slot `round_` lands in
+        (`who` names it when it gave up instead)."""
+        before = self.schedule.reuses(round_)
+        if self.bounded and before >= 0 and not notices.released(index, before, self.timeout_s):
             raise SenderFailedError(f"{who}, gave up on version {notices.version}")
 
     def _give_up(self, notices: Notices, route: Route, failed_round: int, error: str, posted: list) -> None:

@@ -21,13 +21,16 @@ Pure data, computed once from metadata and identical on every rank (compare `dig
   conversion), a large tensor's one by one, so the busiest sender carries about the mean.
 - Order. Pieces are ordered by how far through its stage's walk their unit lies (`Piece.key`), so each
   sender produces its pieces in schedule order and the stages' pieces interleave at every receiver.
-- Rounds. A head receiver cuts its pieces, in that order, into rounds that fit its receive window
-  (`window_bytes` of registered memory the bytes land in before they are copied into the staging set) or,
-  when the staging set itself is the window (`window_bytes` 0), into rounds of `round_bytes` that only pace
-  forwarding (0: one round). A round is reported, verified and forwarded as a whole; into a bounded
-  window, round r + 1 is written (by a sender, a forwarding rank or a relaying one) only once the receiver
-  released round r. Since every sender writes in key order and every round ends at a key, the oldest
-  waiting write never waits on a younger one. With relays into bounded windows every head receiver's rounds
+- Rounds. A head receiver cuts its pieces, in that order, into rounds that fit a slot of its receive
+  window (`window_bytes` of registered memory the bytes land in before they are copied into the staging
+  set) or, when the staging set itself is the window (`window_bytes` 0), into rounds of `round_bytes` that
+  only pace forwarding (0: one round). A bounded window is cut into `slots` equal slots (`window_slots`:
+  rounds of about `round_bytes`, and at least two when two of the largest pieces fit), round r landing in
+  slot r mod slots, so round r + 1 arrives while round r is checked and copied out. A round is reported,
+  verified and forwarded as a whole; into a bounded window, round r is written (by a sender, a forwarding
+  rank or a relaying one) only once the receiver released round r - slots, the last one in that slot.
+  Since every sender writes in key order and every round ends at a key, the oldest waiting write never
+  waits on a younger one. With relays into bounded windows every head receiver's rounds
   end at the same keys, and relayed rows land in their origin's round (`build._shared_windows` says why).
 - Arena. A sender stages its pieces in order at `arena` offsets of its registered arena, wrapping when
   `arena_bytes` are used (its arena rounds: space is reused once the writes from it completed).
@@ -53,6 +56,8 @@ from megatron_sync.transports.p2p.holders import SourceUnit
 
 TRAINER = -1
 """The feed of a head receiver: its bytes come from the trainer."""
+ROUND_PIECES = 4
+"""Pieces per round the runtime asks for (`round_bytes`): the pace of forwarding, and a bounded window's slot."""
 ALIGN = 64
 """Bytes; every piece starts at a multiple in a window and in an arena (any dtype view, 8-byte words)."""
 
@@ -103,6 +108,24 @@ def relays_on(forward: bool) -> bool:
     """Return whether a schedule with these options relays (the one place the rule is written): whenever
     engines forward, since a relay is a forward between the heads of one layout."""
     return forward
+
+
+def window_slots(window_bytes: int, round_bytes: int, largest: int) -> int:
+    """Return how many rounds a bounded window holds at once (1 when unbounded): as many rounds of
+    `round_bytes` as fit, at least two when two slots hold the largest piece (`largest` bytes), and never
+    slots smaller than it."""
+    if not window_bytes:
+        return 1
+    slots = max(1, window_bytes // round_bytes) if round_bytes else 1
+    slots = max(slots, 2)
+    while slots > 1 and slot_bytes(window_bytes, slots) < largest:
+        slots -= 1
+    return slots
+
+
+def slot_bytes(window_bytes: int, slots: int) -> int:
+    """Return the bytes of one of `slots` slots of a window (the whole window for one slot)."""
+    return window_bytes if slots == 1 else window_bytes // slots // ALIGN * ALIGN
 
 
 @dataclass(frozen=True)
@@ -171,6 +194,12 @@ class Schedule:
     rounds: tuple[int, ...]
     balance: Balance
     relays: tuple[Piece, ...] = ()
+    slots: int = 1  # rounds a bounded window holds at once (`window_slots`)
+
+    def reuses(self, round: int) -> int:
+        """Return the round whose release a write of `round` into a bounded window waits for (-1: none), the
+        last one in the same slot."""
+        return round - self.slots
 
     def head_of(self, receiver: int) -> int:
         """Return the head receiver whose pieces `receiver` gets (itself for a head)."""

@@ -27,7 +27,7 @@ from megatron_sync.transports.p2p.endpoint import P2PEndpoint
 from megatron_sync.transports.p2p.handshake import TrainerSide, handshake
 from megatron_sync.transports.p2p.holders import SourceUnit, source_units
 from megatron_sync.transports.p2p.notices import Notices
-from megatron_sync.transports.p2p.schedule import Schedule, ScheduleOptions
+from megatron_sync.transports.p2p.schedule import ROUND_PIECES, Schedule, ScheduleOptions
 from megatron_sync.transports.p2p.walk import ScheduledGatherer
 from megatron_sync.transports.p2p.writer import ShareWriter
 
@@ -43,7 +43,7 @@ def schedule_options(config: "WeightSyncConfig") -> ScheduleOptions:
     """Return the schedule's sizes from the trainer's settings."""
     window = int(config.p2p_window_mb * MiB)
     return ScheduleOptions(piece_bytes=config.bucket_size_bytes, window_bytes=window,
-                           round_bytes=0 if window else 4 * config.bucket_size_bytes,
+                           round_bytes=ROUND_PIECES * config.bucket_size_bytes,
                            arena_bytes=int(config.p2p_arena_mb * MiB), forward=config.p2p_forward)
 
 

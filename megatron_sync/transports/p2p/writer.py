@@ -5,8 +5,9 @@ As the walk hands over each converted tensor, its pieces are copied into this ra
 whose last piece is staged is posted at once, so conversion, staging and checksums overlap the wire. Once
 all writes of one (receiver, round) landed, its report goes out (checksums and bytes), so the receiver can
 verify and forward that round while later ones travel. Before reusing arena space, and before writing a
-bounded window's next round, the writer waits for its earlier writes (posting the reports they complete) and
-then for the receiver's release: every wait is on something earlier in schedule order, so none is circular.
+bounded window's slot again, the writer waits for its earlier writes (posting the reports they complete) and
+then for the receiver's release of the round before in that slot: every wait is on something earlier in
+schedule order, so none is circular.
 
 A failure is reported to every receiver still expecting this rank's pieces, so they abort at once (one
 that is gone is skipped), and the walk is run to its end without writing: its gathers are collectives of
@@ -140,7 +141,7 @@ class _Run:
         self.settle(wait=False)
 
     def post(self, message: Message) -> None:
-        """Write `message` (after the receiver released the previous round of a bounded window)."""
+        """Write `message` (into a bounded window, after the receiver released the last round in its slot)."""
         to = message.receiver
         if to in self.aborted or not self._window_free(to, message.round):
             return
@@ -152,13 +153,14 @@ class _Run:
         return [Span(p.arena, base + p.window, p.nbytes) for p in (self.w.schedule.pieces[i] for i in message.pieces)]
 
     def _window_free(self, to: int, round_: int) -> bool:
-        if not self.w.bounded or round_ == 0 or self.window_round.get(to, -1) >= round_ - 1:
+        before = self.w.schedule.reuses(round_)  # the last round in the slot `round_` lands in
+        if not self.w.bounded or before < 0 or self.window_round.get(to, -1) >= before:
             return True
         self.settle(wait=True)  # our reports of the earlier rounds must be out before we wait on them
-        if not self.notices.released(to, round_ - 1, self.w.timeout_s):
+        if not self.notices.released(to, before, self.w.timeout_s):
             self.aborted.add(to)
             return False
-        self.window_round[to] = round_ - 1
+        self.window_round[to] = before
         return True
 
     def settle(self, *, wait: bool) -> None:
