@@ -17,8 +17,10 @@ transport of the same bytes over the same mover between the same processes. Repo
   engine holds the vocabulary on every rank; broadcast: not counted).
 
 A point may bound the registered memory on both sides (`nixl:1x2w8`: `p2p.window_mb` and `p2p.arena_mb` of
-8 MB, below the 41 MB each rank receives), so each version streams through both in rounds; it has no raw
-replay (a replay needs the whole share in the arena) and shows that relays keep egress / model at 1.00.
+8 MB, below the 41 MB each rank receives), so each version streams through both in rounds: 8 MB holds one
+8 MB piece at a time (one slot: each round waits for the last one's release), 16 MB two (two slots: a round
+arrives while the one before is checked and copied out). Such a point has no raw replay (a replay needs the
+whole share in the arena); it shows that relays keep egress / model at 1.00.
 
 Machine caveat: 2 + N processes share this machine's cores (2 here): with more processes than cores
 every figure is CPU-bound (memcpy, checksums, loopback TCP), not network-bound.
@@ -47,9 +49,9 @@ TRANSPORTS = {
     "torch": {"transport": "p2p", "p2p": {"backend": "torch"}},
 }
 ONE_SIDED = ("nixl", "mooncake")
-DEFAULT_POINTS = "nixl:1x2,mooncake:1x2,torch:1x2,broadcast:1x2,nixl:3x1,broadcast:3x1,nixl:1x2w8"
+DEFAULT_POINTS = "nixl:1x2,mooncake:1x2,torch:1x2,broadcast:1x2,nixl:3x1,broadcast:3x1,nixl:1x2w8,nixl:1x2w16"
 """transport:ENGINESxTP[wMB]: one engine of TP=2 per mover and broadcast; three engines of one layout (a chain);
-NIXL through an 8 MB window and arena."""
+NIXL through windows and arenas of 8 and 16 MB (one and two slots)."""
 MB = 1e6
 
 
