@@ -21,6 +21,7 @@ import torch
 
 from tests.support.models import ModelSpec
 from tests.support.real_engines import ROOT, HFReference, LaunchedServer, get, post, write_model_dir
+from tests.support.scratch import scratch_folder
 from tests.support.timing import scaled
 
 SHIM = os.path.join(ROOT, "tests", "support", "sglang_shim")
@@ -47,7 +48,8 @@ class SGLangServer(LaunchedServer):
         """`port`: where to listen (a restarted server takes its predecessor's; None: a free one)."""
         env = {**os.environ, "PYTHON": sglang_python(), "PYTHONPATH": SHIM, "HF_HUB_OFFLINE": "1",
                # one core per TP rank: SGLang's CPU engine asks for one NUMA node per rank otherwise
-               "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % os.cpu_count()) for r in range(tp))}
+               "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % os.cpu_count()) for r in range(tp)),
+               "TMPDIR": scratch_folder()}  # its IPC sockets, removed with the folder when the tests end
         # The KV cache holds --max-total-tokens (SGLang caps its profiled capacity there). On CPU SGLang profiles
         # the machine's free memory before and after loading and refuses to start when the difference exceeds
         # --mem-fraction-static of it; other tests' processes allocating meanwhile count as the model's, so the
