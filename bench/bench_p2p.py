@@ -27,6 +27,7 @@ every figure is CPU-bound (memcpy, checksums, loopback TCP), not network-bound.
 
     PYTHONPATH=. python bench/bench_p2p.py                     # the default points
     PYTHONPATH=. python bench/bench_p2p.py --points nixl:1x2,broadcast:1x2 --versions 5
+    PYTHONPATH=. python bench/bench_p2p.py --points nixl:1x2 --spec '{"hidden_size": 1024}'
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def run_point(transport: str, *, engines: int = 1, engine_tp: int = 1, versions:
                               for r in range(raw)) if raw else None
     share = trainers[0].get("share")
     egress = sum(statistics.median(syncs[v][i]["bytes"] for v in measured) for i in range(len(trainers)))
-    return {"transport": transport, "engines": engines, "tp": engine_tp, "window_mb": window_mb, "sync_s": phases["total"], "phases": phases,
+    return {"transport": transport, "engines": engines, "tp": engine_tp, "window_mb": window_mb,
+            "sync_s": phases["total"], "phases": phases,
             "warmup_s": slowest(0)["phases_s"]["total"], "recv": recv, "raw_s": raw_s, "wall": wall,
             "egress_over_model": egress / MODEL_BYTES if share else None,
             "egress_over_engine": egress / sum(recv[:engine_tp]) if share else None}
@@ -131,7 +133,10 @@ def main(argv=None) -> None:
     parser.add_argument("--versions", type=int, default=4, help="syncs per point; the first is a warm-up")
     parser.add_argument("--replays", type=int, default=3, help="raw replays of the writes after each measured sync")
     parser.add_argument("--bucket-mb", type=float, default=8.0)
+    parser.add_argument("--spec", type=json.loads, default={},
+                        help='model fields over the default, JSON (e.g. \'{"hidden_size": 1024}\')')
     args = parser.parse_args(argv)
+    SPEC.update(args.spec)
     MODEL_BYTES = model_bytes("bfloat16")
     print(machine_description())
     print(f"model: {SPEC} ({MODEL_BYTES / MB:.1f} MB in bf16); trainer TP=2 (2 processes, one stage); bucket "
