@@ -30,8 +30,8 @@ Pure data, computed once from metadata and identical on every rank (compare `dig
   verified and forwarded as a whole; into a bounded window, round r is written (by a sender, a forwarding
   rank or a relaying one) only once the receiver released round r - slots, the last one in that slot.
   Since every sender writes in key order and every round ends at a key, the oldest waiting write never
-  waits on a younger one. With relays into bounded windows every head receiver's rounds
-  end at the same keys, and relayed rows land in their origin's round (`build._shared_windows` says why).
+  waits on a younger one. With relays into bounded windows every head receiver's rounds end at the same
+  keys, and relayed rows land in their origin's round (`build._shared_windows` says why).
 - Arena. A sender stages its pieces in order at `arena` offsets of its registered arena, wrapping when
   `arena_bytes` are used (its arena rounds: space is reused once the writes from it completed).
 - Messages. A sender's pieces to one receiver of one round and one arena round travel in batches of at
@@ -197,8 +197,8 @@ class Schedule:
     slots: int = 1  # rounds a bounded window holds at once (`window_slots`)
 
     def reuses(self, round: int) -> int:
-        """Return the round whose release a write of `round` into a bounded window waits for (-1: none), the
-        last one in the same slot."""
+        """Return the round whose release a write of `round` into a bounded window waits for, the last one in
+        the same slot (negative: none, the slot is still fresh)."""
         return round - self.slots
 
     def head_of(self, receiver: int) -> int:
