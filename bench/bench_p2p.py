@@ -22,6 +22,11 @@ A point may bound the registered memory on both sides (`nixl:1x2w8`: `p2p.window
 arrives while the one before is checked and copied out). Such a point has no raw replay (a replay needs the
 whole share in the arena); it shows that relays keep egress / model at 1.00.
 
+A point's trainer is TP=2 (`@tp2`, the default: each tensor is all-gathered over gloo before it is converted,
+and gloo moves about 350 MB/s per rank on this machine's loopback), or two data-parallel replicas (`@dp2`:
+every rank holds every tensor whole, no gather, and the schedule splits the sending between them), which
+shows the P2P path's own cost beside the raw writes.
+
 Machine caveat: 2 + N processes share this machine's cores (2 here): with more processes than cores
 every figure is CPU-bound (memcpy, checksums, loopback TCP), not network-bound.
 
@@ -46,27 +51,33 @@ SPEC = dict(family="qwen3", hidden_size=512, num_layers=8, num_heads=8, num_kv_h
 TRANSPORTS = {
     "broadcast": {"transport": "broadcast"},
     "nixl": {"transport": "p2p", "p2p": {"backend": "nixl"}},
+    "nixl-spin": {"transport": "p2p", "p2p": {"backend": "nixl", "nixl_wake_ms": 0}},  # engines' thread spins
     "mooncake": {"transport": "p2p", "p2p": {"backend": "mooncake", "local_hostname": "127.0.0.1"}},
     "torch": {"transport": "p2p", "p2p": {"backend": "torch"}},
 }
-ONE_SIDED = ("nixl", "mooncake")
-DEFAULT_POINTS = "nixl:1x2,mooncake:1x2,torch:1x2,broadcast:1x2,nixl:3x1,broadcast:3x1,nixl:1x2w8,nixl:1x2w16"
-"""transport:ENGINESxTP[wMB]: one engine of TP=2 per mover and broadcast; three engines of one layout (a chain);
-NIXL through windows and arenas of 8 and 16 MB (one and two slots)."""
+ONE_SIDED = ("nixl", "nixl-spin", "mooncake")
+DEFAULT_POINTS = ("nixl:1x2,mooncake:1x2,torch:1x2,broadcast:1x2,nixl:3x1,broadcast:3x1,nixl:1x2w8,nixl:1x2w16,"
+                  "nixl:1x2@dp2,mooncake:1x2@dp2,broadcast:1x2@dp2")
+"""transport:ENGINESxTP[wMB][@TRAINER]: one engine of TP=2 per mover and broadcast; three engines of one layout (a
+chain); NIXL through windows and arenas of 8 and 16 MB (one and two slots); the trainer as two data-parallel
+replicas (no gather). `nixl-spin` is NIXL with the engines' progress thread polling without pause."""
 MB = 1e6
+TRAINERS = {"tp2": {"tp": 2}, "dp2": {"dp": 2}}
+"""The trainer's 2 ranks: TP=2 (each piece's tensor is all-gathered over gloo before it is converted), or two
+data-parallel replicas (every rank holds every tensor whole: no gather; the schedule splits the sending)."""
 
 
 def run_point(transport: str, *, engines: int = 1, engine_tp: int = 1, versions: int = 4, bucket_mb: float = 8.0,
-              replays: int = 3, dtype: str = "bfloat16", window_mb: float = 0.0) -> dict:
-    """Run one trainer job (TP=2) and `engines` engines of `engine_tp` ranks over `transport` (P2P windows and
-    arenas of `window_mb`, 0: unbounded); return medians."""
+              replays: int = 3, dtype: str = "bfloat16", window_mb: float = 0.0, trainer: str = "tp2") -> dict:
+    """Run one trainer job of 2 ranks (`trainer`: "tp2" or "dp2") and `engines` engines of `engine_tp` ranks
+    over `transport` (P2P windows and arenas of `window_mb`, 0: unbounded); return medians."""
     raw = replays if transport in ONE_SIDED and not window_mb else 0
     settings = dict(TRANSPORTS[transport])
     if window_mb:
         settings["p2p"] = {**settings["p2p"], "window_mb": window_mb, "arena_mb": window_mb}
-    case = {"spec": SPEC, "layout": {"tp": 2}, "engines": engines, "engine_tp": engine_tp, "versions": versions,
+    case = {"spec": SPEC, "layout": TRAINERS[trainer], "engines": engines, "engine_tp": engine_tp, "versions": versions,
             "receiver_metrics": True, "keep_tensors": False, "timeout_s": 600.0, "raw_replays": raw,
-            "env": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"} if transport == "nixl" else {},
+            "env": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"} if transport.startswith("nixl") else {},
             "weight_sync": {"dtype": dtype, "bucket_size_mb": bucket_mb, **settings}}
     start = time.monotonic()
     trainers, _ = run_pair(case, timeout=1800)
@@ -86,7 +97,7 @@ def run_point(transport: str, *, engines: int = 1, engine_tp: int = 1, versions:
                               for r in range(raw)) if raw else None
     share = trainers[0].get("share")
     egress = sum(statistics.median(syncs[v][i]["bytes"] for v in measured) for i in range(len(trainers)))
-    return {"transport": transport, "engines": engines, "tp": engine_tp, "window_mb": window_mb,
+    return {"transport": transport, "engines": engines, "tp": engine_tp, "window_mb": window_mb, "trainer": trainer,
             "sync_s": phases["total"], "phases": phases,
             "warmup_s": slowest(0)["phases_s"]["total"], "recv": recv, "raw_s": raw_s, "wall": wall,
             "egress_over_model": egress / MODEL_BYTES if share else None,
@@ -115,7 +126,8 @@ def format_rows(rows: list[dict]) -> str:
     for r in rows:
         p = r["phases"]
         raw = r["raw_s"]
-        window = f" w{r['window_mb']:g}MB" if r["window_mb"] else ""
+        window = (f" w{r['window_mb']:g}MB" if r["window_mb"] else "") + (
+            f" {r['trainer']}" if r["trainer"] != "tp2" else "")
         lines.append([r["transport"], f"{r['engines']}x{r['tp']}{window}", f"{r['sync_s']:.3f}",
                       "-" if raw is None else f"{raw:.3f}", "-" if raw is None else f"{r['sync_s'] / raw:.2f}",
                       f"{r['warmup_s']:.3f}", *(f"{p[k]:.3f}" for k in ("gather", "convert", "pack", "checksum",
@@ -139,16 +151,19 @@ def main(argv=None) -> None:
     SPEC.update(args.spec)
     MODEL_BYTES = model_bytes("bfloat16")
     print(machine_description())
-    print(f"model: {SPEC} ({MODEL_BYTES / MB:.1f} MB in bf16); trainer TP=2 (2 processes, one stage); bucket "
+    print(f"model: {SPEC} ({MODEL_BYTES / MB:.1f} MB in bf16); trainer of 2 processes, one stage, TP=2 unless "
+          f"the point says dp2 (two replicas); bucket "
           f"{args.bucket_mb:g} MB; {args.versions} syncs per point (first = warm-up), medians; raw = "
           f"{args.replays} replays of the same writes after each measured sync")
     rows = []
     for point in args.points.split(","):
         transport, sizes = point.split(":")
+        sizes, _, trainer = sizes.partition("@")
         sizes, _, window = sizes.partition("w")
         engines, tp = map(int, sizes.split("x"))
         rows.append(run_point(transport, engines=engines, engine_tp=tp, versions=args.versions,
-                              bucket_mb=args.bucket_mb, replays=args.replays, window_mb=float(window or 0)))
+                              bucket_mb=args.bucket_mb, replays=args.replays, window_mb=float(window or 0),
+                              trainer=trainer or "tp2"))
         r = rows[-1]
         print(f"  {point}: sync {r['sync_s']:.3f}s ({r['wall']:.0f}s wall with start-up)", flush=True)
     print(format_rows(rows))

@@ -113,10 +113,12 @@ def test_transport_settings_live_in_their_section(tmp_path):
     cfg = WeightSyncConfig.from_yaml(_yaml(tmp_path, """
 weight_sync:
   transport: p2p
-  p2p: {backend: nixl, arena_mb: 64, forward: false}
+  p2p: {backend: nixl, arena_mb: 64, forward: false, nixl_wake_ms: 2}
   fleet: {enabled: true, min_engines: 1, wave_size: 2}
 """))
-    assert (cfg.p2p_backend, cfg.p2p_arena_mb, cfg.p2p_forward) == ("nixl", 64, False)
+    assert (cfg.p2p_backend, cfg.p2p_arena_mb, cfg.p2p_forward, cfg.p2p_nixl_wake_ms) == ("nixl", 64, False, 2)
+    with pytest.raises(ValueError, match=r"p2p_nixl_wake_ms must be a number of milliseconds >= 0"):
+        WeightSyncConfig.from_dict({"transport": "p2p", "p2p": {"backend": "nixl", "nixl_wake_ms": -1}})
     assert (cfg.fleet, cfg.wave_size) == (True, 2)
     delta = WeightSyncConfig.from_dict({"transport": "disk_delta", "family": "qwen3",
                                         "disk_delta": {"dir": str(tmp_path), "local_dir": str(tmp_path / "l")}})

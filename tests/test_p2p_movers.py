@@ -336,3 +336,23 @@ def test_device_memory_moves_the_same_bytes(backend):
                               env={**UCX_TCP, "UCX_TLS": os.environ.get("UCX_TLS", "all")})
     for got in results[SENDERS:]:
         assert got["wrong"] == [] and got["received"] == got["shard_bytes"]
+
+
+def test_nixl_progress_thread_waits_on_events_instead_of_spinning():
+    """NIXL's Python agent pins its progress thread's poll() timeout to 0 (a core per engine rank); inside
+    `_progress_wake` the bindings' config keeps at least the wake interval, outside NIXL's own value stands."""
+    pytest.importorskip("nixl_cu12")
+    from nixl_cu12._api import nixlBind
+
+    from megatron_sync.transports.p2p.movers.nixl import _progress_wake
+
+    def delay_after_nixl_sets_it():
+        config = nixlBind.nixlAgentConfig()
+        config.pthrDelay = 0  # what nixl_agent.__init__ does
+        return config.pthrDelay
+
+    with _progress_wake(2.5):
+        assert delay_after_nixl_sets_it() == 2500
+    with _progress_wake(0):
+        assert delay_after_nixl_sets_it() == 0
+    assert delay_after_nixl_sets_it() == 0 and nixlBind.nixlAgentConfig.__name__ == "nixlAgentConfig"

@@ -142,6 +142,8 @@ def _p2p(c: Config) -> None:
     check_choice("p2p_protocol", c.p2p_protocol, P2P_PROTOCOLS)
     for name in ("p2p_arena_mb", "p2p_window_mb"):
         check_number(name, getattr(c, name), positive=False, what="a number of MiB", note=" (0: unbounded)")
+    check_number("p2p_nixl_wake_ms", c.p2p_nixl_wake_ms, positive=False, what="a number of milliseconds",
+                 note=" (0: NIXL's progress thread polls without pause)")
     check_bool("p2p_forward", c.p2p_forward)
     if not isinstance(c.p2p_device_name, str):
         raise ValueError("p2p_device_name must be a string of RDMA device names, e.g. 'mlx5_0,mlx5_1' (or '')")

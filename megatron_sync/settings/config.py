@@ -204,6 +204,12 @@ class WeightSyncConfig:
     """p2p.backend "mooncake" with "rdma": the RDMA devices to use, comma-separated (e.g. "mlx5_0,mlx5_1");
     empty: Mooncake picks."""
 
+    p2p_nixl_wake_ms: float = 1.0
+    """p2p.backend "nixl", inference ranks: NIXL's progress thread (which lands writes over TCP) sleeps on
+    UCX's event descriptors and wakes at least this often (ms; NIXL rounds up to whole ms). 0: it polls
+    without pause, a whole core per inference rank taken from generation. Trainer ranks run no such thread.
+    Each job's own value is used."""
+
     p2p_local_hostname: Optional[str] = None
     """p2p.backend "mooncake": the address this process's transfer engine advertises to its peers;
     None: this host's name (socket.gethostname()). Use "127.0.0.1" when every rank runs on one host."""

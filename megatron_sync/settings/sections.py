@@ -16,7 +16,7 @@ SECTIONS: dict[str, dict[str, str]] = {
     "p2p": {
         "backend": "p2p_backend", "protocol": "p2p_protocol", "device_name": "p2p_device_name",
         "local_hostname": "p2p_local_hostname", "arena_mb": "p2p_arena_mb", "window_mb": "p2p_window_mb",
-        "forward": "p2p_forward",
+        "forward": "p2p_forward", "nixl_wake_ms": "p2p_nixl_wake_ms",
     },
     "disk_delta": {
         "dir": "delta_dir", "local_dir": "delta_local_dir", "snapshot_every": "delta_snapshot_every",

@@ -93,7 +93,7 @@ def megatron_trainer(case: dict) -> tuple:
     from tests.support.dist import init_megatron
     from tests.support.train import make_optimizer, wrap_in_ddp
 
-    init_megatron(**case["layout"], seed=3)
+    init_megatron(**{k: v for k, v in case["layout"].items() if k != "dp"}, seed=3)  # Megatron infers dp
     spec = models.ModelSpec(**case["spec"])
     chunks = models.build_model_chunks(spec)
     models.load_reference_weights(chunks, models.reference_weights(spec, seed=3), spec)
@@ -352,7 +352,7 @@ def run_pair(case: dict, timeout: float = 240.0, *, trainer: Callable = trainer_
 
 
 def _world(layout: dict) -> int:
-    """The trainer world size of a layout: tp * pp * dp (dp 1), at least ep * etp * pp."""
-    tp, pp, ep = layout.get("tp", 1), layout.get("pp", 1), layout.get("ep", 1)
+    """The trainer world size of a layout: tp * pp * dp (dp 1 unless given), at least ep * etp * pp."""
+    tp, pp, ep, dp = layout.get("tp", 1), layout.get("pp", 1), layout.get("ep", 1), layout.get("dp", 1)
     etp = layout.get("etp") or tp
-    return max(tp * pp, ep * etp * pp)
+    return max(tp * pp * dp, ep * etp * pp)

@@ -72,9 +72,10 @@ def _mooncake_mover(transport: "P2PTransport", config: "WeightSyncConfig") -> By
 def _nixl_mover(transport: "P2PTransport", config: "WeightSyncConfig") -> ByteMover:
     from megatron_sync.transports.p2p.movers.nixl import NixlMover
 
-    # trainer ranks only write: no progress thread spinning beside training (see NixlMover)
+    # trainer ranks only write: no progress thread beside training (see NixlMover)
     return NixlMover(transport.group.board, timeout_s=config.timeout_s, device=transport.group.device,
-                     progress_thread=transport.group.rank >= transport.num_trainer_ranks)
+                     progress_thread=transport.group.rank >= transport.num_trainer_ranks,
+                     wake_ms=config.p2p_nixl_wake_ms)
 
 
 MOVERS: dict[str, Callable[["P2PTransport", "WeightSyncConfig"], ByteMover]] = {

@@ -10,8 +10,10 @@ run over UCX's TCP transport (set `UCX_TLS=tcp` and `UCX_NET_DEVICES=lo` for loo
 from __future__ import annotations
 
 import base64
+import contextlib
+import threading
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -31,6 +33,45 @@ def _agent_class():
             raise ImportError(f"the NIXL backend needs NIXL ({e}); install nixl-cu12 (or nixl) and, on a host "
                               "without RDMA, run UCX over TCP (UCX_TLS=tcp)") from e
     return nixl_agent, nixl_agent_config
+
+
+_CONFIG_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _progress_wake(wake_ms: float) -> Iterator[None]:
+    """While agents are made in this block, their progress thread sleeps on UCX's event descriptors and wakes
+    at least every `wake_ms` (NIXL rounds up to whole ms); 0 leaves NIXL's own setting.
+
+    NIXL's Python agent pins the C++ config's `pthrDelay` (the thread's poll() timeout) to 0, so the
+    thread polls UCX without pause: a core per agent for as long as it lives, on a host that serves
+    generation beside it. The wrapper builds that config from its bindings module while it makes the agent;
+    for this block the module builds one whose delay is never set below `wake_ms`.
+    """
+    if wake_ms <= 0:
+        yield
+        return
+    try:
+        from nixl_cu12._api import nixlBind
+    except ImportError:
+        from nixl._api import nixlBind
+    base, delay_us = nixlBind.nixlAgentConfig, int(wake_ms * 1000)
+
+    class Paced(base):
+        @property
+        def pthrDelay(self) -> int:
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:
+            base.pthrDelay.__set__(self, max(int(value), delay_us))
+
+    with _CONFIG_LOCK:
+        nixlBind.nixlAgentConfig = Paced
+        try:
+            yield
+        finally:
+            nixlBind.nixlAgentConfig = base
 
 
 def _memory_type(device: torch.device) -> tuple[str, int]:
@@ -65,16 +106,18 @@ class NixlMover(OneSidedMover):
 
     def __init__(self, board: Board, *, timeout_s: float = 300.0, prefix: str = "p2p/nixl",
                  device: torch.device = torch.device("cpu"), backends: tuple[str, ...] = ("UCX",),
-                 progress_thread: bool = True) -> None:
-        """`progress_thread`: NIXL's own thread progressing UCX (it polls without pause, a core while it
-        runs). A rank that only writes (a trainer rank) needs none: its transfers progress while it polls
-        them; a rank that is written to (an engine rank) keeps it, since over TCP a write lands only as
-        the target's UCX worker progresses."""
+                 progress_thread: bool = True, wake_ms: float = 1.0) -> None:
+        """`progress_thread`: NIXL's own thread progressing UCX. A rank that only writes (a trainer rank)
+        needs none: its transfers progress while it polls them; a rank that is written to (an engine rank)
+        keeps it, since over TCP a write lands only as the target's UCX worker progresses. `wake_ms`: that
+        thread waits on UCX's event descriptors and wakes at least this often (`_progress_wake`); 0: it
+        polls without pause, a core while it runs."""
         super().__init__(board, prefix=prefix, timeout_s=timeout_s)
         agent_cls, config_cls = _agent_class()
         self.agent_name = f"megatron-sync-{uuid.uuid4().hex[:12]}"
-        self.agent = agent_cls(self.agent_name, config_cls(enable_prog_thread=progress_thread,
-                                                           backends=list(backends)))
+        with _progress_wake(wake_ms if progress_thread else 0):
+            self.agent = agent_cls(self.agent_name, config_cls(enable_prog_thread=progress_thread,
+                                                               backends=list(backends)))
         self.device = device
         self._memory_type = _memory_type(device)
         self._remote: dict[str, str] = {}  # agent name -> the name NIXL gave it here
