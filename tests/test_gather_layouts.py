@@ -209,3 +209,30 @@ def test_a_conversion_error_mid_stream_still_finishes_the_collectives():
     rank0, rank1 = run_distributed(_convert_fails_mid_stream, 2, timeout=90)
     assert rank0 == "raised: refusing to convert decoder.layers.0.mlp.linear_fc1.weight"
     assert rank1 == "walked: 0"
+
+
+def _gather_to_some(rank, world_size):
+    from megatron_sync.trainer.gather import GatherMemoryTracker, GatherUnit, gather_in_pieces, gather_to
+    from megatron_sync.trainer.source import Split
+
+    group = torch.distributed.new_group(list(range(world_size)))
+    mine = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 100 * rank
+    got = {to: gather_to(mine, group, world_size, rank, to) for to in [(0, 2), (1,), (0, 1, 2)]}
+    full_shape = (2 * world_size, 3)  # split along dim 0; pieces of one row each run along dim 1
+    unit = GatherUnit("w", full_shape, torch.float32, Split("tp", 0, 1), mine, torch.device("cpu"))
+    full = gather_in_pieces(unit, group, world_size, rank, budget_bytes=2 * 4 * world_size * 2,
+                            tracker=GatherMemoryTracker(), to=(1, 2))
+    return {"got": {str(to): None if s is None else [t.tolist() for t in s] for to, s in got.items()},
+            "full": None if full is None else full.tolist()}
+
+
+@pytest.mark.multiproc
+def test_a_gather_reaches_only_the_ranks_it_is_for():
+    """`gather_to` (the P2P walk's gather: a unit's shards go to the ranks that write it) and
+    `gather_in_pieces` with a subset of the group: exact shards there, nothing elsewhere."""
+    results = run_distributed(_gather_to_some, 3, timeout=120)
+    shards = [(torch.arange(6, dtype=torch.float32).reshape(2, 3) + 100 * r).tolist() for r in range(3)]
+    for rank, result in enumerate(results):
+        for to in [(0, 2), (1,), (0, 1, 2)]:
+            assert result["got"][str(to)] == (shards if rank in to else None), (rank, to)
+        assert result["full"] == ([row for s in shards for row in s] if rank in (1, 2) else None), rank

@@ -202,6 +202,12 @@ def test_p2p_syncs_exact_shards_and_only_shard_bytes_through_the_drivers(backend
     assert sum(scheduled) == trainers[0]["share"]["egress"] and all(0 < b < sum(scheduled) for b in scheduled)
     for t in trainers:  # gathered bytes alive at once: the gather budget plus the largest tensor, at most
         assert t["share"]["gather_peak"] <= t["share"]["gather_budget"] + t["share"]["largest"], t["share"]
+    # A unit's shards reach only the ranks that write its pieces (counted at torch.distributed), not every
+    # member of the group as an all-gather would bring them.
+    wanted = [t["share"]["gather_scheduled"] for t in trainers]
+    assert [t["share"]["gathered"] for t in trainers] == [want * len(versions) for want, _ in wanted], wanted
+    if any(every for _, every in wanted):
+        assert sum(want for want, _ in wanted) < sum(every for _, every in wanted), wanted
     print(f"\n[{case['layout']} -> {case.get('engines', 1)} engine(s) TP={case['engine_tp']}, {backend}] "
           f"bytes written per trainer rank {scheduled} (busiest {trainers[0]['share']['busiest_over_mean']:.3f} x "
           f"the mean); received per inference rank {[json.loads(m)['bytes'] for m in trainers[0]['received'][0]]}"

@@ -63,6 +63,30 @@ def test_scale_items_balance_as_build_schedule_does(spec, trainer, fleet, piece,
     assert {r: t.in_intra + t.in_inter for r, t in totals.relay.items() if t.in_intra + t.in_inter} == {
         r: n for r, n in relayed_in.items() if n}
     assert bool(schedule.relays) == (forward and fleet.engine_ranks > 1)
+    assert {r: (t.in_intra + t.in_inter, t.out_intra + t.out_inter) for r, t in totals.gather.items()} == \
+        _gather_bytes(schedule, planner, trainer)
+
+
+def _gather_bytes(schedule, planner, trainer) -> dict[int, tuple[int, int]]:
+    """Per trainer rank, from the real schedule: (bytes in, bytes out) of its gathers. A split unit's shards
+    go from every member of a group with ranks writing its pieces to those ranks only."""
+    from megatron_sync.transports.p2p.holders import group_of
+
+    ranks = {r.rank: r for r in trainer.ranks()}
+    full = {u.name: u.nbytes for stage in planner.units for u in stage}
+    moved = {r: [0, 0] for r in ranks}
+    senders = schedule.unit_senders()
+    for unit in schedule.units:
+        if unit.gather is None or unit.name not in senders:
+            continue
+        size = trainer.tp if unit.owner_ep is None else trainer.etp
+        shard = full[unit.name] // size
+        for r, me in ranks.items():
+            writing = {s for s in senders[unit.name] if group_of(unit, ranks[s]) == group_of(unit, me)}
+            if writing:
+                moved[r][0] += shard * (size - 1) if r in writing else 0
+                moved[r][1] += shard * (len(writing) - (r in writing))
+    return {r: tuple(m) for r, m in moved.items()}
 
 
 @functools.lru_cache(maxsize=None)

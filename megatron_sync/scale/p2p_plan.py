@@ -10,9 +10,9 @@ Rows several ranks of the head engine hold (norms, routers, MLA's latent down-pr
 trainer once, to the rank `build.RelayOwners` picks (in the same order), which relays them to the others.
 `tests/test_scale_p2p.py` proves the loads and the relayed bytes equal `build_schedule`'s on mid-size models.
 
-From the balance it derives what the time model needs: bytes and items per sender, the all-gathers each
+From the balance it derives what the time model needs: bytes and items per sender, the gathers each
 sender's TP / ETP group runs (a dense unit is gathered by every replica group one of whose ranks sends
-a piece of it), the bytes each sender converts, what crosses nodes, and the chain of engines that
+a piece of it, onto those ranks only), the bytes each sender converts, what crosses nodes, and the chain of engines that
 forward (engines of one layout: the trainer writes the first, every later one receives from the one
 before it, round by round).
 """
@@ -28,7 +28,7 @@ from megatron_sync.core.grid import ParallelLayout
 from megatron_sync.layout.rank import Placement
 from megatron_sync.transports.p2p.balance import Balance, Item, balance
 from megatron_sync.transports.p2p.build import RelayOwners, placements_by_name, row_cuts
-from megatron_sync.transports.p2p.holders import Holders, SourceUnit, source_units
+from megatron_sync.transports.p2p.holders import Holders, SourceUnit, group_of, source_units
 from megatron_sync.transports.p2p.schedule import ROUND_PIECES, relays_on, slot_bytes, window_slots
 from megatron_sync.scale.summary import Endpoint, Traffic
 
@@ -188,31 +188,42 @@ def plan_p2p(planner: Any, options: P2POptions) -> P2PTotals:
 
 def gather_traffic(planner: Any, units: Sequence[SourceUnit], shares: Balance,
                    items: Sequence[Item]) -> dict[int, Traffic]:
-    """Return per trainer rank its all-gather traffic (every group a sender's piece needs gathers the unit
-    whole on all its ranks) and the bytes it converts (each unit it sends a piece of, once)."""
+    """Return per trainer rank its gather traffic and the bytes it converts (each unit it sends a piece of,
+    once). A split unit's shards go, in each TP / ETP group with ranks that send pieces of it, from every
+    member to those ranks only (`transports.p2p.walk`): a sender takes in the other members' shards, each
+    member sends its shard to every other sender of its group."""
     t = planner.trainer
     gathered = {u.name: u for stage in planner.units for u in stage}
-    by_group: dict[tuple, int] = defaultdict(int)  # (dense?, group key) -> full bytes gathered
-    for unit in units:
-        if unit.gather is None:
-            continue
-        for key in shares.gathering.get(unit.name, ()):
-            by_group[(unit.owner_ep is None, key)] += gathered[unit.name].nbytes
+    ranks = {r.rank: r for r in t.ranks()}
+    senders: dict[tuple[str, tuple], set[int]] = defaultdict(set)  # (unit, group key) -> its senders there
+    for item, sender in zip(items, shares.senders):
+        if item.unit.gather is not None:
+            senders[(item.unit.name, group_of(item.unit, ranks[sender]))].add(sender)
+    members: dict[tuple, list[int]] = defaultdict(list)  # (dense?, group key) -> the group's ranks
+    for r in ranks.values():
+        members[(True, (r.pp, r.cp, r.dp))].append(r.rank)
+        members[(False, (r.pp, r.ep, r.edp))].append(r.rank)
+    dense_of = {u.name: u.owner_ep is None for u in units}
+    moved: dict[tuple[int, bool], list[int]] = defaultdict(lambda: [0, 0])  # (rank, dense?) -> [in, out]
+    for (name, key), writing in senders.items():
+        dense = dense_of[name]
+        size = t.tp if dense else t.etp
+        shard = gathered[name].nbytes // size
+        for rank in members[(dense, key)]:
+            moved[(rank, dense)][0] += shard * (size - 1) if rank in writing else 0
+            moved[(rank, dense)][1] += shard * (len(writing) - (rank in writing))
+    inter = {True: t.tp > t.gpus_per_node or t.gpus_per_node % t.tp,
+             False: t.etp > t.gpus_per_node or t.gpus_per_node % t.etp}
     traffic: dict[int, Traffic] = {}
-    for rank in t.ranks():
-        dense = by_group.get((True, (rank.pp, rank.cp, rank.dp)), 0) * (t.tp - 1) // t.tp
-        expert = by_group.get((False, (rank.pp, rank.ep, rank.edp)), 0) * (t.etp - 1) // t.etp
-        inter_dense = t.tp > t.gpus_per_node or t.gpus_per_node % t.tp
-        inter_expert = t.etp > t.gpus_per_node or t.gpus_per_node % t.etp
+    for rank in ranks:
         cell = Traffic()
-        for nbytes, inter in ((dense, inter_dense), (expert, inter_expert)):
-            if inter:
-                cell.in_inter += nbytes
-                cell.out_inter += nbytes
+        for dense in (True, False):
+            into, out = moved.get((rank, dense), (0, 0))
+            if inter[dense]:
+                cell.in_inter, cell.out_inter = cell.in_inter + into, cell.out_inter + out
             else:
-                cell.in_intra += nbytes
-                cell.out_intra += nbytes
-        traffic[rank.rank] = cell
+                cell.in_intra, cell.out_intra = cell.in_intra + into, cell.out_intra + out
+        traffic[rank] = cell
     converted: set[tuple[int, str]] = set()
     for item, sender in zip(items, shares.senders):
         if (sender, item.unit.name) not in converted:

@@ -2,8 +2,9 @@
 
 What the code does per version (`transports/p2p/schedule.py`, `build.py`, `balance.py`):
 
-- every trainer rank that writes all-gathers over its TP / ETP group (NVLink inside a node) the units
-  its group sends, converts them on the GPU, copies each of its pieces into its registered arena and
+- every trainer rank that writes gathers over its TP / ETP group (NVLink inside a node) the units it
+  sends (each member of the group sends its shard of a unit to the ranks that write the unit, and only
+  to them), converts them on the GPU, copies each of its pieces into its registered arena and
   checksums it there (`wsum64`); a message is posted as soon as its pieces are staged, so gather,
   convert, staging and checksum overlap the wire, one NIC per GPU (GPUDirect RDMA), NVLink to a GPU
   of its own node;
@@ -38,7 +39,7 @@ def _sender(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions
     totals = summary.extra["p2p"]
     traffic = summary.gather.get(s.rank)
     local = totals.local_sent.get(s.rank, 0)
-    return {"gather (all-gather of its group's units)": gather_seconds(traffic, profile),
+    return {"gather (its units' shards from its group)": gather_seconds(traffic, profile),
             "convert": (traffic.converted if traffic else 0) / profile.hbm.value,
             "stage into arena": s.bytes / profile.device_copy,
             "checksum (wsum64)": s.bytes / device_checksum_rate(profile, options.checksum),
@@ -92,7 +93,7 @@ def p2p_gpu(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions
         phases = _sender(summary, profile, options, s)
         ends.append((_sender_end(phases, s.bytes, opts.piece_bytes), s.rank, phases))
     send_end, busiest, sender_phases = max(ends)
-    links = {"gather (all-gather of its group's units)": "nvlink", "convert": "hbm", "stage into arena": "copy",
+    links = {"gather (its units' shards from its group)": "nvlink", "convert": "hbm", "stage into arena": "copy",
              "checksum (wsum64)": "wsum64", "write": "nic"}
     out = [Phase(name, seconds, f"trainer rank {busiest}", rate_of(profile, links[name]))
            for name, seconds in sender_phases.items()]

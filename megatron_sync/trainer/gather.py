@@ -8,7 +8,7 @@ stage's source rank (the first rank of each group) ends up with full tensors.
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,13 +25,23 @@ def gather_to_first(tensor: torch.Tensor, group, size: int, rank: int) -> list[t
     Point-to-point rather than `dist.gather`: gloo's gather stages all shards
     in one more buffer and copies them out, an extra pass over the bytes.
     """
-    if rank != 0:
-        dist.send(tensor, dst=group_rank0_global(group), group=group)
-        return None
-    shards = [tensor] + [torch.empty_like(tensor) for _ in range(size - 1)]
-    receives = [dist.irecv(shards[r], src=dist.get_global_rank(group, r), group=group) for r in range(1, size)]
-    for receive in receives:
-        receive.wait()
+    return gather_to(tensor, group, size, rank, (0,))
+
+
+def gather_to(tensor: torch.Tensor, group, size: int, rank: int, to: Sequence[int]) -> list[torch.Tensor] | None:
+    """Return every group rank's `tensor`, in group rank order, on each group rank in `to` (its own as is);
+    None elsewhere. Every rank of `to` but this one gets this rank's tensor point to point, batched (so
+    NCCL runs each pair's sends and receives together); to every rank of the group: an all-gather."""
+    if len(set(to)) == size:
+        return _all_gathered(tensor, group, size)
+    shards = None
+    ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, r), group) for r in sorted(set(to)) if r != rank]
+    if rank in to:
+        shards = [tensor if r == rank else torch.empty_like(tensor) for r in range(size)]
+        ops += [dist.P2POp(dist.irecv, shards[r], dist.get_global_rank(group, r), group) for r in range(size)
+                if r != rank]
+    for work in dist.batch_isend_irecv(ops) if ops else ():
+        work.wait()
     return shards
 
 
@@ -60,15 +70,15 @@ class GatherMemoryTracker:
 
 
 def gather_in_pieces(unit: GatherUnit, group: Any, size: int, rank: int, *, budget_bytes: int,
-                     tracker: GatherMemoryTracker, everyone: bool = False) -> torch.Tensor | None:
-    """Return `unit`'s full tensor gathered over `group` straight into it, piece by piece: on group rank 0
-    (None elsewhere), or on every rank of the group with `everyone` (an all-gather).
+                     tracker: GatherMemoryTracker, to: Sequence[int] = (0,)) -> torch.Tensor | None:
+    """Return `unit`'s full tensor gathered over `group` straight into it, piece by piece, on each group
+    rank in `to` (default group rank 0; every rank: an all-gather); None elsewhere.
 
     Pieces run along a dim other than the partition dim, so each piece of every shard is a slab of the
     full tensor; the shards of a piece plus their merge stay within half the budget each.
     """
     local, sharding = unit.local, unit.sharding
-    receiving = everyone or rank == 0
+    receiving = rank in to
     full = torch.empty(unit.full_shape, dtype=unit.dtype, device=unit.device) if receiving else None
     if receiving:
         tracker.add(unit.nbytes)
@@ -84,7 +94,7 @@ def gather_in_pieces(unit: GatherUnit, group: Any, size: int, rank: int, *, budg
         piece_bytes = piece.numel() * unit.dtype.itemsize * size
         if receiving:
             tracker.add(2 * piece_bytes)  # the shards and their merge
-        shards = _all_gathered(piece, group, size) if everyone else gather_to_first(piece, group, size, rank)
+        shards = gather_to(piece, group, size, rank, to)
         if receiving:
             merged = merge_strided_shards(shards, sharding.dim, sharding.stride)
             target = full if len(pieces) == 1 and local.dim() < 2 else full.narrow(along, start, length)

@@ -110,7 +110,10 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     from tests.support import models
     from tests.support.train import train_step
 
+    from tests.support.gather_spy import GatherBytes, scheduled_gather_bytes
+
     spec, chunks, layout, ddp, optimizer = megatron_trainer(case)
+    spy = GatherBytes(layout)
     sent, logits, unquantized, metrics, received, failures, draft_logits, handoffs = [], [], [], [], [], [], [], []
     raw: list[list[float]] = []
     memory = TrainerMemory(ddp, optimizer, rank=rank) if case.get("handoff") else None
@@ -129,7 +132,8 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
                     metrics.append(callback.after_optimizer_step(True).to_json())
                     handoffs[-1]["to_generation"] = [r.to_json() for r in callback.handoff_rows]
                 else:
-                    metrics.append(syncer.sync().to_json())
+                    with spy.counting():
+                        metrics.append(syncer.sync().to_json())
             except Exception as e:  # noqa: BLE001 — recorded for the test, or raised
                 if not case.get("record_failures"):
                     raise
@@ -164,7 +168,8 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
                         sender.schedule.balance.busiest_over_mean(), "gather_peak": sender.stream.tracker.peak,
                         "largest": sender.stream.tracker.largest_tensor,
                         "gather_budget": sender.stream.gather_budget_bytes, "slots": sender.schedule.slots,
-                        "rounds": max(sender.schedule.rounds)}
+                        "rounds": max(sender.schedule.rounds), "gathered": spy.received,
+                        "gather_scheduled": scheduled_gather_bytes(sender, rank)}
     return out
 
 

@@ -233,6 +233,14 @@ class Schedule:
         """Return `sender`'s pieces in the order it stages them."""
         return list(self._queues.get(sender, ()))
 
+    def unit_senders(self) -> dict[str, frozenset[int]]:
+        """Return, per Megatron unit with pieces, the trainer ranks that write them (its gather's receivers)."""
+        unit_of = {hf: u.name for u in self.units for hf, _ in u.hf}
+        senders: dict[str, set[int]] = {}
+        for p in self.pieces:
+            senders.setdefault(unit_of[p.name], set()).add(p.sender)
+        return {name: frozenset(ranks) for name, ranks in senders.items()}
+
     def sender_messages(self, sender: int) -> list[Message]:
         """Return `sender`'s messages in posting order."""
         return [m for m in self.messages if m.sender == sender]

@@ -58,14 +58,14 @@ class P2PSender(Sender):
         self.arena = mover.alloc(max(schedule.arena_bytes(rank), 1))
         self.writer = ShareWriter(schedule, rank, mover, self.arena, algorithm=self.checksum,
                                   timeout_s=config.timeout_s)
-        sends = {u.name for u in units if any(name in self.writer.names for name, _ in u.hf)}
         self.gatherer = ScheduledGatherer(stream.layout, TrainerRank.of(stream.layout, rank),
-                                          {u.name: u for u in units}, schedule.balance.gathering, sends,
+                                          {u.name: u for u in units}, schedule.balance.gathering,
+                                          schedule.unit_senders(),
                                           # half the budget gathers, the other half lets gathers run ahead in
                                           # the stream's prefetch thread while this one converts and writes
                                           budget_bytes=max(1, stream.gather_budget_bytes // 2),
                                           tracker=stream.tracker, handoff=True)
-        self.expected = [m for u in stream.units() if u.name in sends
+        self.expected = [m for u in stream.units() if u.name in self.gatherer.sends
                          for m in stream.converter.convert_meta(u.name, u.full_shape, u.dtype)]
         self.metrics_path = config.metrics_path
         self.history: list[SyncMetrics] = []
