@@ -138,18 +138,19 @@ def deadline_of(bound: Bound) -> Deadline:
 
 def poll(ready: Callable[[], Optional[T]], *, within: Bound, what: str,
          max_pause_s: float = MAX_PAUSE_S, wake: Optional[threading.Event] = None,
-         timeout: Optional[Callable[[float], BaseException]] = None) -> T:
+         timeout: Optional[Callable[[float], BaseException]] = None, first_pause_s: float = FIRST_PAUSE_S) -> T:
     """Call `ready()` until it returns a result; return that. None, False and an empty container
     ({}, [], "") are "not yet"; anything else, 0 included, is a result.
 
-    Pauses start at `FIRST_PAUSE_S` and double up to `max_pause_s`; with `wake`
+    Pauses start at `first_pause_s` (a wait for something that takes ms asks for less than the default
+    `FIRST_PAUSE_S`, since it may return up to a pause late) and double up to `max_pause_s`; with `wake`
     (an event whoever makes `ready` true sets) a pause ends as soon as it is
     set. After `within` (seconds, or a Deadline) `ready` is called one last
     time, then the poll raises `timeout(seconds waited)` when given, else
     `WaitTimeout` naming `what` ("the trainer's report of version 3").
     """
     limit, started = deadline_of(within), clock().now()
-    pause = FIRST_PAUSE_S if wake is None else max_pause_s
+    pause = min(first_pause_s, max_pause_s) if wake is None else max_pause_s
     while True:
         value = ready()
         if _is_result(value):

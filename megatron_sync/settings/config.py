@@ -14,9 +14,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron_sync.settings import registry
-
-from megatron_sync.settings import checks  # noqa: E402 — the validations
+from megatron_sync.settings import checks, registry  # checks: the validations
 from megatron_sync.settings.choices import (  # noqa: F401 — re-exported: the settings' vocabulary
     BACKENDS, CHECKSUM_CHOICES, DEFAULT_GATHER_BUDGET_MB, DRAFT_CHOICES, DRIFT_ACTIONS, ENGINE_CLIENTS, FIELD_CHOICES,
     INFLIGHT_POLICIES, P2P_BACKENDS, P2P_PROTOCOLS, SGLANG_LOADS, parse_engine,
@@ -197,18 +195,14 @@ class WeightSyncConfig:
     the transport group (gloo on CPU, NCCL on GPU, as `backend` says)."""
 
     p2p_protocol: str = "tcp"
-    """p2p.backend "mooncake" only: "tcp", or "rdma" (refused when no RDMA device is visible,
-    instead of Mooncake's silent fallback to TCP)."""
+    """p2p.backend "mooncake" only: "tcp", or "rdma" (refused when no RDMA device is visible)."""
 
     p2p_device_name: str = ""
-    """p2p.backend "mooncake" with "rdma": the RDMA devices to use, comma-separated (e.g. "mlx5_0,mlx5_1");
-    empty: Mooncake picks."""
+    """p2p.backend "mooncake" with "rdma": RDMA devices, comma-separated ("mlx5_0,mlx5_1"); empty: Mooncake picks."""
 
     p2p_nixl_wake_ms: float = 1.0
-    """p2p.backend "nixl", inference ranks: NIXL's progress thread (which lands writes over TCP) sleeps on
-    UCX's event descriptors and wakes at least this often (ms; NIXL rounds up to whole ms). 0: it polls
-    without pause, a whole core per inference rank taken from generation. Trainer ranks run no such thread.
-    Each job's own value is used."""
+    """p2p.backend "nixl", inference ranks: NIXL's progress thread sleeps on UCX's events and wakes at least
+    this often (ms, rounded up). 0: it polls without pause, a core per rank taken from generation."""
 
     p2p_local_hostname: Optional[str] = None
     """p2p.backend "mooncake": the address this process's transfer engine advertises to its peers;
