@@ -45,6 +45,19 @@ def gather_to(tensor: torch.Tensor, group, size: int, rank: int, to: Sequence[in
     return shards
 
 
+def flat_shards(units: Sequence[GatherUnit]) -> torch.Tensor:
+    """Return the units' local shards end to end as bytes, each cast to its gather dtype on the way in
+    (one pass: one message carries many small shards)."""
+    flat = torch.empty(sum(u.local.numel() * u.dtype.itemsize for u in units), dtype=torch.uint8,
+                       device=units[0].local.device)
+    offset = 0
+    for u in units:
+        n = u.local.numel() * u.dtype.itemsize
+        flat[offset:offset + n].view(u.dtype).view(u.local.shape).copy_(u.local)
+        offset += n
+    return flat
+
+
 class GatherMemoryTracker:
     """Counts bytes of gathered tensors that are alive (gathered but not yet released); thread-safe."""
 
@@ -202,13 +215,8 @@ class ShardGatherer:
         """One gather over the TP group for the whole batch, as flat bytes, merged one unit at a time."""
         layout = self.layout
         local_bytes = sum(u.local.numel() * u.dtype.itemsize for u in batch)
-        flat = torch.empty(local_bytes, dtype=torch.uint8, device=batch[0].local.device)
         self.tracker.add(local_bytes)  # this rank's contribution, alive until the gather returns
-        offset = 0
-        for u in batch:  # one pass: copy (and cast to the gather dtype) straight into the flat buffer
-            n = u.local.numel() * u.dtype.itemsize
-            flat[offset:offset + n].view(u.dtype).view(u.local.shape).copy_(u.local)
-            offset += n
+        flat = flat_shards(batch)
         receiving = layout.tp_rank == 0
         if receiving:
             self.tracker.add(local_bytes * (layout.tp - 1))  # the other ranks' shards; this rank's is `flat`

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sync.core.grid import ParallelLayout, TrainerRank
-from megatron_sync.trainer.gather import GatherMemoryTracker, GatherUnit, gather_in_pieces
+from megatron_sync.trainer.gather import GatherMemoryTracker, GatherUnit, flat_shards, gather_in_pieces
 from megatron_sync.trainer.gather_plan import merge_strided_shards
 from megatron_sync.transports.p2p.holders import GroupKey, SourceUnit, group_of
 
@@ -111,7 +111,7 @@ class ScheduledGatherer:
         self.tracker.add(held)
         try:
             device = run[0].local.device
-            sends = {p: _flat([run[i] for i in ids], device) for p, ids in outgoing.items() if ids}
+            sends = {p: flat_shards([run[i] for i in ids]) for p, ids in outgoing.items() if ids}
             inbox = {p: torch.empty(sum(sizes[i] for i in mine), dtype=torch.uint8, device=device)
                      for p in outgoing} if mine else {}
             ops = [dist.P2POp(dist.isend, flat, dist.get_global_rank(group, p), group) for p, flat in sends.items()]
@@ -156,13 +156,3 @@ class ScheduledGatherer:
             return layout.tp_group, layout.tp, layout.tp_rank
         return layout.etp_group, layout.etp, layout.etp_rank
 
-
-def _flat(units: Sequence[GatherUnit], device: torch.device) -> torch.Tensor:
-    """Return the units' local shards, each cast to its gather dtype, end to end as bytes."""
-    flat = torch.empty(sum(u.local.numel() * u.dtype.itemsize for u in units), dtype=torch.uint8, device=device)
-    offset = 0
-    for u in units:
-        n = u.local.numel() * u.dtype.itemsize
-        flat[offset:offset + n].view(u.dtype).view(u.local.shape).copy_(u.local)
-        offset += n
-    return flat
