@@ -45,27 +45,22 @@ def scheduled_gather_bytes(sender: Any, rank: int) -> tuple[int, int]:
     """Return (the bytes trainer rank `rank` should receive in one version's gathers: the other members'
     shards of each split unit it writes pieces of, what an all-gather of every unit its group sends would
     bring it)."""
-    layout = sender.stream.layout
-    sizes = {"tp": layout.tp, "etp": layout.etp}
-    split = {u.name: u.gather for u in sender.schedule.units if u.gather is not None}
-    senders = sender.schedule.unit_senders()
-    ours = {name for name, groups in sender.schedule.balance.gathering.items()
-            if any(_member(layout, key, name, sender) for key in groups)}
-    want = every = 0
-    for unit in sender.stream.units():
-        if unit.name not in split:
-            continue
-        size = sizes[split[unit.name]]
-        nbytes = unit.nbytes // size * (size - 1)  # the other members' shards
-        want += nbytes if rank in senders.get(unit.name, ()) else 0
-        every += nbytes if unit.name in ours else 0
-    return want, every
-
-
-def _member(layout: Any, key: tuple, name: str, sender: Any) -> bool:
-    """Whether this rank's gather group of unit `name` is the group `key`."""
     from megatron_sync.core.grid import TrainerRank
     from megatron_sync.transports.p2p.holders import group_of
 
-    unit = next(u for u in sender.schedule.units if u.name == name)
-    return group_of(unit, TrainerRank.of(layout, sender.transport.rank)) == key
+    layout = sender.stream.layout
+    me = TrainerRank.of(layout, sender.transport.rank)
+    sizes = {"tp": layout.tp, "etp": layout.etp}
+    split = {u.name: u for u in sender.schedule.units if u.gather is not None}
+    senders = sender.schedule.unit_senders()
+    gathering = sender.schedule.balance.gathering
+    want = every = 0
+    for unit in sender.stream.units():
+        source = split.get(unit.name)
+        if source is None:
+            continue
+        size = sizes[source.gather]
+        nbytes = unit.nbytes // size * (size - 1)  # the other members' shards
+        want += nbytes if rank in senders.get(unit.name, ()) else 0
+        every += nbytes if group_of(source, me) in gathering.get(unit.name, ()) else 0
+    return want, every
