@@ -175,6 +175,11 @@ def test_p2p_syncs_exact_shards_and_only_shard_bytes_through_the_drivers(backend
             diff = (held["logits"] - trainers[0]["logits"][version]).abs().max().item()
             assert diff < LOGITS_ATOL, (rank, version, diff)
         shard_bytes.append(_shard_bytes(v1))
+        # The engine computes on the staging set each version arrived in (the logits above), not on a copy: all
+        # of a dense model; of a MoE model all but the experts, which transformers keeps fused in memory.
+        in_place = [held["in_place"] for held in engine["held"]]
+        dense = "moe" not in case["spec"]["family"]
+        assert all(b == shard_bytes[-1] if dense else 0 < b < shard_bytes[-1] for b in in_place), (rank, in_place)
 
     # Bytes at the transport: each inference rank got exactly its shards; senders sent the sum.
     for version, reports in enumerate(trainers[0]["received"], start=1):

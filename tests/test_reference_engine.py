@@ -269,3 +269,39 @@ def test_unsupported_family_and_bad_tp():
     with pytest.raises(ValueError, match="num_attention_heads=4 does not divide"):
         ReferenceEngine(tiny_config("qwen3"), tp_rank=0, tp_size=3)
     assert set(FAMILY_NAMES) == set(BUILTIN_FAMILIES) - set(NOT_ON_REFERENCE_ENGINE)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_held_shards_are_run_on_in_place_and_never_written(family):
+    """A receiver's staging set (`HeldShards`) becomes the live weights without a copy wherever the engine's
+    memory is laid out as the set is (all of tied qwen3; qwen3_moe but its fused experts, which are copied),
+    computes exactly as a copied load does, and is never written by the engine: a later load by copy gives
+    those weights memory of their own, and releasing memory leaves the set alone."""
+    from megatron_sync.layout.staging import StagingSets
+
+    engine, copied = (ReferenceEngine(tiny_config(family), tp_rank=0, tp_size=1) for _ in range(2))
+    sets = StagingSets(engine.rank_layout(), lambda n: torch.empty(n, dtype=torch.uint8))
+    staged, generator = sets.begin(), torch.Generator().manual_seed(0)
+    for t in staged.values():
+        t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))
+    copied.load_shards({name: t.clone() for name, t in staged.items()}, 1)
+    engine.load_shards(staged, 1)
+    tokens = torch.tensor([[3, 5, 7, 9, 11]])
+    assert torch.equal(engine.logits(tokens), copied.logits(tokens))
+
+    live = engine.loaded_params()
+    in_set = [n for n, t in live.items() if sets.memory.data_ptr() <= t.data_ptr() < sets.memory.data_ptr()
+              + sets.nbytes]
+    fused = [n for n in staged if ".experts." in n]
+    assert sorted(in_set) == sorted(n for n in staged if n not in fused)
+    assert engine.runs_in_place() == sum(staged[n].nbytes for n in in_set) > 0
+    if family == "qwen3":  # tied: the output layer follows the embedding onto the set
+        assert engine.model.lm_head.weight.data_ptr() == staged["model.embed_tokens.weight"].data_ptr()
+    released = engine.release_memory()
+    assert released == sum(t.nbytes for n, t in staged.items() if n in fused)  # only the engine's own memory
+    engine.restore_memory()
+
+    before = sets.memory.clone()
+    engine.load_shards({name: torch.zeros_like(t) for name, t in staged.items()}, 2)
+    assert torch.equal(sets.memory, before) and engine.runs_in_place() == 0
+    assert all(torch.count_nonzero(t) == 0 for t in engine.loaded_params().values())

@@ -125,7 +125,7 @@ class EngineHandoff:
     def _reload(self, version: int) -> None:
         live = self.live_shards(version)
         assert live is not None, f"the live staging set of version {version} is gone"
-        self.engine.load_shards(dict(live), version)
+        self.engine.load_shards(live, version)  # the receiver's set as it is: an engine may run on it again
 
     def _row(self, version: int, phase: str, seconds: float, nbytes: int) -> SyncMetrics:
         row = handoff_row(ENGINE_ROLE, version, self.rank, phase, seconds, nbytes)

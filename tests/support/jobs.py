@@ -296,6 +296,7 @@ def engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
             held.append({"version": me.engine.version, "shards": me.engine.snapshot(),
                          "logits": me.engine.logits(EVAL_TOKENS)} if case.get("keep_tensors", True)
                         else {"version": me.engine.version})
+            held[-1]["in_place"] = me.engine.runs_in_place()  # bytes it computes with from the receiver's set
             if config.metrics_port:  # what a Prometheus server would scrape from this rank now
                 url = f"http://127.0.0.1:{config.metrics_port + me.rank}/metrics"
                 held[-1]["scraped"] = urllib.request.urlopen(url, timeout=30).read().decode()

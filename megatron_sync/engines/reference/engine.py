@@ -33,7 +33,7 @@ returns the wire format and a rollback reloads exactly what was there.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ from megatron_sync.engines.reference.memory import (  # noqa: F401 (full_state_f
 )
 from megatron_sync.engines.reference.tp_layers import ColumnParallelLinear, RowParallelLinear, all_reduce_, local_kv_heads
 from megatron_sync.layout.rank import RankLayout
+from megatron_sync.layout.staging import HeldShards
 from megatron_sync.layout.regions import VOCAB_WHOLE, Sharding
 from megatron_sync.layout.roles import RoleLayout
 from megatron_sync.core.meta import TensorMeta
@@ -103,6 +104,7 @@ class ReferenceEngine:
         self.model = _materialize(model)
         self._live = {name: slot.view(_live_tensor(self.model, slot.memory_name)) for name, slot in self._slots.items()}
         self._held = self._quantized_zeros()
+        self._adopted: set[str] = set()  # live weights that run on a receiver's HeldShards (`load_shards`)
 
     # ---- what the engine loads (pure) ----
 
@@ -130,11 +132,29 @@ class ReferenceEngine:
 
     # ---- live weights ----
 
-    def load_shards(self, shards: dict[str, torch.Tensor], version: int) -> None:
-        """Copy one shard per expected tensor into the live weights and set `version`.
+    def load_shards(self, shards: Mapping[str, torch.Tensor], version: int) -> None:
+        """Make one shard per expected tensor the live weights and set `version`.
 
-        Validates names and shapes of all shards before writing any.
+        Validates names and shapes of all shards before writing any. `HeldShards` (a receiver's staging set,
+        untouched while live) are run on in place where this rank's memory is laid out as they are: a whole
+        unquantized tensor of the same dtype; the rest (fused experts, quantized weights) is copied. A
+        weight run in place is never written: a later load by copy gives it memory of its own first.
         """
+        self._check_shards(shards, version)
+        quant, held = self.converter.quant, isinstance(shards, HeldShards)
+        with torch.no_grad():
+            for name, live in self._live.items():
+                if name in quant.schemes:
+                    self._owned(name).copy_(quant.dequantize(name, shards, live.dtype, shape=tuple(live.shape)))
+                elif held and self._runs_on(name, shards[name]):
+                    live.data = shards[name]  # the Parameter itself (whole slot): the model computes with it
+                    self._adopted.add(name)
+                else:
+                    self._owned(name).copy_(shards[name])
+        self._held = {name: shards[name] for name in self._quantized_parts}
+        self._version = version
+
+    def _check_shards(self, shards: Mapping[str, torch.Tensor], version: int) -> None:
         missing = [n for n in self._expected if n not in shards]
         unexpected = sorted(n for n in shards if n not in self._expected)
         if missing or unexpected:
@@ -150,13 +170,24 @@ class ReferenceEngine:
                     f"{name}: shard {tuple(shard.shape)} {shard.dtype} != this rank's "
                     f"{tuple(param.shape)} {param.dtype}; cut it with this engine's rank_layout()"
                 )
-        quant = self.converter.quant
-        with torch.no_grad():
-            for name, live in self._live.items():
-                live.copy_(shards[name] if name not in quant.schemes
-                           else quant.dequantize(name, shards, live.dtype, shape=tuple(live.shape)))
-        self._held = {name: shards[name] for name in self._quantized_parts}
-        self._version = version
+
+    def _runs_on(self, name: str, shard: torch.Tensor) -> bool:
+        """True when `name`'s live tensor can be `shard` itself: a whole in-memory tensor, laid out alike."""
+        live = self._live[name]
+        return (self._slots[name].part is None and shard.dtype == live.dtype and shard.shape == live.shape
+                and shard.device == live.device and shard.is_contiguous())
+
+    def _owned(self, name: str) -> torch.Tensor:
+        """Return `name`'s live tensor, first given memory of its own if it ran on a receiver's set."""
+        live = self._live[name]
+        if name in self._adopted:
+            live.data = torch.empty_like(live)
+            self._adopted.discard(name)
+        return live
+
+    def runs_in_place(self) -> int:
+        """Return the bytes of live weights that are a receiver's held shards, not this engine's own memory."""
+        return sum(self._live[name].nbytes for name in self._adopted)
 
     def loaded_params(self) -> dict[str, torch.Tensor]:
         """Return what this rank computes with, by layout param name (no copy): the live tensors, and for a
@@ -179,6 +210,7 @@ class ReferenceEngine:
         computing with stale values. The receiver's live staging set still holds this version.
         """
         self._released = [(storage, storage.nbytes()) for storage in self._live_storages() if storage.nbytes()]
+        # a weight that runs on the receiver's staging set has no memory of its own to free
         for storage, _ in self._released:
             storage.resize_(0)
         return sum(nbytes for _, nbytes in self._released)
@@ -193,7 +225,7 @@ class ReferenceEngine:
     def _live_storages(self) -> list[torch.UntypedStorage]:
         """Each distinct storage of the live weights once (tied and fused weights share one)."""
         seen: dict[int, torch.UntypedStorage] = {}
-        for live in self._live.values():
+        for live in (t for name, t in self._live.items() if name not in self._adopted):
             storage = live.untyped_storage()
             seen.setdefault(storage.data_ptr(), storage)
         return list(seen.values())
