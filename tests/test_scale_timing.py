@@ -45,6 +45,19 @@ def test_checksums_cost_broadcast_device_time():
     assert predict(summary, h100, SyncOptions(checksum=False)).seconds < predict(summary, h100).seconds
 
 
+def test_an_engine_that_copies_its_staged_version_pays_the_copy_one_that_runs_on_it_switches():
+    """Broadcast and P2P stage a version in a set: an engine that copies it into its own weights (the default,
+    as vLLM and SGLang do) pays a device copy of its largest shard; one that computes on the set switches."""
+    planner, h100 = _moonlight(2), profile_named("h100")
+    for transport in ("broadcast", "p2p"):
+        summary = planner.plan(transport, bucket_bytes=GIB)
+        copies, switches = predict(summary, h100), predict(summary, h100, SyncOptions(engine_switch=True))
+        shard = max(summary.shard_bytes)
+        assert copies.phase("apply") >= shard / h100.device_copy > 0 and switches.phase("apply") == 0.0
+        assert switches.phase("apply (switch staging set)") == h100.switch_s.value
+        assert copies.seconds - switches.seconds == pytest.approx(copies.phase("apply") - h100.switch_s.value)
+
+
 def test_every_profile_number_has_a_source():
     for profile in PROFILES.values():
         rows = profile.table()

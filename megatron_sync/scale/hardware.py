@@ -80,7 +80,7 @@ class HardwareProfile:
     message_s: Value  # per collective / message latency
     apply_tensor_s: Value  # engine load per HF tensor
     pause_resume_s: Value  # engine pause + resume around a sync
-    switch_s: Value  # an engine's switch to its other staging set (P2P's apply: no copy)
+    switch_s: Value  # an engine's switch to its other staging set (`SyncOptions.engine_switch`: no copy)
     cpu_bound: bool = False  # True: every phase, the wire included, is work on `cores` shared CPU cores
     cores: Value = field(default_factory=lambda: _v(0, "n/a"))
     cpu: dict[str, Value] = field(default_factory=dict)  # cpu_bound profiles: seconds per byte / per item

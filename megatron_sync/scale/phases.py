@@ -50,6 +50,9 @@ class SyncOptions:
     delta_threads: int = 2
     pause_resume: bool = True  # driven engines pause and resume around the sync
     p2p_backend: str = "nixl"  # torch | mooncake | nixl: what moves P2P's bytes (distinct rates on `local`)
+    engine_switch: bool = False
+    """The engine computes on the staging set a version arrived in (the reference engine's unfused weights), so
+    a broadcast or P2P apply switches sets; False: it copies the shard into weights of its own (vLLM, SGLang)."""
 
 
 def gather_seconds(traffic: Traffic | None, profile: HardwareProfile) -> float:
@@ -86,11 +89,12 @@ def device_checksum_rate(profile: HardwareProfile, checksum: bool) -> float:
 
 
 def engine_tail(summary: PlanSummary, profile: HardwareProfile, rounds: int, options: SyncOptions,
-                *, copy: bool = True) -> list[Phase]:
-    """The engine's apply (a load that copies the largest shard, or a switch of staging sets), the agreement
-    rounds, and pause + resume of driven engines."""
+                *, staged: bool = True) -> list[Phase]:
+    """The engine's apply, the agreement rounds, and pause + resume of driven engines. The apply is a load that
+    copies the largest shard, or a switch of staging sets where the version waited in one (`staged`: broadcast,
+    P2P) and the engine runs on it (`options.engine_switch`)."""
     rank = max(range(len(summary.shard_bytes)), key=summary.shard_bytes.__getitem__, default=0)
-    if copy:
+    if not (staged and options.engine_switch):
         apply = (summary.shard_bytes[rank] / profile.device_copy
                  + summary.shard_tensors[rank] * profile.apply_tensor_s.value) if summary.shard_bytes else 0.0
         phases = [Phase("apply", apply, f"inference rank {rank}", f"{rate_of(profile, 'copy')} + "

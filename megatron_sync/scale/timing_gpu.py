@@ -111,7 +111,7 @@ def ipc_gpu(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions
     reader = summary.receivers[0]
     phases = list(worst.values()) + [Phase("verify+copy regions", reader.bytes / min(device_checksum,
                                            profile.nvlink.value) + shard / profile.nvlink.value, "every engine rank")]
-    tail = engine_tail(summary, profile, 2, options)
+    tail = engine_tail(summary, profile, 2, options, staged=False)
     total = max(finish) + summary.extra["max_bucket"] / min(device_checksum, profile.nvlink.value) + sum(
         p.seconds for p in tail)
     return _rated(profile, phases + tail), total, bound_of(phases, {p.name for p in phases}), None
@@ -141,6 +141,6 @@ def disk_delta_gpu(summary: PlanSummary, profile: HardwareProfile, options: Sync
                Phase("decode into local copy", decode, f"inference node {host.node}"),
                Phase("verify digests", verify, f"inference node {host.node}"),
                Phase("load from local copy", load, "every inference rank")]
-    tail = engine_tail(summary, profile, 0, options) + [Phase("commit", 3 * DELTA_ROUND_S, "3 rounds through files")]
+    tail = engine_tail(summary, profile, 0, options, staged=False) + [Phase("commit", 3 * DELTA_ROUND_S, "3 rounds through files")]
     total = max(p[0] for p in publish) + read + decode + verify + load + sum(p.seconds for p in tail)
     return _rated(profile, phases + tail), total, bound_of(phases, {p.name for p in phases}), None

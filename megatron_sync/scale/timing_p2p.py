@@ -123,7 +123,7 @@ def p2p_gpu(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions
         out.append(Phase("wait for each round's release (bounded window)", turns,
                          f"{rounds} rounds of {round_bytes / 2**20:,.0f} MiB", rate_of(profile, "copy")))
     transfer = max(send_end, ingress[0], local_in[0], relay_out[0])
-    tail = engine_tail(summary, profile, 2, options, copy=False)
+    tail = engine_tail(summary, profile, 2, options)
     total = (transfer + turns + last_relay + (totals.chain - 1) * hop + window + verify
              + sum(p.seconds for p in tail))
     if send_end >= max(ingress[0], local_in[0], relay_out[0]):
