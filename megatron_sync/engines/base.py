@@ -45,8 +45,8 @@ class EngineAdapter(Protocol):
 
     def load_shards(self, shards: Mapping[str, torch.Tensor], version: int) -> None:
         """Make `shards` (one tensor per param of `rank_layout()`, by param name) the live weights, as
-        `version`. The mapping may be kept by reference: the receiver leaves it untouched until two syncs
-        later."""
+        `version`. `HeldShards` (a broadcast or P2P receiver's staging set) may be computed on in place: the
+        receiver leaves them untouched until the engine runs on another version; copy any other mapping."""
 
     def snapshot(self) -> Optional[Mapping[str, torch.Tensor]]:
         """Return the live params (what `load_shards` takes back to undo a load), or None when this engine

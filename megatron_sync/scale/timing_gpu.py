@@ -141,6 +141,7 @@ def disk_delta_gpu(summary: PlanSummary, profile: HardwareProfile, options: Sync
                Phase("decode into local copy", decode, f"inference node {host.node}"),
                Phase("verify digests", verify, f"inference node {host.node}"),
                Phase("load from local copy", load, "every inference rank")]
-    tail = engine_tail(summary, profile, 0, options, staged=False) + [Phase("commit", 3 * DELTA_ROUND_S, "3 rounds through files")]
+    tail = engine_tail(summary, profile, 0, options, staged=False) + [
+        Phase("commit", 3 * DELTA_ROUND_S, "3 rounds through files")]
     total = max(p[0] for p in publish) + read + decode + verify + load + sum(p.seconds for p in tail)
     return _rated(profile, phases + tail), total, bound_of(phases, {p.name for p in phases}), None

@@ -207,10 +207,10 @@ class ReferenceEngine:
         """Free the live weights' memory while the trainer trains; return the bytes freed.
 
         The tensors stay, with empty storage until `restore_memory`: a forward fails loudly instead of
-        computing with stale values. The receiver's live staging set still holds this version.
+        computing with stale values. The receiver's live staging set still holds this version. A weight that
+        runs on that set (`load_shards` of `HeldShards`) has no memory of its own to free and is left alone.
         """
         self._released = [(storage, storage.nbytes()) for storage in self._live_storages() if storage.nbytes()]
-        # a weight that runs on the receiver's staging set has no memory of its own to free
         for storage, _ in self._released:
             storage.resize_(0)
         return sum(nbytes for _, nbytes in self._released)
