@@ -46,7 +46,7 @@ def test_checksums_cost_broadcast_device_time():
 
 
 def test_an_engine_that_copies_its_staged_version_pays_the_copy_one_that_runs_on_it_switches():
-    """Broadcast and P2P stage a version in a set: an engine that copies it into its own weights (the default,
+    """Broadcast, ipc and P2P stage a version in a set: an engine that copies it into its own weights (the default,
     as vLLM and SGLang do) pays a device copy of its largest shard; one that computes on the set switches."""
     planner, h100 = _moonlight(2), profile_named("h100")
     for transport in ("broadcast", "p2p"):

@@ -45,7 +45,7 @@ class EngineAdapter(Protocol):
 
     def load_shards(self, shards: Mapping[str, torch.Tensor], version: int) -> None:
         """Make `shards` (one tensor per param of `rank_layout()`, by param name) the live weights, as
-        `version`. `HeldShards` (a broadcast or P2P receiver's staging set) may be computed on in place: the
+        `version`. `HeldShards` (a broadcast, ipc or P2P receiver's staging set) may be computed on in place: the
         receiver leaves them untouched until the engine runs on another version; copy any other mapping."""
 
     def snapshot(self) -> Optional[Mapping[str, torch.Tensor]]:

@@ -52,7 +52,7 @@ class SyncOptions:
     p2p_backend: str = "nixl"  # torch | mooncake | nixl: what moves P2P's bytes (distinct rates on `local`)
     engine_switch: bool = False
     """The engine computes on the staging set a version arrived in (the reference engine's unfused weights), so
-    a broadcast or P2P apply switches sets; False: it copies the shard into weights of its own (vLLM, SGLang)."""
+    a broadcast, ipc or P2P apply switches sets; False: it copies the shard into weights of its own (vLLM, SGLang)."""
 
 
 def gather_seconds(traffic: Traffic | None, profile: HardwareProfile) -> float:
@@ -92,7 +92,7 @@ def engine_tail(summary: PlanSummary, profile: HardwareProfile, rounds: int, opt
                 *, staged: bool = True) -> list[Phase]:
     """The engine's apply, the agreement rounds, and pause + resume of driven engines. The apply is a load that
     copies the largest shard, or a switch of staging sets where the version waited in one (`staged`: broadcast,
-    P2P) and the engine runs on it (`options.engine_switch`)."""
+    ipc, P2P) and the engine runs on it (`options.engine_switch`)."""
     rank = max(range(len(summary.shard_bytes)), key=summary.shard_bytes.__getitem__, default=0)
     if not (staged and options.engine_switch):
         apply = (summary.shard_bytes[rank] / profile.device_copy

@@ -111,7 +111,7 @@ def ipc_gpu(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions
     reader = summary.receivers[0]
     phases = list(worst.values()) + [Phase("verify+copy regions", reader.bytes / min(device_checksum,
                                            profile.nvlink.value) + shard / profile.nvlink.value, "every engine rank")]
-    tail = engine_tail(summary, profile, 2, options, staged=False)
+    tail = engine_tail(summary, profile, 2, options)
     total = max(finish) + summary.extra["max_bucket"] / min(device_checksum, profile.nvlink.value) + sum(
         p.seconds for p in tail)
     return _rated(profile, phases + tail), total, bound_of(phases, {p.name for p in phases}), None
