@@ -16,5 +16,15 @@
 
 from __future__ import annotations
 
+import os
+
+# Every process of the suite runs eager (inherited by the launched jobs, the fork server's workers and the
+# servers), as the vLLM test servers' --enforce-eager does for vLLM: torch.compile on CPU traces with dynamo and
+# builds C++ with g++ in each process that reaches a compiled function. SGLang at TP>1 compiles its
+# vocab-parallel embedding lookup at the first request (27 s of a TP=2 server's 55 s start on an idle machine);
+# megatron-core compiles its jit_fuser functions (e.g. the MoE router's expert-bias update) in every trainer rank.
+# Neither changes what a sync moves or what the tests compare; set TORCHDYNAMO_DISABLE=0 to run compiled.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
 pytest_plugins = ["tests.support.tiers", "tests.support.durations", "tests.support.timing", "tests.support.workers",
                   "tests.support.scratch"]

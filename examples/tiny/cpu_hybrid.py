@@ -55,7 +55,8 @@ def apply_gated_delta_net_shims() -> None:
     gdn.l2norm = _l2norm
     gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
     gdn.GatedDeltaNet.__init__ = _run_on_cpu(gdn.GatedDeltaNet.__init__)
-    gdn.GatedDeltaNet._apply_gated_norm = gdn.GatedDeltaNet._apply_gated_norm._torchdynamo_orig_callable
+    compiled = gdn.GatedDeltaNet._apply_gated_norm  # the plain function already under TORCHDYNAMO_DISABLE=1
+    gdn.GatedDeltaNet._apply_gated_norm = getattr(compiled, "_torchdynamo_orig_callable", compiled)
     _APPLIED = True
 
 
