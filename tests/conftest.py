@@ -25,6 +25,10 @@ import os
 # megatron-core compiles its jit_fuser functions (e.g. the MoE router's expert-bias update) in every trainer rank.
 # Neither changes what a sync moves or what the tests compare; set TORCHDYNAMO_DISABLE=0 to run compiled.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+# One OpenMP thread per process, as the launched jobs already had: two xdist workers with two threads each,
+# beside the servers and ranks they start, oversubscribe two cores and their threads spin in each other's way
+# (`make test-fast`: 183 s -> 132 s of pytest, 4 min 25 s -> 3 min 14 s of CPU). A test that needs more sets it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 pytest_plugins = ["tests.support.tiers", "tests.support.durations", "tests.support.timing", "tests.support.workers",
                   "tests.support.scratch"]
