@@ -36,7 +36,7 @@ def vllm_quantizers():
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
     with set_current_vllm_config(VllmConfig()):
         per_tensor = QuantFP8(static=False, group_shape=GroupShape.PER_TENSOR)
-    # the plain routine: torch.compile's wrapper holds it, or is it under TORCHDYNAMO_DISABLE=1 (tests/conftest.py)
+    # the plain routine: torch.compile's wrapper holds it, or torch.compile returned it as is (TORCHDYNAMO_DISABLE=1)
     return getattr(per_block_cast_to_fp8, "_torchdynamo_orig_callable", per_block_cast_to_fp8), per_tensor
 
 
