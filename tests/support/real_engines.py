@@ -120,7 +120,8 @@ def plugin_path(folder: str) -> str:
     `pip install -e .` declares the first from pyproject.toml; a shared test
     environment installed before the entry point existed lacks it, so the
     tests declare it themselves, next to the test-only fault plugin
-    (tests/support/vllm_faults.py, inert unless MEGATRON_SYNC_TEST_FAULTS is set).
+    (tests/support/vllm_faults.py, inert unless MEGATRON_SYNC_TEST_FAULTS is set) and the one that paces the
+    polling of vLLM's message queues (tests/support/vllm_paced_spin.py, inert unless MEGATRON_SYNC_TEST_PACED_SPIN=1).
     """
     info = os.path.join(folder, "megatron_sync_vllm_test_plugins-0.0.dist-info")
     os.makedirs(info, exist_ok=True)
@@ -128,7 +129,8 @@ def plugin_path(folder: str) -> str:
         f.write("Metadata-Version: 2.1\nName: megatron-sync-vllm-test-plugins\nVersion: 0.0\n")
     with open(os.path.join(info, "entry_points.txt"), "w") as f:
         f.write("[vllm.general_plugins]\nmegatron_sync = megatron_sync.drivers.vllm_plugin:register\n"
-                "megatron_sync_test_faults = tests.support.vllm_faults:register\n")
+                "megatron_sync_test_faults = tests.support.vllm_faults:register\n"
+                "megatron_sync_test_paced_spin = tests.support.vllm_paced_spin:register\n")
     return folder
 
 
@@ -206,7 +208,7 @@ class VLLMServer(LaunchedServer):
                  dtype: str = "float32", port: Optional[int] = None) -> None:
         shim = plugin_path(os.path.join(os.path.dirname(log_path), "plugin_path"))
         full_env = {**os.environ, "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1",
-                    "PYTHONPATH": os.pathsep.join([ROOT, shim]), **(env or {})}
+                    "MEGATRON_SYNC_TEST_PACED_SPIN": "1", "PYTHONPATH": os.pathsep.join([ROOT, shim]), **(env or {})}
         command = [os.path.join(ROOT, "launch", "serve_vllm.sh"), model_dir, "--host", "127.0.0.1",
                    "--dtype", dtype, "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "8", *args]
         if "--tensor-parallel-size" not in args:
