@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 from megatron_sync.convert.patterns import Pattern, compile_pattern
+from megatron_sync.core.bulk import without_gc
 from megatron_sync.layout.rank import RankLayout
 from megatron_sync.core.meta import FlatEntry, TensorMeta, dtype_name
 
@@ -88,6 +89,7 @@ class SyncPlan:
         return hashlib.sha256(encoded).hexdigest()
 
 
+@without_gc
 def build_plan(
     stage_metas: Sequence[Sequence[TensorMeta]],
     bucket_size_bytes: int,

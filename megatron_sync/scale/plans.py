@@ -25,6 +25,7 @@ import tracemalloc
 from collections import defaultdict
 from typing import Any, Callable, Sequence
 
+from megatron_sync.core.bulk import without_gc
 from megatron_sync.core.meta import dtype_from_name
 from megatron_sync.layout.regions import Region, TensorSpec
 from megatron_sync.plan.buckets import build_plan
@@ -106,6 +107,7 @@ def _model(family: str, hf_config: Any, dtype: str, draft: bool) -> tuple[Any, l
 class ScalePlanner:
     """Plans one sync of a model between two layouts, on metadata, with the project's planners."""
 
+    @without_gc
     def __init__(self, family: str, hf_config: dict, trainer: TrainerLayout, fleet: FleetLayout, *,
                  dtype: str = "bfloat16", train_dtype: str = "bfloat16", draft: bool = True):
         self.trainer, self.fleet = trainer, fleet
@@ -125,6 +127,7 @@ class ScalePlanner:
         self.stage_bytes = [sum(m.nbytes for m in metas) for metas in self.stage_metas]
         self.setup_seconds = time.perf_counter() - started
 
+    @without_gc
     def with_fleet(self, fleet: FleetLayout) -> "ScalePlanner":
         """Return this planner for another fleet of the same trainer (the trainer's side is reused)."""
         other = copy.copy(self)
@@ -157,6 +160,7 @@ class ScalePlanner:
             self._source_traffic = self._gather_traffic(lambda unit, stage: self.trainer.stage_source(stage))
         return copy.deepcopy(self._source_traffic)
 
+    @without_gc
     def plan(self, transport: str, *, bucket_bytes: int, measure_memory: bool = False, **options) -> PlanSummary:
         """Return the summary of `transport`'s plan, with its own cost (seconds; peak bytes if measured)."""
         build = {"broadcast": self._broadcast, "p2p": self._p2p, "disk_delta": self._disk_delta,

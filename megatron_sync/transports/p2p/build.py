@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from megatron_sync.core.bulk import without_gc
 from megatron_sync.core.grid import TrainerRank
 from megatron_sync.layout.rank import Placement
 from megatron_sync.layout.regions import TensorSpec
@@ -14,6 +15,7 @@ from megatron_sync.transports.p2p.schedule import (TRAINER, InferenceRank, Messa
                                                    ScheduleOptions, aligned, slot_bytes, window_slots)
 
 
+@without_gc
 def build_schedule(units: Sequence[SourceUnit], ranks: Sequence[TrainerRank], tensors: Sequence[TensorSpec],
                    receivers: Sequence[InferenceRank], options: ScheduleOptions) -> Schedule:
     """Return the schedule writing every receiver's placements (see `schedule`); ValueError names a tensor
