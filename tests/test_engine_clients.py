@@ -6,13 +6,14 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from megatron_sync.settings.config import WeightSyncConfig
 from megatron_sync.engines.base import EngineClient, Rendezvous, plan_rendezvous
 from megatron_sync.settings.config import parse_engine
-from megatron_sync.engines.driven import EngineFleet, clients_from_config
+from megatron_sync.engines.driven import EngineFleet, clients_from_config, worker_counts
 from megatron_sync.engines.sglang.client import SGLangEngineClient
 from megatron_sync.engines.vllm.client import PAUSE_PLANS, VLLMEngineClient
 from megatron_sync.engines.vllm.wire import JoinInfo, UpdateInfo
@@ -138,6 +139,33 @@ def test_fleet_resumes_engines_already_paused_when_another_cannot_pause():
     with pytest.raises(ConnectionError):
         EngineFleet(engines, driven=True).before_sync(1)
     assert (engines[0].paused, engines[0].open, engines[0].tag) == (False, False, "0")
+
+
+def test_a_fleet_asks_every_engine_for_its_workers_at_once_and_names_the_first_that_fails():
+    """A vLLM server's first answer about itself takes seconds; asked one by one, a fleet waits for the sum.
+    Each engine here answers only once all three were asked (a barrier): asked in turn, the first would wait
+    out the barrier's timeout and the start would fail."""
+    asked = threading.Barrier(3, timeout=20)
+
+    class Slow(FakeEngine):
+        def num_workers(self) -> int:
+            asked.wait()
+            return 2 if self.url == "http://c" else 1
+
+        def join(self, rendezvous):
+            return rendezvous
+
+    engines = [Slow("http://a", 0), Slow("http://b", 1), Slow("http://c", 2)]
+    config = WeightSyncConfig(num_inference_ranks=4)
+    rendezvous = EngineFleet(engines, driven=True).start_joins(config, num_trainer_stages=1)
+    assert [r.num_workers for r in rendezvous] == [1, 1, 2]
+
+    class Down(FakeEngine):
+        def num_workers(self) -> int:
+            raise ConnectionError(f"{self.url} is down")
+
+    with pytest.raises(ConnectionError, match="http://b is down"):
+        worker_counts([FakeEngine("http://a", 0), Down("http://b", 1), Down("http://c", 2)])
 
 
 def test_fleet_without_clients_does_nothing():

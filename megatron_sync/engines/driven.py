@@ -10,6 +10,7 @@ around the engines' hooks are collective on every trainer rank.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from importlib import import_module
 from typing import Iterator, Optional, Sequence
@@ -36,6 +37,18 @@ def clients_from_config(config: "WeightSyncConfig") -> list[EngineClient]:
     return clients
 
 
+def worker_counts(clients: Sequence[EngineClient]) -> list[int]:
+    """Return each client's worker count, in order, asking every engine at once: a vLLM server's first
+    answer about itself takes seconds (/server_info runs vLLM's environment report: `pip list` and more;
+    1.6 s on an idle 2-core machine), so a fleet asked one by one would wait for the sum at start-up.
+    A failing engine raises its own error; the first one in order is raised."""
+    if len(clients) <= 1:
+        return [client.num_workers() for client in clients]
+    with ThreadPoolExecutor(max_workers=min(len(clients), 64), thread_name_prefix="megatron-sync-engine-query") as pool:
+        asked = [pool.submit(client.num_workers) for client in clients]
+        return [answer.result() for answer in asked]
+
+
 class EngineFleet:
     """The driven engines of one trainer: joins them to the transport group and calls their sync hooks.
 
@@ -54,7 +67,7 @@ class EngineFleet:
         rendezvous. The joins complete while the trainer connects (`joined`)."""
         if not self.clients:
             return []
-        counts = [client.num_workers() for client in self.clients]
+        counts = worker_counts(self.clients)
         backend = config.resolved_backend(torch.cuda.is_available())
         rendezvous = plan_rendezvous(config, num_trainer_stages, counts, backend)
         self._join_timeout_s = config.timeout_s + JOIN_GRACE_S
