@@ -357,7 +357,8 @@ class HFReference:
 
         from tests.support.hf_check import transformers_checkpoint
 
-        state = transformers_checkpoint({name: t.detach().to(torch.float32).contiguous() for name, t in tensors.items()})
+        state = transformers_checkpoint({name: t.detach().to(torch.float32).contiguous()
+                                         for name, t in tensors.items()})
         with tempfile.TemporaryDirectory(prefix="hf_reference_") as tmp:
             save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
             tiny_hf_config(spec).save_pretrained(tmp)
@@ -614,9 +615,11 @@ def megatron_job_syncs(rank: int, world: int, spec: ModelSpec, parallel: dict, u
                     "version": sync.version, "sync_s": seconds, "drift": synced.drift,
                     "problems": engine_problems(url, spec, sent, prompts, reference=reference),
                     "tokens": greedy_completion(url, prompts[0], 8), "reported": weight_version(url),
-                    "spans": [(s["version"], s["start"], s["end"]) for s in generate(url, prompts[0], 2)["weight_versions"]],
+                    "spans": [(s["version"], s["start"], s["end"])
+                              for s in generate(url, prompts[0], 2)["weight_versions"]],
                     "receivers": [json.loads(m.to_json()) for m in sync.receiver_metrics(sync.version)],
-                    "trainer_bytes": sum(written), "model_bytes": sum(t.numel() * t.element_size() for t in sent.values())})
+                    "trainer_bytes": sum(written),
+                    "model_bytes": sum(t.numel() * t.element_size() for t in sent.values())})
             dist.barrier()
     finally:
         sync.close()
