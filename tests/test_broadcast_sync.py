@@ -86,7 +86,7 @@ def _run_receiver(rank: int, transport, bucket: int, sc: dict) -> list:
     die = sc.get("die", {})
     engine = FakeEngine(ALL_METAS, rank - P, TP, die_after_shards=die.get(rank),
                         fail_load_at=sc.get("fail_load", {}).get(rank))
-    receiver = WeightReceiver(engine, transport, bucket_size_bytes=bucket)
+    receiver = WeightReceiver(engine, transport, bucket_size_bytes=bucket, staging_sets=sc.get("staging_sets", 2))
     log = []
     for v in sc["versions"]:
         try:
@@ -166,10 +166,12 @@ def test_nccl_two_syncs_deliver_exact_shards():
         assert [entry[:4] for entry in log] == [(1, "ok", 1, True), (2, "ok", 2, True)]
 
 
-def test_a_load_failing_on_one_rank_rolls_the_other_ranks_back():
+@pytest.mark.parametrize("staging_sets", [2, 1])
+def test_a_load_failing_on_one_rank_rolls_the_other_ranks_back(staging_sets):
     # Rank 3's load of version 2 fails after every rank agreed the buckets were intact; rank 2 has
-    # loaded it by then and must go back, so the engine never serves a mix of versions 1 and 2.
-    out = _run({"versions": [1, 2, 3], "fail_load": {3: 2}})
+    # loaded it by then and must go back, so the engine never serves a mix of versions 1 and 2. With one
+    # staging set, version 2 has overwritten version 1's set: rank 2 goes back from its host copy.
+    out = _run({"versions": [1, 2, 3], "fail_load": {3: 2}, "staging_sets": staging_sets})
     for rank in range(P + N):
         status, log = out[rank]
         assert status == "ok", (rank, log)

@@ -18,7 +18,7 @@ from megatron_sync.layout.regions import (
     padded_vocab_range, weight_region,
 )
 from megatron_sync.layout.roles import RoleLayout
-from megatron_sync.layout.staging import StagingSets
+from megatron_sync.layout.staging import StagedCopy, StagingSets
 from tests.support import models
 
 
@@ -217,3 +217,32 @@ def test_staging_sets_alternate_and_keep_the_live_version_for_a_rollback():
     assert torch.equal(sets.live_params(1)["fused"][:3], full["a"][2:5]) and sets.target == 1
     sets.committed(2)
     assert sets.live_params(2) is second and sets.live_params(1) is None and sets.nbytes == 2 * layout.nbytes
+
+
+def test_one_staging_set_keeps_a_host_copy_of_the_live_version_as_its_rollback_source():
+    layout, full = _layout_of_one_param()
+    sets = StagingSets(layout, lambda n: torch.empty((n,), dtype=torch.uint8), 1)
+    assert sets.nbytes == layout.nbytes and sets.host_bytes == layout.nbytes
+    first = sets.begin()
+    assert isinstance(first, StagedCopy) and first.previous is None  # the first version: no host copy yet
+    sets.write("a", full["a"])
+    sets.committed(1)  # the host copy of version 1 starts
+    assert sets.live_params(1) is first and sets.target == 0
+    assert torch.equal(sets.live_buffer(1), sets.memory)  # between syncs the set is version 1: relays read it
+    second = sets.begin()  # waits for the host copy: from here on it is version 1's only copy
+    assert second is first and sets.live_buffer(1) is None
+    sets.write("a", full["a"] * 2)  # version 2 overwrites the one set
+    kept = sets.live_params(1)
+    assert not isinstance(kept, StagedCopy) and kept["fused"].data_ptr() != first["fused"].data_ptr()
+    assert torch.equal(kept["fused"][:3], full["a"][2:5]) and not torch.equal(first["fused"][:3], full["a"][2:5])
+    assert second.previous is not None and torch.equal(second.previous["fused"], kept["fused"])
+    sets.committed(2)
+    sets.begin()
+    assert torch.equal(sets.live_params(2)["fused"][:3], full["a"][2:5] * 2)  # the host copy moved on to version 2
+    assert sets.live_params(1) is None
+
+
+def test_staging_sets_other_than_one_or_two_are_refused_naming_the_choice():
+    layout, _ = _layout_of_one_param()
+    with pytest.raises(ValueError, match=r"staging_sets=3: use 2 .* or 1"):
+        StagingSets(layout, lambda n: torch.empty((n,), dtype=torch.uint8), 3)

@@ -46,7 +46,9 @@ class EngineAdapter(Protocol):
     def load_shards(self, shards: Mapping[str, torch.Tensor], version: int) -> None:
         """Make `shards` (one tensor per param of `rank_layout()`, by param name) the live weights, as
         `version`. `HeldShards` (a broadcast, ipc or P2P receiver's staging set) may be computed on in place: the
-        receiver leaves them untouched until the engine runs on another version; copy any other mapping."""
+        receiver leaves them untouched until the engine runs on another version; copy any other mapping. A
+        `StagedCopy` (a receiver's only staging set, `staging_sets: 1`) is overwritten by the next version and
+        carries the live version's host copy as `.previous`, for an engine that must undo a load part-way."""
 
     def snapshot(self) -> Optional[Mapping[str, torch.Tensor]]:
         """Return the live params (what `load_shards` takes back to undo a load), or None when this engine

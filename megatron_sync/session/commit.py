@@ -20,7 +20,7 @@ from megatron_sync.core.agreement import describe
 from megatron_sync.core.errors import SyncAbortedError
 from megatron_sync.core.lifecycle import uninterrupted
 from megatron_sync.core.metrics import PhaseTimer, SyncMetrics
-from megatron_sync.layout.staging import HeldShards
+from megatron_sync.layout.staging import HeldShards, StagedCopy
 
 if TYPE_CHECKING:
     from megatron_sync.engines.base import EngineAdapter
@@ -108,7 +108,9 @@ class AgreedCommit:
         except Exception as e:  # noqa: BLE001 — agreed on below; nothing was loaded
             load_error = f"keeping the live shards for a rollback failed: {describe(e, limit=3)}"
         if load_error is None:
-            shards = HeldShards(staged) if isinstance(staged, HeldShards) else dict(staged)  # held: may run in place
+            # held: may run in place; staged in the only set: copied, with the version before it at hand
+            shards = (HeldShards(staged) if isinstance(staged, HeldShards)
+                      else staged if isinstance(staged, StagedCopy) else dict(staged))
             load_error = self._load(shards, version if as_version is None else as_version, metrics)
             if load_error is None and self.check is not None:
                 load_error = self._checked(version, snapshot, old_version, metrics)

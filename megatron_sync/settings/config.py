@@ -223,6 +223,12 @@ class WeightSyncConfig:
     each engine rank forwards every round to the same rank of the next, so the trainer sends one copy per
     layout however many engines there are. False: the trainer writes every engine. The trainer's value is used."""
 
+    staging_sets: int = 2
+    """Staging sets of its shard per engine rank (broadcast, ipc, p2p; over p2p the trainer's value). 2: a version
+    arrives in the set the engine does not run on; the other is the rollback source. 1: for engines that copy
+    (vLLM): weights + 1 set instead of + 2; the rollback source is a host copy of the live version, taken after
+    each commit and waited for before the set is written again (docs/transports/p2p.md, "Where a version waits")."""
+
     verify_every: int = 1
     """After an engine rank loaded a version, check that its params hold exactly what was sent, region by
     region (digests recorded from the verified bytes; drafts included): every version (1), every Nth (the
@@ -312,13 +318,9 @@ class WeightSyncConfig:
 
     @classmethod
     def from_yaml(cls, path: str, defaults: Optional[dict[str, Any]] = None) -> "WeightSyncConfig":
-        """Return the config in the `weight_sync:` section of the training YAML at `path`.
-
-        `defaults` (an application's own, stated in its code) apply where the
-        section does not set a key. Nothing else is filled in: a section without
-        `family` leaves it None, and the trainer refuses to start saying where
-        to set it.
-        """
+        """Return the config in the `weight_sync:` section of the training YAML at `path`. `defaults` (an
+        application's own) apply where the section does not set a key; nothing else is filled in (a section
+        without `family` leaves it None, and the trainer refuses to start saying where to set it)."""
         import yaml
 
         with open(path) as f:
@@ -337,11 +339,9 @@ class WeightSyncConfig:
 
 
 def explicit_flags(namespace: argparse.Namespace) -> dict[str, Any]:
-    """Return the `--weight-sync-*` values given on the command line, by field name.
-
-    Needs a parser whose weight-sync defaults are None (`add_weight_sync_args(parser, defaults=False)`),
-    so that flags override a YAML section only where given.
-    """
+    """Return the `--weight-sync-*` values given on the command line, by field name. Needs a parser whose
+    weight-sync defaults are None (`add_weight_sync_args(parser, defaults=False)`): flags override a YAML
+    section only where given."""
     return {name: getattr(namespace, f"weight_sync_{name}") for name in field_names()
             if getattr(namespace, f"weight_sync_{name}") is not None}
 

@@ -12,6 +12,7 @@ import torch
 from megatron_sync.layout.rank import RankLayout
 from megatron_sync.layout.regions import Shard, Sharding, TensorSpec
 from megatron_sync.layout.roles import RoleLayout
+from megatron_sync.layout.staging import HeldShards
 from megatron_sync.core.meta import TensorMeta
 from examples.tiny.faults import FaultyLayout  # noqa: F401 — the demo's fault hook, used here too
 
@@ -140,7 +141,8 @@ class FakeEngine:
         assert set(shards) == {m.name for m in self._expected}
         if version == self._fail_load_at:
             raise RuntimeError(f"fake load failure at version {version}")
-        self.weights = dict(shards)
+        # a receiver's held set may be kept by reference; any other mapping is copied (the receiver may reuse it)
+        self.weights = dict(shards) if isinstance(shards, HeldShards) else {n: t.clone() for n, t in shards.items()}
         self._version = version
 
     def snapshot(self) -> dict[str, torch.Tensor]:

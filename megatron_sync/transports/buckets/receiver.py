@@ -15,7 +15,8 @@ holds the live version's params. That set is the rollback source when a load
 fails on another rank: a rollback costs one load, and no sync copies a
 snapshot (only the first sync, before any set is live, asks the engine for
 one). Memory: 2 receive buffers of the largest bucket + 2 x this rank's
-params, held between syncs.
+params, held between syncs. With `staging_sets=1` (engines that copy) one set
+and a host copy of the live version, taken between syncs, as rollback source.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class WeightReceiver(Receiver):
     def __init__(self, engine: EngineAdapter, transport: BucketTransport, *,
                  bucket_size_bytes: int, keep_together: KeepTogether = (),
                  metrics_path: Optional[str] = None, commit: Optional[Commit] = None,
-                 rollback: bool = True, checksum: str = "auto", timeline: bool = False, verify_every: int = 1) -> None:
+                 rollback: bool = True, checksum: str = "auto", timeline: bool = False, verify_every: int = 1,
+                 staging_sets: int = 2) -> None:
         self.engine, self.transport = engine, transport
         self.layout = engine.rank_layout()
         self.metrics_path = metrics_path
@@ -65,7 +67,7 @@ class WeightReceiver(Receiver):
         self.checksum = resolve_checksum(checksum, transport.device)
         self.plan = handshake_plan(transport, None, bucket_size_bytes, keep_together,
                                    expected=engine.expected_tensors(), checksum=self.checksum, layout=self.layout)
-        self.staging = StagingSets(self.layout, transport.alloc)
+        self.staging = StagingSets(self.layout, transport.alloc, staging_sets, keep=rollback)
         self.check = LoadCheck(self.layout, engine, self.checksum, verify_every,
                                f"inference rank {transport.rank - transport.num_stages}")
         self._agreed = AgreedCommit.over(transport, engine, commit, rollback=rollback,
@@ -82,7 +84,8 @@ class WeightReceiver(Receiver):
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes this receiver holds between syncs: receive buffers plus both staging sets."""
+        """Bytes this receiver holds between syncs in the transport's memory: receive buffers plus the staging
+        sets (with one set, `staging.host_bytes` more on the host)."""
         return sum(b.numel() for b in self._buffers if b is not None) + self.staging.nbytes
 
     def live_shards(self, version: int) -> Optional[dict[str, torch.Tensor]]:

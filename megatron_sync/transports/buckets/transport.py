@@ -46,4 +46,5 @@ class PlanBucketTransport(BucketTransport):
                       commit: Optional[Commit] = None) -> Receiver:
         return WeightReceiver(engine, self, bucket_size_bytes=config.bucket_size_bytes,
                               keep_together=keep_together, metrics_path=config.metrics_path, commit=commit,
-                              checksum=config.checksum, verify_every=config.verify_every)
+                              checksum=config.checksum, verify_every=config.verify_every,
+                              staging_sets=config.staging_sets)
