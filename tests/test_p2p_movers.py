@@ -56,7 +56,7 @@ def _open_group(rank, world, port):
     return init_transport_group("127.0.0.1", port, world, rank, timeout=60, group_name="p2p_path")
 
 
-def _send(rank, planned, mover, notices, fault=None):
+def _send(rank, planned, mover, notices, fault=None, offsets=None):
     from megatron_sync.transports.p2p.writer import ShareWriter
 
     specs, schedule = planned
@@ -75,26 +75,28 @@ def _send(rank, planned, mover, notices, fault=None):
         return {"silent": True}
     if fault == "corrupt":
         writer.mover = _Corrupting(mover)
-    return {"sent": writer.write_version(tensors(), notices, {}).nbytes}
+    return {"sent": writer.write_version(tensors(), notices, offsets if offsets is not None else {}).nbytes}
 
 
-def _receive(index, planned, mover, notices, corrupting=False):
+def _receive(index, planned, mover, notices, corrupting=False, base=0):
     from megatron_sync.transports.p2p.notices import receiver
     from megatron_sync.transports.p2p.rounds import RoundReceiver
 
     specs, schedule = planned
     layout = schedule.receivers[index].layout
-    staging = mover.alloc(layout.nbytes)
-    staging.fill_(SENTINEL)
+    memory = mover.alloc(base + layout.nbytes)  # `base` bytes before the staging set: where it starts
+    memory.fill_(SENTINEL)
+    staging = memory[base:]
     bounded_window = bool(schedule.options.window_bytes)
-    window = mover.alloc(schedule.window_bytes(index)) if bounded_window else staging
+    window = mover.alloc(schedule.window_bytes(index)) if bounded_window else memory
     mover.expose(receiver(index), window)
     rounds = RoundReceiver(schedule, index, mover, window, algorithm="xxh3", timeout_s=RECEIVE_TIMEOUT_S)
     if corrupting:  # what this rank writes (its relays, its forwards) arrives with a byte flipped
         rounds.mover = _CorruptingOnTheWire(mover)
     notices.board.post(f"exposed/{notices.version}/{index}", b"1")  # every window is up before anyone writes
-    stats = rounds.receive_version(notices, staging, 0, 0)
+    stats = rounds.receive_version(notices, staging, base)
     return {"wrong": misplaced(layout, staging, specs), "clean": untouched_outside_placements(layout, staging),
+            "before_untouched": bool((memory[:base] == SENTINEL).all()),
             "received": stats.nbytes, "forwarded": stats.forwarded, "shard_bytes": layout.shard_bytes}
 
 
@@ -157,6 +159,46 @@ def test_every_receiver_gets_exactly_its_shards_over_every_backend(options):
     if options:
         assert max(schedule.rounds) > 1 and max(len({p.arena_round for p in schedule.sender_queue(s)})
                                                 for s in range(SENDERS)) > 1
+
+
+def _posted_bases(rank, world, port, planned):
+    """One version over NIXL into receivers whose staging set starts a set's length into the window they expose
+    (posted as `Notices.post_base`); the trainer ranks write where each receiver posted (`PostedBases`)."""
+    from megatron_sync.transports.p2p.notices import Notices, PostedBases
+
+    group = _open_group(rank, world, port)
+    mover = _mover("nixl", group, world)
+    notices = Notices(group.board, 1, 1)
+    try:
+        if rank < SENDERS:
+            for index in range(world - SENDERS):
+                group.board.fetch(f"exposed/1/{index}", 60)
+            return _send(rank, planned, mover, notices, offsets=PostedBases(notices, RECEIVE_TIMEOUT_S))
+        index = rank - SENDERS
+        return _receive(index, planned, mover, notices, base=planned[1].receivers[index].layout.nbytes)
+    finally:
+        _store_barrier(group, rank, world, "end/1")
+        mover.close()
+        _leave(group, rank, world)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_with_one_staging_set_every_writer_writes_where_its_receiver_posted_its_set():
+    # One staging set holds the live version until the receiver's host copy of it is done, so the receiver
+    # posts where its set starts once it may be written, and the trainer ranks write only there. The set here
+    # starts a set's length into the window (as in a receiver with two sets), which no writer can compute
+    # itself: exact shards there, and nothing before them, show every write waited for the posted base.
+    planned = _schedule(staging_sets=1)
+    schedule = planned[1]
+    assert schedule.options.posts_base and not _schedule()[1].options.posts_base
+    world = SENDERS + len(schedule.receivers)
+    results = run_distributed(_posted_bases, world, free_port(), planned, timeout=240, env=UCX_TCP)
+    for index, got in enumerate(results[SENDERS:]):
+        assert got["wrong"] == [], f"receiver {index}: wrong shards {got['wrong'][:5]}"
+        assert got["clean"] and got["before_untouched"], (index, got)
+        assert got["received"] == got["shard_bytes"], (index, got)
+    assert sum(results[s]["sent"] for s in range(SENDERS)) == schedule.trainer_egress()
 
 
 FAULTS = {  # fault -> (error every waiting receiver raises, words in it); silent goes last: it breaks gloo pairs

@@ -118,8 +118,9 @@ def _shard_bytes(shards: dict[str, torch.Tensor]) -> int:
 UCX_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}  # NIXL over real sockets on loopback
 
 CASES = [
-    pytest.param("nixl", dict(spec={"family": "qwen3"}, layout={"tp": 2}, engine_tp=1, versions=2, env=UCX_TCP),
-                 id="tp2-into-tp1-nixl"),
+    # One staging set (an engine that copies): the engine copies every version, its set takes the next one.
+    pytest.param("nixl", dict(spec={"family": "qwen3"}, layout={"tp": 2}, engine_tp=1, versions=2, env=UCX_TCP,
+                              weight_sync={"staging_sets": 1}), id="tp2-into-tp1-one-staging-set-nixl"),
     pytest.param("torch", dict(spec={"family": "qwen3_moe", "num_kv_heads": 1}, layout={"ep": 2}, engine_tp=2,
                                versions=2), id="ep2-into-tp2-replicated-kv-torch"),
     # One version: a CPU training step of MoE under TP>1 needs sequence parallelism (TE norms).
@@ -176,10 +177,14 @@ def test_p2p_syncs_exact_shards_and_only_shard_bytes_through_the_drivers(backend
             assert diff < LOGITS_ATOL, (rank, version, diff)
         shard_bytes.append(_shard_bytes(v1))
         # The engine computes on the staging set each version arrived in (the logits above), not on a copy: all
-        # of a dense model; of a MoE model all but the experts, which transformers keeps fused in memory.
+        # of a dense model; of a MoE model all but the experts, which transformers keeps fused in memory. With
+        # one staging set it copies everything: the set takes the next version.
         in_place = [held["in_place"] for held in engine["held"]]
         dense = "moe" not in case["spec"]["family"]
-        assert all(b == shard_bytes[-1] if dense else 0 < b < shard_bytes[-1] for b in in_place), (rank, in_place)
+        if case["weight_sync"].get("staging_sets") == 1:
+            assert in_place == [0] * len(versions), (rank, in_place)
+        else:
+            assert all(b == shard_bytes[-1] if dense else 0 < b < shard_bytes[-1] for b in in_place), (rank, in_place)
 
     # Bytes at the transport: each inference rank got exactly its shards; senders sent the sum.
     for version, reports in enumerate(trainers[0]["received"], start=1):
@@ -221,7 +226,8 @@ def test_p2p_syncs_exact_shards_and_only_shard_bytes_through_the_drivers(backend
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(420)
-def test_a_failed_sender_aborts_everywhere_then_a_killed_one_leaves_engines_on_the_previous_version():
+@pytest.mark.parametrize("staging_sets", [2, 1])
+def test_a_failed_sender_aborts_everywhere_then_a_killed_one_leaves_engines_on_the_previous_version(staging_sets):
     from tests.support.jobs import run_pair
 
     timeout_s = 10.0
@@ -230,7 +236,7 @@ def test_a_failed_sender_aborts_everywhere_then_a_killed_one_leaves_engines_on_t
     case = _case("torch", spec={"family": "qwen3_moe", "num_kv_heads": 1}, layout={"ep": 2}, engine_tp=2,
                  versions=4, imports=[__name__], record_failures=True, timeout_s=timeout_s,
                  fails_within_s={"trainer": timeout_s + 10, "engine": timeout_s + 5},
-                 weight_sync={"transport": "p2p_faulty"})
+                 weight_sync={"transport": "p2p_faulty", "staging_sets": staging_sets})
     trainers, engines = run_pair(case, timeout=360, outcomes=True)
 
     assert trainers[KILLED_RANK] == ("exited", KILL_EXIT_CODE), trainers[KILLED_RANK]

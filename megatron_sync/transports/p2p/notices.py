@@ -13,6 +13,7 @@ On the control board (the transport group's store), under keys that carry the ve
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Optional
 from megatron_sync.session.board import Board
@@ -96,3 +97,24 @@ class Notices:
         for round_ in range(rounds):
             self.board.remove(self._key("release", index, round_))
         self.board.remove(self._key("base", index))
+
+
+class PostedBases(Mapping):
+    """Where each receiver's target set starts this version, as it posts it (`Notices.post_base`) once the set
+    may be written: by receiver index, fetched at first use, waiting up to `timeout_s` (one staging set: the
+    set holds the live version until the receiver's host copy of it is done)."""
+
+    def __init__(self, notices: Notices, timeout_s: float) -> None:
+        self.notices, self.timeout_s = notices, timeout_s
+        self._known: dict[int, int] = {}
+
+    def __getitem__(self, index: int) -> int:
+        if index not in self._known:
+            self._known[index] = self.notices.base(index, self.timeout_s)
+        return self._known[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._known)
+
+    def __len__(self) -> int:
+        return len(self._known)

@@ -3,10 +3,12 @@
 Two staging sets of exactly this rank's params (its layout's params back to back,
 `megatron_sync.layout.staging`) are allocated once on the mover's device; a version is received into the set
 the engine does not run from (both sides flip sets after every version all ranks committed), so the other set
-is the live version and its rollback source. The window writes land in is both sets themselves (registered
-and exposed once), or, with a bounded `p2p_window_mb`, a separate registered window whose rounds are copied
-into the target set. `RoundReceiver` receives, verifies and forwards round by round; then the two rounds of
-`session/commit.py` make the set live everywhere or nowhere.
+is the live version and its rollback source. With `staging_sets: 1` (the trainer's setting) there is one set,
+and a host copy of the live version, taken between syncs, is the rollback source; this rank posts where its
+set starts once it may be written, and its writers wait for that. The window writes land in is the sets
+themselves (registered and exposed once), or, with a bounded `p2p_window_mb`, a separate registered window
+whose rounds are copied into the target set. `RoundReceiver` receives, verifies and forwards round by round;
+then the two rounds of `session/commit.py` make the set live everywhere or nowhere.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class P2PReceiver(Receiver):
                                   expected=engine.expected_tensors())
         mover = transport.mover
         self.layout = self.schedule.receivers[self.index].layout
-        self.staging = StagingSets(self.layout, mover.alloc)
+        self.staging = StagingSets(self.layout, mover.alloc, self.schedule.options.staging_sets,
+                                   timeout_s=config.timeout_s)
         bounded = bool(self.schedule.options.window_bytes)
         self.window = mover.alloc(self.schedule.window_bytes(self.index)) if bounded else self.staging.memory
         mover.expose(receiver(self.index), self.window)

@@ -105,8 +105,8 @@ class RoundReceiver:
         at = 0 if self.bounded else base
         if route.feed is not None:  # the rank forwarding to us writes at our window's offsets
             route.feed_notices.post_base(route.me, at)
-        elif self._relayed_into:  # so do the head receivers relaying into us
-            notices.post_base(self.index, at)
+        elif self._relayed_into or self.schedule.options.posts_base:  # so do the head receivers relaying into
+            notices.post_base(self.index, at)  # us, and with one staging set the trainer ranks
         # A two-sided mover's receives are posted for the whole version at once; every one is matched, by the
         # bytes or a failed writer's filler. (In a bounded window rounds share slots: a writer sends round
         # r only after the round before it in its slot was released, so the bytes still land in order.)

@@ -85,6 +85,7 @@ class ScheduleOptions:
     round_bytes: int = 0
     arena_bytes: int = 0
     forward: bool = True
+    staging_sets: int = 2
 
     def __post_init__(self) -> None:
         if self.piece_bytes <= 0:
@@ -100,8 +101,16 @@ class ScheduleOptions:
         """Whether head receivers relay the rows several of them hold (module doc: forwarding on)."""
         return relays_on(self.forward)
 
+    @property
+    def posts_base(self) -> bool:
+        """Whether writers wait for each receiver to post where its target set starts before writing into it: with
+        one staging set written directly (no bounded window) the set holds the live version until the receiver's
+        host copy of it, the rollback source, is done."""
+        return self.staging_sets == 1 and not self.window_bytes
+
     def to_wire(self) -> list:
-        return [self.piece_bytes, self.window_bytes, self.round_bytes, self.arena_bytes, self.forward]
+        return [self.piece_bytes, self.window_bytes, self.round_bytes, self.arena_bytes, self.forward,
+                self.staging_sets]
 
 
 def relays_on(forward: bool) -> bool:

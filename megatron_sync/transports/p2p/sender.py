@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Mapping, Optional
 
 import torch
 
@@ -26,7 +26,7 @@ from megatron_sync.transports.base import Sender
 from megatron_sync.transports.p2p.endpoint import P2PEndpoint
 from megatron_sync.transports.p2p.handshake import TrainerSide, handshake
 from megatron_sync.transports.p2p.holders import SourceUnit, source_units
-from megatron_sync.transports.p2p.notices import Notices
+from megatron_sync.transports.p2p.notices import Notices, PostedBases
 from megatron_sync.transports.p2p.schedule import ROUND_PIECES, Schedule, ScheduleOptions
 from megatron_sync.transports.p2p.walk import ScheduledGatherer
 from megatron_sync.transports.p2p.writer import ShareWriter
@@ -44,7 +44,8 @@ def schedule_options(config: "WeightSyncConfig") -> ScheduleOptions:
     window = int(config.p2p_window_mb * MiB)
     return ScheduleOptions(piece_bytes=config.bucket_size_bytes, window_bytes=window,
                            round_bytes=ROUND_PIECES * config.bucket_size_bytes,
-                           arena_bytes=int(config.p2p_arena_mb * MiB), forward=config.p2p_forward)
+                           arena_bytes=int(config.p2p_arena_mb * MiB), forward=config.p2p_forward,
+                           staging_sets=config.staging_sets)
 
 
 class P2PSender(Sender):
@@ -117,15 +118,28 @@ class P2PSender(Sender):
         """Write this rank's messages of the last version again, the wire alone (`ShareWriter.replay`; for
         benchmarks: the raw transport of the same bytes), into the staging set the next version overwrites;
         return the bytes. Every trainer rank calls it at once, between syncs."""
-        offsets = {i: self._target * r.layout.nbytes for i, r in enumerate(self.schedule.receivers)}
-        return self.writer.replay(offsets)
+        if self.schedule.options.staging_sets == 1:
+            raise ValueError("replay writes into the staging set the next version overwrites; with staging_sets 1 "
+                             "that is the live version's own set: benchmark the raw writes with staging_sets 2")
+        return self.writer.replay(self._offsets(None))
+
+    def _offsets(self, notices: Optional[Notices]) -> Mapping[int, int]:
+        """Return where each receiver's target set starts in its window: after `_target` sets (both sides flip
+        sets at every version all ranks committed), or with one set as each receiver posts it."""
+        if self.schedule.options.posts_base and notices is not None:
+            return PostedBases(notices, self.writer.timeout_s)
+        return {i: self._target * r.layout.nbytes for i, r in enumerate(self.schedule.receivers)}
+
+    def _flip(self) -> None:
+        """Every rank committed a version (or the receivers took it from another engine): they flipped sets."""
+        self._target = (self._target + 1) % self.schedule.options.staging_sets
 
     def agree_only(self, version: int) -> None:
         """Take part in `version`'s agreement rounds without writing (an engine fed by another engine: a
         fleet's chain); keeps the attempt and staging-set counters in step with the receivers."""
         self._attempt += 1
         sender_rounds(self.transport, version, None)
-        self._target = 1 - self._target
+        self._flip()
 
     def sync(self, version: int) -> SyncMetrics:
         """Walk, stage and write this rank's pieces of `version`, then agree; raise on failure."""
@@ -135,7 +149,7 @@ class P2PSender(Sender):
         metrics = SyncMetrics(version, role="sender", rank=rank)
         with PhaseTimer(metrics, "total"):
             error = None
-            offsets = {i: self._target * r.layout.nbytes for i, r in enumerate(self.schedule.receivers)}
+            offsets = self._offsets(notices)
             with PhaseTimer(metrics, "transfer"):
                 try:
                     stats = self.writer.write_version(self._tensors(), notices, offsets)
@@ -153,7 +167,7 @@ class P2PSender(Sender):
             metrics.phases["transfer"] -= sum(metrics.phases.get(p, 0.0) for p in ("checksum", "pack")) + self._pulled
             with PhaseTimer(metrics, "commit"):
                 sender_rounds(self.transport, version, error)
-            self._target = 1 - self._target  # every rank committed: the receivers flipped their sets
+            self._flip()
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
         return metrics
