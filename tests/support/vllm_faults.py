@@ -124,10 +124,12 @@ def _armed(path: str):
 
 
 class _FailingHalfway:
-    """Yields the first half of the tensors, then raises (vLLM has processed some layers by then)."""
+    """Yields the first half of the tensors, then raises (vLLM has processed some layers by then). Carries what
+    the receiver handed with them: with one staging set, the host copy of the version before (`previous`)."""
 
     def __init__(self, shards, message: str) -> None:
         self._shards, self._message = shards, message
+        self.previous = getattr(shards, "previous", None)
 
     def items(self):
         items = list(self._shards.items())

@@ -22,7 +22,8 @@ replaces. A load that fails before any layer changed leaves the worker as it
 was; one that fails after gives the layers still waiting their live tensors
 back and then *reloads* the previous version through the same path: from the
 previous version's staged params, which the receiver keeps (its other staging
-set: at most this worker's own shard, nothing copied), or, for version 0,
+set: at most this worker's own shard, nothing copied; with `staging_sets: 1`
+the receiver's host copy of it, `StagedCopy.previous`), or, for version 0,
 re-read from the served checkpoint by vLLM's own loader (nothing held).
 """
 
@@ -40,6 +41,7 @@ from megatron_sync.engines.vllm.layout import (
     PartialLoad, abandon_layerwise_reload, alias_names, load_params, record_rank_layout, refresh_alias_layers,
 )
 from megatron_sync.layout.rank import RankLayout
+from megatron_sync.layout.staging import StagedCopy
 from megatron_sync.core.meta import TensorMeta, dtype_name
 
 log = logging.getLogger("megatron_sync")
@@ -169,8 +171,10 @@ class VLLMModelAdapter:
         return self._layout
 
     def snapshot(self) -> Mapping:
-        """Return the live version's params (no copy: the receiver keeps them), or version 0's checkpoint."""
-        return self._live
+        """Return the live version's params (no copy: the receiver keeps them), or version 0's checkpoint; None
+        when they lay in a receiver's only staging set, which the next version overwrites (the receiver's host
+        copy is the rollback source then)."""
+        return None if isinstance(self._live, StagedCopy) else self._live
 
     def loaded_params(self) -> Optional[dict[str, torch.Tensor]]:
         """Return what this worker computes with, by layout param name: vLLM's own parameter where it keeps
@@ -199,7 +203,7 @@ class VLLMModelAdapter:
         try:
             self._load(shards, version)
         except Exception as error:
-            self._restore_after(error, version)
+            self._restore_after(error, version, self._previous(shards))
             raise RuntimeError(f"{self.label}: loading version {version} failed ({_cause(error)}); "
                                f"{self._restored}") from error
         self._live = shards
@@ -224,8 +228,17 @@ class VLLMModelAdapter:
         except Exception as error:  # the target's layers hold the new version already: restored by the caller
             raise PartialLoad(True) from ((error.__cause__ or error) if isinstance(error, PartialLoad) else error)
 
-    def _restore_after(self, error: Exception, version: int) -> None:
-        """Bring the worker back to the live version after a failed load; set `_restored` to what happened."""
+    def _previous(self, shards: Mapping) -> Optional[Mapping]:
+        """Return the live version's params as they are while `shards` load: those the worker last loaded,
+        unless they lay in the receiver's only staging set, which may hold another version by now: then the
+        receiver's host copy handed with `shards`, if any."""
+        if isinstance(self._live, StagedCopy):
+            return getattr(shards, "previous", None)  # a StagedCopy's, or that of a wrapper passing it on
+        return self._live
+
+    def _restore_after(self, error: Exception, version: int, previous: Optional[Mapping]) -> None:
+        """Bring the worker back to the live version (`previous`: its params) after a failed load; set
+        `_restored` to what happened."""
         if isinstance(error, PartialLoad) and not error.changed:
             self._restored = f"no layer had changed: this worker still serves version {self._version}"
             return
@@ -233,7 +246,10 @@ class VLLMModelAdapter:
                   self._version)
         hook, self.between_models = self.between_models, None  # restoring waits for nobody
         try:
-            self._load(self._live, self._version)
+            if previous is None:
+                raise RuntimeError(f"no intact copy of version {self._version} is left (it lay in the receiver's "
+                                   "only staging set, which holds another version now)")
+            self._load(previous, self._version)
         except Exception as restore_error:
             raise RuntimeError(
                 f"{self.label}: loading version {version} failed ({_cause(error)}) and reloading version "
