@@ -58,6 +58,24 @@ def test_an_engine_that_copies_its_staged_version_pays_the_copy_one_that_runs_on
         assert copies.seconds - switches.seconds == pytest.approx(copies.phase("apply") - h100.switch_s.value)
 
 
+def test_one_staging_set_copies_and_each_engine_rank_holds_weights_plus_one_set_and_a_host_copy():
+    """With `staging_sets: 1` an engine copies even if it could run on a set (the set takes the next version), and
+    the prediction says what each engine rank holds: 2 x its largest shard on the GPU instead of 3 x (or 2 x
+    running on a set), plus the host copy and its time between syncs, which no sync counts."""
+    planner, h100 = _moonlight(2), profile_named("h100")
+    summary = planner.plan("p2p", bucket_bytes=GIB)
+    one = predict(summary, h100, SyncOptions(staging_sets=1, engine_switch=True))
+    two_copying, two_switching = predict(summary, h100), predict(summary, h100, SyncOptions(engine_switch=True))
+    assert one.seconds == pytest.approx(two_copying.seconds) and one.phase("apply") > 0
+    shard = max(summary.shard_bytes) / 1e9
+    held = {p: p.notes[0].split(" = ")[-1] for p in (one, two_copying, two_switching)}
+    assert held[one].startswith(f"{2 * shard:.1f} GB on the GPU, and a host copy of the live version ({shard:.1f} GB")
+    assert f"copied in {max(summary.shard_bytes) / h100.pcie.value:.2f} s between syncs" in one.notes[0]
+    assert held[two_copying].startswith(f"{3 * shard:.1f} GB")
+    assert held[two_switching] == f"{2 * shard:.1f} GB on the GPU"
+    assert predict(planner.plan("disk_delta", bucket_bytes=GIB), h100).notes == ()
+
+
 def test_every_profile_number_has_a_source():
     for profile in PROFILES.values():
         rows = profile.table()

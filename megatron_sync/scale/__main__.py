@@ -75,6 +75,9 @@ def cmd_predict(args) -> None:
             print(f"p2p schedule: busiest sender / mean {x['busiest_over_mean']:.3f}; trainer egress / model bytes "
                   f"{x['egress'] / planner.model_bytes:.3f}; {x['p2p'].heads} head engine(s), chains of "
                   f"{x['p2p'].chain}; {x['p2p'].items:,} items balanced")
+    for transport, _, p in details:
+        for note in p.notes:
+            print(f"{transport}: {note}")
     if args.phases:
         for transport, _, p in details:
             print(f"\n{transport}:")

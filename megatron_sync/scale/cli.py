@@ -69,6 +69,8 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--p2p-window-mb", type=float, default=None, help="P2P receive window (0: the staging set)")
     p.add_argument("--p2p-arena-mb", type=float, default=None, help="P2P sender arena (0: the whole share)")
     p.add_argument("--no-forward", action="store_true", help="p2p_forward false: the trainer writes every engine")
+    p.add_argument("--staging-sets", type=int, default=None, choices=(1, 2),
+                   help="staging sets per inference rank (weight_sync.staging_sets; default 2)")
 
 
 def _from_yaml(path: str) -> dict[str, Any]:
@@ -87,7 +89,8 @@ def _from_yaml(path: str) -> dict[str, Any]:
         out["model"], out["family"] = ws["hf_config_path"], ws.get("family")
     out.update({k: v for k, v in (("profile", ws.get("hardware_profile")), ("bucket_mb", ws.get("bucket_size_mb")),
                                   ("p2p_backend", ws.get("p2p_backend")), ("p2p_window_mb", ws.get("p2p_window_mb")),
-                                  ("p2p_arena_mb", ws.get("p2p_arena_mb"))) if v is not None})
+                                  ("p2p_arena_mb", ws.get("p2p_arena_mb")),
+                                  ("staging_sets", ws.get("staging_sets"))) if v is not None})
     out["no_mtp"] = ws.get("draft") == "skip"
     out["no_checksum"] = ws.get("checksum") == "none"
     out["no_forward"] = ws.get("p2p_forward") is False
@@ -96,7 +99,7 @@ def _from_yaml(path: str) -> dict[str, Any]:
 
 
 DEFAULTS = {"model": "kimi-k2", "profile": "h100", "trainer": "tp=8,pp=8,cp=4,ep=32", "fleet": "engines=8,tp=32,ep",
-            "bucket_mb": 256.0, "p2p_backend": "nixl", "p2p_window_mb": 0.0, "p2p_arena_mb": 0.0}
+            "bucket_mb": 256.0, "p2p_backend": "nixl", "p2p_window_mb": 0.0, "p2p_arena_mb": 0.0, "staging_sets": 2}
 
 
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -132,7 +135,7 @@ def planner_of(args: argparse.Namespace) -> ScalePlanner:
 
 def options_of(args: argparse.Namespace) -> SyncOptions:
     """Return the sync settings of resolved `args`."""
-    return SyncOptions(checksum=not args.no_checksum, p2p_backend=args.p2p_backend)
+    return SyncOptions(checksum=not args.no_checksum, p2p_backend=args.p2p_backend, staging_sets=args.staging_sets)
 
 
 def p2p_of(args: argparse.Namespace) -> dict:

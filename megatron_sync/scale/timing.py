@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 from megatron_sync.scale.hardware import HardwareProfile
-from megatron_sync.scale.phases import Phase, Prediction, SyncOptions, gather_seconds
+from megatron_sync.scale.phases import STAGED, Phase, Prediction, SyncOptions, gather_seconds, staging_memory
 from megatron_sync.scale.summary import PlanSummary
 from megatron_sync.scale.timing_gpu import broadcast_gpu, disk_delta_gpu, ipc_gpu
 from megatron_sync.scale.timing_local import MODELS as LOCAL_MODELS
@@ -89,7 +89,9 @@ def predict(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions
     if total < floor:
         raise AssertionError(f"{summary.transport} predicted {total:.3f} s, below its physical bound {floor:.3f} s: "
                              "a phase of its model moves bytes faster than the links allow")
-    return Prediction(summary.transport, profile.name, total, bound, tuple(phases), floor, cpu)
+    staged = summary.transport in STAGED and not profile.cpu_bound
+    notes = (staging_memory(summary, profile, options),) if staged else ()
+    return Prediction(summary.transport, profile.name, total, bound, tuple(phases), floor, cpu, notes)
 
 
 __all__ = ["Phase", "Prediction", "SyncOptions", "gather_seconds", "models", "physical_bound", "predict",
