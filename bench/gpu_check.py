@@ -8,6 +8,8 @@ Runs on one CUDA machine with no network, in under 8 minutes (each step has its 
    - device checksums: the `wsum64` checksum computed by torch on the GPU equals the same definition
      computed on the CPU, for odd and large sizes; its rate;
    - pinned host replica: host-to-device and device-to-host copy rates, pinned against pageable;
+   - one staging set's host copy (`staging_sets: 1`'s rollback source): taken on a side stream into
+     pinned memory, exact; its rate;
    - CUDA IPC: a second process maps a tensor this one shares and reads it back bit for bit; the rate;
    - NCCL broadcast between two processes (needs two GPUs: NCCL refuses two ranks on one device);
    - the device-direct P2P arena: NIXL registers device memory and writes device to device between two
@@ -298,7 +300,37 @@ def gather_memory_row(device: str) -> Row:
                f"bound {bound / 2**20:.0f} MiB (the merged tensor)")
 
 
-CHECKS = [checksum_row, pinned_row, cuda_ipc_row, nccl_row, nixl_row, gather_memory_row]
+def host_copy_row(device: str) -> Row:
+    """With one staging set, the host copy of the live version (its rollback source) is exact, pinned on a GPU
+    host, and taken at the device-to-host rate (`StagingSets` with `staging_sets: 1`)."""
+    import torch
+
+    from megatron_sync.layout.rank import ParamSpec, Placement, RankLayout
+    from megatron_sync.layout.regions import Region
+    from megatron_sync.layout.staging import StagingSets
+
+    shape = (1 << 14, 1 << 13) if device != "cpu" else (256, 256)  # 256 MiB of bf16 on a GPU
+    nbytes = shape[0] * shape[1] * 2
+    layout = RankLayout((ParamSpec("w", shape, torch.bfloat16),),
+                        (Placement("w", Region.whole(shape), "w", 0, nbytes),))
+    sets = StagingSets(layout, lambda n: torch.empty(n, dtype=torch.uint8, device=device), 1)
+    full = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    sets.begin()
+    sets.write("w", full)
+    start = time.perf_counter()
+    sets.committed(1)  # the copy starts (a side stream on a GPU, a thread on a CPU) ...
+    sets.begin()  # ... and is waited for before the set may take the next version
+    seconds = time.perf_counter() - start
+    kept = sets.live_params(1)["w"]
+    pinned = device == "cpu" or kept.is_pinned()
+    if kept.device.type != "cpu" or not pinned or not torch.equal(kept, full.cpu()):
+        return Row("host copy of one staging set", "FAILED", "", f"on {kept.device}, pinned {pinned}, exact "
+                   f"{torch.equal(kept.cpu(), full.cpu())}")
+    return Row("host copy of one staging set", "ok", f"{nbytes / seconds / GB:.1f} GB/s",
+               f"{nbytes / 2**20:g} MiB from {device} into {'pinned ' if device != 'cpu' else ''}host memory, exact")
+
+
+CHECKS = [checksum_row, pinned_row, host_copy_row, cuda_ipc_row, nccl_row, nixl_row, gather_memory_row]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

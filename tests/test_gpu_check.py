@@ -60,6 +60,8 @@ def test_without_cuda_the_script_refuses_unless_allowed_and_writes_its_table(tmp
     assert gpu_check.main(["--allow-cpu", "--skip-tests", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "device checksum = host checksum" in out and "skipped: no CUDA" in out
+    assert next(r for r in json.loads((tmp_path / "gpu-check.json").read_text())
+                if r["check"] == "host copy of one staging set")["status"] == "ok"
     rows = json.loads((tmp_path / "gpu-check.json").read_text())
     assert {r["check"] for r in rows} >= {"device checksum = host checksum", "CUDA IPC", "NCCL broadcast"}
     nixl = next(r for r in rows if r["check"] == "P2P arena (NIXL, device memory)")
