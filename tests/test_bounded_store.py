@@ -105,3 +105,54 @@ def test_negative_control_the_plain_client_is_still_blocked_long_after_its_timeo
 
     threading.Thread(target=plain_check, daemon=True).start()
     assert not done.wait(3 * TIMEOUT_S)  # no bound: it returns only when the host dies (the fixture kills it)
+
+
+def _blocking_board(port: int):
+    from megatron_sync.session.board import store_board
+
+    return store_board(connect("127.0.0.1", port, timeout_s=TIMEOUT_S), prefix="t/", rank=1, timeout_s=TIMEOUT_S,
+                       blocking=True)
+
+
+def test_a_blocking_board_takes_what_is_posted_and_names_the_key_when_nothing_is(running_host):
+    """A blocking board (the control channel's) waits in the store's own wait on a connection of its own: it
+    returns what another client posts, in whichever order the two happen, and a wait that sees nothing raises
+    naming the key."""
+    from megatron_sync.core.errors import PeerFailureError
+
+    waiting, poster = _blocking_board(running_host), _blocking_board(running_host)
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(value=waiting.fetch("control/1", 60)), daemon=True)
+    reader.start()
+    poster.post("control/1", b"sync 1")
+    reader.join(60)
+    assert got == {"value": b"sync 1"}
+    with pytest.raises(PeerFailureError, match=r"nothing was posted under 'control/2' within 0.3s"):
+        waiting.fetch("control/2", 0.3)  # several slices when the timeout is longer: here one, cut short
+    waiting.close()
+    poster.close()
+
+
+def test_a_blocking_wait_on_a_stopped_host_raises_store_silent_instead_of_hanging(stopped_host):
+    """An engine idle on the control channel of a trainer that is then stopped: its waiting thread's own
+    connection (made at its first wait) and the wait itself are bounded calls, so it is told, not left hanging."""
+    from megatron_sync.session.board import store_board
+
+    _, client = stopped_host  # connected while the host ran
+    board = store_board(client, prefix="t/", rank=1, timeout_s=TIMEOUT_S, blocking=True)
+    with pytest.raises(StoreSilentError, match="did not answer|has not answered"):
+        board.fetch("control/1", 60)
+
+
+@pytest.fixture
+def running_host():
+    """Yield the port of a running session host; it is killed afterwards."""
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", HOST.format(port=port, timeout=TIMEOUT_S)], stdout=subprocess.PIPE,
+                            text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        assert host.stdout.readline().strip() == "hosting"
+        yield port
+    finally:
+        host.kill()
+        host.wait(30)

@@ -7,7 +7,9 @@ the key when nothing came), removes a consumed one, counts the bytes its message
 words a failure of the medium as the caller's `PeerFailureError`. What differs is where the entries live,
 the board's *medium*:
 
-- `PolledStore`: the rendezvous store, polled (a dead host is noticed at once), every call bounded;
+- `PolledStore`: the rendezvous store, polled (a dead host is noticed at once), every call bounded; or, with
+  `blocking`, waiting in the store's own wait, a slice at a time, on a connection of each waiting thread's
+  own (a key is seen the moment it is set; the control channel, where a poll's pauses were latency);
 - `WaitingStore`: a store connection of its own, blocking in the store's wait (about 0.1 ms to see a key;
   one per waiting thread), naming a colocated peer that dies while it waits (`watch`);
 - `Directory` (`files.py`): files in a shared directory.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import threading
 from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch.distributed as dist
@@ -98,20 +101,34 @@ class Board:
             raise self._failure(op, e) from e
 
 
+SLICE_S = 1.0
+"""The longest blocking wait in the store before a blocking `PolledStore` looks at its deadline again."""
+
+
 class PolledStore:
     """A board's medium over the rendezvous store, polled rather than blocking in the store, so a store whose
     host died (the trainer) is noticed at once, and bounded (`store.BoundedStore`), so a host that is stopped
-    or hung is noticed within `timeout_s` as a `StoreSilentError`."""
+    or hung is noticed within `timeout_s` as a `StoreSilentError`.
+
+    With `blocking`, a wait blocks in the store's own wait instead, in slices of at most `SLICE_S`, each a
+    bounded call on a clone of the store (one per waiting thread: a blocking wait holds its connection), so
+    a key is taken the moment it is set, while a dead host still raises at once and a stopped one
+    (whose client never returns from a timed-out wait) within `timeout_s`."""
 
     errors = (RuntimeError, dist.DistStoreError)
 
-    def __init__(self, store: Any, *, timeout_s: float) -> None:
+    def __init__(self, store: Any, *, timeout_s: float, blocking: bool = False) -> None:
         self._store = bounded(store, where="the rendezvous store", timeout_s=timeout_s)
+        self._slice_s = min(SLICE_S, timeout_s / 4)  # a slice never looks like a silent host
+        self._waiters = threading.local() if blocking else None
+        self._clones: list[Any] = []  # the waiting threads' connections, closed with this medium
 
     def set(self, key: str, value: bytes) -> None:
         self._store.set(key, value)
 
     def wait(self, key: str, deadline: Deadline, max_pause_s: float) -> Optional[bytes]:
+        if self._waiters is not None:
+            return self._wait_blocking(key, deadline)
         try:
             poll(lambda: self._store.check([key], bound=deadline.remaining()), within=deadline,
                  what=f"a value under {key!r}", max_pause_s=max_pause_s)
@@ -119,11 +136,33 @@ class PolledStore:
             return None
         return self._store.get(key, bound=deadline.remaining())
 
+    def _wait_blocking(self, key: str, deadline: Deadline) -> Optional[bytes]:
+        waiter = getattr(self._waiters, "store", None)
+        if waiter is None:
+            waiter = self._waiters.store = self._store.clone()
+            self._clones.append(waiter)
+        while True:
+            try:
+                waiter.wait([key], max(min(self._slice_s, deadline.remaining()), 0.001),
+                            bound=self._slice_s + MARGIN_S)
+                return self._store.get(key, bound=deadline.remaining())
+            except dist.DistStoreError as e:
+                if "timeout" not in str(e):
+                    raise
+            if deadline.expired():
+                return None
+
     def delete(self, key: str) -> None:
         self._store.delete_key(key)
 
     def close(self) -> None:
-        self._store = None
+        for clone in self._clones:
+            clone.close()
+        self._store, self._clones = None, []
+
+
+MARGIN_S = 1.0
+"""What a blocking slice may take beyond its own length before the bounded call gives it up."""
 
 
 class WaitingStore:
@@ -164,10 +203,10 @@ class WaitingStore:
 
 
 def store_board(store: Any, *, prefix: str, rank: int, timeout_s: float, failure: Optional[Failure] = None,
-                media: Optional[dict[str, int]] = None) -> Board:
-    """Return a board over the rendezvous store, polled and bounded (`PolledStore`)."""
-    return Board(PolledStore(store, timeout_s=timeout_s), rank=rank, timeout_s=timeout_s, prefix=prefix,
-                 media=media, failure=failure)
+                media: Optional[dict[str, int]] = None, blocking: bool = False) -> Board:
+    """Return a board over the rendezvous store, polled (or `blocking` in slices) and bounded (`PolledStore`)."""
+    return Board(PolledStore(store, timeout_s=timeout_s, blocking=blocking), rank=rank, timeout_s=timeout_s,
+                 prefix=prefix, media=media, failure=failure)
 
 
 def waiting_board(store: Any, *, prefix: str, rank: int, timeout_s: float, media: dict[str, int],

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron_sync.core.errors import PeerFailureError
 from megatron_sync.session.rendezvous import Identity
 from megatron_sync.session.session import SyncSession
-from megatron_sync.session.board import store_board
+from megatron_sync.session.board import Board, store_board
 
 
 class TransportGroup:
@@ -37,7 +37,16 @@ class TransportGroup:
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.board = store_board(store, prefix=f"{group_name}/post/", rank=rank, timeout_s=timeout_s,
                                 failure=self._fail)
+        self._blocking: Optional[Board] = None
         self._owned_session: Any = None
+
+    def control_board(self) -> Board:
+        """Return a board of the same keys as `board` whose waits block in the store's own wait (a control
+        message is taken the moment it is posted; `board.PolledStore` blocking), made once."""
+        if self._blocking is None:
+            self._blocking = store_board(self._store, prefix=f"{self.group_name}/post/", rank=self.rank,
+                                         timeout_s=self.timeout_s, failure=self._fail, blocking=True)
+        return self._blocking
 
     def owns(self, session: Any) -> None:
         """Close `session` with this group (a bare group that hosted or joined its own)."""
@@ -133,6 +142,8 @@ class TransportGroup:
         if self._store is not None:
             self._store = None
             self.board.close()
+            if self._blocking is not None:
+                self._blocking.close()
         if self._owned_session is not None:
             self._owned_session.close()
             self._owned_session = None

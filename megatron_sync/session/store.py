@@ -18,6 +18,7 @@ when the stuck call began, so calls queued behind it share its `timeout_s`.
 
 from __future__ import annotations
 
+import datetime
 import queue
 import threading
 from typing import Any, Callable, Optional
@@ -55,6 +56,17 @@ class BoundedStore:
 
     def delete_key(self, key: str, *, bound: Optional[float] = None) -> bool:
         return self._call(f"delete {key!r}", self.raw.delete_key, key, bound=bound)
+
+    def wait(self, keys: list[str], seconds: float, *, bound: Optional[float] = None) -> None:
+        """Block in the store's own wait until every key is set (answered the moment it is) or `seconds`
+        passed (the store raises its "wait timeout" DistStoreError); the call as a whole stays bounded."""
+        self._call(f"wait {keys}", self.raw.wait, keys, datetime.timedelta(seconds=seconds), bound=bound)
+
+    def clone(self) -> "BoundedStore":
+        """Return a bounded client of the same store on a connection (and helper thread) of its own; connecting
+        is bounded too (a stopped host accepts the connection and never answers it)."""
+        raw = self._call("connect a second client", self.raw.clone, bound=None)
+        return BoundedStore(raw, where=self.where, timeout_s=self.timeout_s)
 
     @property
     def silent(self) -> bool:

@@ -69,7 +69,7 @@ class BroadcastTransport(PlanBucketTransport):
         self.group = group
         self.rank, self.world_size, self.num_stages = group.rank, group.world_size, num_stages
         self._device = group.device
-        self.control = StoreControlChannel(group.board)
+        self.control = StoreControlChannel(group.control_board())
         self._device_send: list[torch.Tensor] = []
         self._send_count = 0
 

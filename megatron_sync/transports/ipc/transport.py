@@ -101,9 +101,10 @@ class IpcTransport(PlanBucketTransport):
         self.media = {"shm": 0, "socket": 0}  # counted by this endpoint's calling thread
         self._worker_media = {"shm": 0, "socket": 0}  # counted by a source's worker thread
         prefix = f"ipc/{session.id}/"
-        # Control messages poll the session's own connection (an idle engine waits there for hours); the data
-        # path and the agreement rounds wait on connections of their own (`board.WaitingStore`).
-        self.control = StoreControlChannel(store_board(session.store, prefix=prefix, rank=rank,
+        # Control messages post on the session's own connection and wait in the store's wait, a bounded slice at
+        # a time (an idle engine waits there for hours, and a stopped trainer must be noticed); the data path and
+        # the agreement rounds wait on connections of their own (`board.WaitingStore`).
+        self.control = StoreControlChannel(store_board(session.store, prefix=prefix, rank=rank, blocking=True,
                                                        timeout_s=config.timeout_s, failure=self._fail, media=self.media))
         self._store = session.store.raw  # each thread's board waits on a connection of its own (`clone`)
         self.board = self._board_for_this_thread()

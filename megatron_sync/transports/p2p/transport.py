@@ -155,7 +155,7 @@ class P2PTransport(Transport):
                              f"in a group of {group.world_size}")
         self.group, self.num_trainer_ranks = group, num_trainer_ranks
         self.rank, self.world_size = group.rank, group.world_size
-        self.control = StoreControlChannel(group.board)
+        self.control = StoreControlChannel(group.control_board())
         self.mover = MOVERS[config.p2p_backend](self, config)
 
     @property
