@@ -27,6 +27,10 @@ and gloo moves about 350 MB/s per rank on this machine's loopback), or two data-
 every rank holds every tensor whole, no gather, and the schedule splits the sending between them), which
 shows the P2P path's own cost beside the raw writes.
 
+`--staging-sets 1` runs every point with one staging set per inference rank (`weight_sync.staging_sets`): each
+version lands in the set the engine's version came from, after the receiver's host copy of it, so there is no
+raw replay (it would overwrite that set); compare its syncs with a run of the default two sets.
+
 Machine caveat: 2 + N processes share this machine's cores (2 here): with more processes than cores
 every figure is CPU-bound (memcpy, checksums, loopback TCP), not network-bound.
 
@@ -68,11 +72,12 @@ data-parallel replicas (every rank holds every tensor whole: no gather; the sche
 
 
 def run_point(transport: str, *, engines: int = 1, engine_tp: int = 1, versions: int = 4, bucket_mb: float = 8.0,
-              replays: int = 3, dtype: str = "bfloat16", window_mb: float = 0.0, trainer: str = "tp2") -> dict:
+              replays: int = 3, dtype: str = "bfloat16", window_mb: float = 0.0, trainer: str = "tp2",
+              staging_sets: int = 2) -> dict:
     """Run one trainer job of 2 ranks (`trainer`: "tp2" or "dp2") and `engines` engines of `engine_tp` ranks
     over `transport` (P2P windows and arenas of `window_mb`, 0: unbounded); return medians."""
-    raw = replays if transport in ONE_SIDED and not window_mb else 0
-    settings = dict(TRANSPORTS[transport])
+    raw = replays if transport in ONE_SIDED and not window_mb and staging_sets == 2 else 0
+    settings = dict(TRANSPORTS[transport], staging_sets=staging_sets)
     if window_mb:
         settings["p2p"] = {**settings["p2p"], "window_mb": window_mb, "arena_mb": window_mb}
     case = {"spec": SPEC, "layout": TRAINERS[trainer], "engines": engines, "engine_tp": engine_tp, "versions": versions,
@@ -98,6 +103,7 @@ def run_point(transport: str, *, engines: int = 1, engine_tp: int = 1, versions:
     share = trainers[0].get("share")
     egress = sum(statistics.median(syncs[v][i]["bytes"] for v in measured) for i in range(len(trainers)))
     return {"transport": transport, "engines": engines, "tp": engine_tp, "window_mb": window_mb, "trainer": trainer,
+            "staging_sets": staging_sets,
             "sync_s": phases["total"], "phases": phases,
             "warmup_s": slowest(0)["phases_s"]["total"], "recv": recv, "raw_s": raw_s, "wall": wall,
             "egress_over_model": egress / MODEL_BYTES if share else None,
@@ -127,7 +133,7 @@ def format_rows(rows: list[dict]) -> str:
         p = r["phases"]
         raw = r["raw_s"]
         window = (f" w{r['window_mb']:g}MB" if r["window_mb"] else "") + (
-            f" {r['trainer']}" if r["trainer"] != "tp2" else "")
+            f" {r['trainer']}" if r["trainer"] != "tp2" else "") + (" s1" if r["staging_sets"] == 1 else "")
         lines.append([r["transport"], f"{r['engines']}x{r['tp']}{window}", f"{r['sync_s']:.3f}",
                       "-" if raw is None else f"{raw:.3f}", "-" if raw is None else f"{r['sync_s'] / raw:.2f}",
                       f"{r['warmup_s']:.3f}", *(f"{p[k]:.3f}" for k in ("gather", "convert", "pack", "checksum",
@@ -147,6 +153,8 @@ def main(argv=None) -> None:
     parser.add_argument("--bucket-mb", type=float, default=8.0)
     parser.add_argument("--spec", type=json.loads, default={},
                         help='model fields over the default, JSON (e.g. \'{"hidden_size": 1024}\')')
+    parser.add_argument("--staging-sets", type=int, default=2, choices=(1, 2),
+                        help="staging sets per inference rank (1: no raw replays)")
     args = parser.parse_args(argv)
     SPEC.update(args.spec)
     MODEL_BYTES = model_bytes("bfloat16")
@@ -163,7 +171,7 @@ def main(argv=None) -> None:
         engines, tp = map(int, sizes.split("x"))
         rows.append(run_point(transport, engines=engines, engine_tp=tp, versions=args.versions,
                               bucket_mb=args.bucket_mb, replays=args.replays, window_mb=float(window or 0),
-                              trainer=trainer or "tp2"))
+                              trainer=trainer or "tp2", staging_sets=args.staging_sets))
         r = rows[-1]
         print(f"  {point}: sync {r['sync_s']:.3f}s ({r['wall']:.0f}s wall with start-up)", flush=True)
     print(format_rows(rows))
