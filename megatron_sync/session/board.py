@@ -143,8 +143,9 @@ class PolledStore:
             self._clones.append(waiter)
         while True:
             try:
-                waiter.wait([key], max(min(self._slice_s, deadline.remaining()), 0.001),
-                            bound=self._slice_s + MARGIN_S)
+                # bounded by timeout_s, as every call: a stopped host is named after that long, not after one
+                # slow answer (a slice takes at most a quarter of it)
+                waiter.wait([key], max(min(self._slice_s, deadline.remaining()), 0.001))
                 return self._store.get(key, bound=deadline.remaining())
             except dist.DistStoreError as e:
                 if "timeout" not in str(e):
@@ -159,10 +160,6 @@ class PolledStore:
         for clone in self._clones:
             clone.close()
         self._store, self._clones = None, []
-
-
-MARGIN_S = 1.0
-"""What a blocking slice may take beyond its own length before the bounded call gives it up."""
 
 
 class WaitingStore:
