@@ -6,7 +6,8 @@ scope: a vLLM server, a built model, process groups) is put in its file's
 fixture is made once, as in a serial run. Every other test goes to whichever
 worker is free. The grouped files are collected first: each is one long unit of
 work, and one scheduled last would run alone while the other worker idles; then the
-other process-starting tiers, slowest first, and the pure tests last.
+other process-starting tiers, slowest first, and the pure tests last, the modules whose tests plan models
+at full size (15-35 s each) before the rest, for the same reason.
 
 Without xdist (`-p no:xdist`, or a plain `pytest` on one file) nothing changes.
 """
@@ -43,10 +44,14 @@ def pytest_collection_modifyitems(config, items) -> None:
     items[:] = grouped + rest
 
 
-def _tier_order(item) -> int:
+def _tier_order(item) -> tuple[int, int]:
     marks = {mark.name for mark in item.iter_markers()}
-    return next((i for i, tier in enumerate(SLOW_FIRST) if tier in marks), len(SLOW_FIRST))
+    tier = next((i for i, tier in enumerate(SLOW_FIRST) if tier in marks), len(SLOW_FIRST))
+    return tier, 0 if item.nodeid.split("::")[0] in LONG_PURE else 1
 
 
 SLOW_FIRST = ("vllm", "sglang", "e2e", "multiproc")
 """Tiers whose tests start processes, slowest first; unmarked (pure) tests come after them."""
+LONG_PURE = ("tests/test_scale_published.py", "tests/test_scale_p2p.py")
+"""Pure modules with tests of 15-35 s (every published row, Kimi-K2, planned at full size): first among the
+pure tests. Last, one of them ran alone for up to half a minute at the end of the suite."""
