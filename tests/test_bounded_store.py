@@ -7,6 +7,7 @@ its own timeout.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -42,14 +43,31 @@ def _state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
-@pytest.fixture
-def stopped_host():
-    """Yield the port of a session host that is then stopped; the host is killed afterwards."""
+@contextlib.contextmanager
+def _hosting():
+    """Yield (port, process) of a session host in a child process, once it hosts; kill it afterwards."""
     port = free_port()
     host = subprocess.Popen([sys.executable, "-c", HOST.format(port=port, timeout=TIMEOUT_S)], stdout=subprocess.PIPE,
                             text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         assert host.stdout.readline().strip() == "hosting"
+        yield port, host
+    finally:
+        host.kill()
+        host.wait(30)
+
+
+@pytest.fixture
+def running_host():
+    """Yield the port of a running session host; it is killed afterwards."""
+    with _hosting() as (port, _):
+        yield port
+
+
+@pytest.fixture
+def stopped_host():
+    """Yield the port of a session host that is then stopped; the host is killed afterwards."""
+    with _hosting() as (port, host):
         client = connect("127.0.0.1", port, timeout_s=TIMEOUT_S)
         assert client.check(["rdzv/session"])  # it answers while it runs
         os.kill(host.pid, signal.SIGSTOP)
@@ -57,9 +75,6 @@ def stopped_host():
         # call, so wait until the kernel reports it stopped
         poll(lambda: _state(host.pid) in ("T", "t"), within=30, what="the host process stopping")
         yield port, client
-    finally:
-        host.kill()
-        host.wait(30)
 
 
 def test_every_call_ends_within_timeout_s_and_later_calls_fail_at_once(stopped_host):
@@ -144,17 +159,3 @@ def test_a_blocking_wait_on_a_stopped_host_raises_store_silent_instead_of_hangin
     # the bounded call first: the host's silence for timeout_s, or the call's own limit of timeout_s
     with pytest.raises(StoreSilentError, match=r"has not answered for 3[.0-9]*s|did not answer \(.*\) within 3s"):
         board.fetch("control/1", 60)
-
-
-@pytest.fixture
-def running_host():
-    """Yield the port of a running session host; it is killed afterwards."""
-    port = free_port()
-    host = subprocess.Popen([sys.executable, "-c", HOST.format(port=port, timeout=TIMEOUT_S)], stdout=subprocess.PIPE,
-                            text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        assert host.stdout.readline().strip() == "hosting"
-        yield port
-    finally:
-        host.kill()
-        host.wait(30)
