@@ -31,6 +31,14 @@ from megatron_sync.layout.rank import RankLayout
 STAGING_SETS = (1, 2)
 
 
+def check_staging_sets(count: object) -> None:
+    """Raise ValueError naming both choices unless `count` is 1 or 2 (`weight_sync.staging_sets`)."""
+    if count not in STAGING_SETS or isinstance(count, bool):
+        raise ValueError(f"staging_sets={count!r}: use 2 (the default: the engine may run on a set, and the other "
+                         "is the rollback source) or 1 (engines that copy, such as vLLM: weights + one set, with a "
+                         "host copy of the live version for rollback)")
+
+
 class HeldShards(dict):
     """A version's params (by param name) whose memory the receiver leaves untouched while they are live and
     until the next version is live: an engine may run on these tensors in place of its own (`load_shards`)."""
@@ -101,9 +109,7 @@ class StagingSets:
 
     def __init__(self, layout: RankLayout, alloc: Callable[[int], torch.Tensor], count: int = 2, *,
                  keep: bool = True, timeout_s: float = 600.0) -> None:
-        if count not in STAGING_SETS:
-            raise ValueError(f"staging_sets={count!r}: use 2 (the engine may run on a set) or 1 (an engine that "
-                             "copies: weights + one set, and a host copy of the live version for rollback)")
+        check_staging_sets(count)
         self.layout, self.count = layout, count
         self.set_bytes = layout.nbytes
         self.memory = alloc(count * self.set_bytes)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from megatron_sync.core.meta import dtype_from_name
-from megatron_sync.layout.staging import STAGING_SETS
+from megatron_sync.layout.staging import check_staging_sets
 from megatron_sync.settings import registry
 from megatron_sync.settings.choices import (BACKENDS, CHECKSUM_CHOICES, DRAFT_CHOICES, DRIFT_ACTIONS, INFLIGHT_POLICIES,
                                             P2P_BACKENDS, P2P_PROTOCOLS, RUN_ID, SGLANG_LOADS, parse_engine)
@@ -70,10 +70,7 @@ def _sizes(c: Config) -> None:
     check_number("bucket_size_mb", c.bucket_size_mb, positive=True)
     check_number("gather_budget_mb", c.gather_budget_mb, positive=True)
     check_number("timeout_s", c.timeout_s, positive=True)
-    if c.staging_sets not in STAGING_SETS or isinstance(c.staging_sets, bool):
-        raise ValueError(f"staging_sets={c.staging_sets!r}: use 2 (the default: the engine may run on a set, and "
-                         "the other is the rollback source) or 1 (engines that copy, such as vLLM: weights + one "
-                         "set, with a host copy of the live version for rollback)")
+    check_staging_sets(c.staging_sets)
 
 
 def _model(c: Config) -> None:
