@@ -238,6 +238,30 @@ def test_a_bare_group_refuses_a_rank_beyond_its_world_size():
     assert isinstance(host_error, RendezvousError)
 
 
+
+def test_a_group_gathers_json_of_any_length_in_rank_order():
+    """Verdicts that fit `INLINE_JSON` travel in one collective, a longer one in a second: both come back
+    whole, in rank order, whichever rank sends the long one."""
+    from megatron_sync.session.group import INLINE_JSON
+
+    port = free_port()
+    long = "é" * INLINE_JSON  # JSON escapes each as \u00e9: six times the inline part
+    rounds = [[None, None, None], ["a", {"b": [1, 2]}, None], [None, long, "c"], [long, long + "x", [long]],
+              ["x" * (INLINE_JSON - 2), None, 7]]  # exactly INLINE_JSON bytes of JSON (with its quotes)
+
+    def rank(r: int):
+        group = init_transport_group("127.0.0.1", port, 3, r, timeout=TIMEOUT_S, group_name="json")
+        try:
+            return [group.all_gather_json(objs[r]) for objs in rounds]
+        finally:
+            group.close()
+
+    with ThreadPoolExecutor(3) as pool:
+        got = [f.result(timeout=TIMEOUT_S) for f in [pool.submit(rank, r) for r in range(3)]]
+    for seen in got:
+        assert seen == rounds
+
+
 # ---- a session secret ----
 
 SECRET_VALUE = "test-only-secret-7f3a"

@@ -25,6 +25,10 @@ from megatron_sync.session.rendezvous import Identity
 from megatron_sync.session.session import SyncSession
 from megatron_sync.session.board import Board, store_board
 
+INLINE_JSON = 248
+"""Bytes of JSON a rank's part of `all_gather_json` carries in the first collective (with its 8-byte length:
+256 bytes a rank); a longer one takes a second."""
+
 
 class TransportGroup:
     """A process group over a rendezvous store, with timeout-bounded collectives."""
@@ -101,9 +105,20 @@ class TransportGroup:
         return [t.tolist() for t in self._all_gather(mine)]
 
     def all_gather_json(self, obj: Any) -> list[Any]:
-        """Return every rank's JSON-serialisable `obj`, indexed by rank (no pickle on the wire)."""
+        """Return every rank's JSON-serialisable `obj`, indexed by rank (no pickle on the wire).
+
+        One collective when every rank's JSON fits `INLINE_JSON` bytes (an agreement round's verdicts): each
+        rank sends its length and its bytes in one fixed-size message; else a second one moves them all,
+        padded to the longest."""
         payload = json.dumps(obj).encode()
-        sizes = [s[0] for s in self.all_gather_int64([len(payload)])]
+        head = torch.zeros(8 + INLINE_JSON, dtype=torch.uint8)
+        head[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+        inline = payload[:INLINE_JSON]
+        head[8:8 + len(inline)] = torch.frombuffer(bytearray(inline), dtype=torch.uint8)
+        heads = [t.cpu() for t in self._all_gather(head.to(self.device))]
+        sizes = [int(t[:8].view(torch.int64)[0]) for t in heads]
+        if max(sizes) <= INLINE_JSON:
+            return [json.loads(t[8:8 + n].numpy().tobytes()) for t, n in zip(heads, sizes)]
         padded = torch.zeros(max(sizes), dtype=torch.uint8)
         padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         out = self._all_gather(padded.to(self.device))
