@@ -13,6 +13,7 @@ then the two rounds of `session/commit.py` make the set live everywhere or nowhe
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Optional
 
 from megatron_sync.core.checksum import resolve_checksum
@@ -75,10 +76,11 @@ class P2PReceiver(Receiver):
         """Receive, verify (and forward) this rank's params of `version` along `route` (a fleet's: the engines
         before and after this one, and the sync's number); commit them once every rank agrees."""
         self._attempt += 1
-        notices = Notices(self.transport.group.board, version, self._attempt)
+        notices = Notices(self.transport.group.control_board(), version, self._attempt)
         path = self.fleet.route(version, route) if route and self.fleet is not None else None
         metrics = SyncMetrics(version, role="receiver", rank=self.transport.rank,
                               shard_bytes=self.layout.shard_bytes, held_bytes=self.staging.nbytes)
+        metrics.started_at = time.time()
         with PhaseTimer(metrics, "total"):
             error = None
             staged, target = self.staging.begin(), self.staging.target
@@ -104,6 +106,7 @@ class P2PReceiver(Receiver):
             notices.forget(self.index, rounds)
             if path is not None and path.feed is not None:
                 path.feed_notices.forget(path.me, rounds)
+        metrics.ended_at = time.time()
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
         return metrics

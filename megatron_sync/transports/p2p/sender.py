@@ -145,8 +145,9 @@ class P2PSender(Sender):
         """Walk, stage and write this rank's pieces of `version`, then agree; raise on failure."""
         rank = self.transport.rank
         self._attempt += 1
-        notices = Notices(self.transport.group.board, version, self._attempt)
+        notices = Notices(self.transport.group.control_board(), version, self._attempt)
         metrics = SyncMetrics(version, role="sender", rank=rank)
+        metrics.started_at = time.time()
         with PhaseTimer(metrics, "total"):
             error = None
             offsets = self._offsets(notices)
@@ -168,6 +169,7 @@ class P2PSender(Sender):
             with PhaseTimer(metrics, "commit"):
                 sender_rounds(self.transport, version, error)
             self._flip()
+        metrics.ended_at = time.time()
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
         return metrics
