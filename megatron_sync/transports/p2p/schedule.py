@@ -167,9 +167,14 @@ class Piece:
         """Whether an inference rank (`via`) writes this piece, not the trainer."""
         return self.via >= 0
 
-    def source(self, full: torch.Tensor) -> torch.Tensor:
-        """Return this piece's bytes of the full tensor, contiguous (flat uint8)."""
-        return self.region.rows(self.row, self.rows).of(full).contiguous().view(-1).view(torch.uint8)
+    def copy_into(self, slot: torch.Tensor, full: torch.Tensor) -> None:
+        """Copy this piece's bytes of the full tensor into `slot` (flat uint8, `nbytes`) in one pass, strided
+        regions (a row-parallel shard's columns) included."""
+        part = self.region.rows(self.row, self.rows).of(full)
+        if part.is_contiguous() or slot.data_ptr() % part.element_size():
+            slot.copy_(part.contiguous().view(-1).view(torch.uint8))
+        else:
+            slot.view(part.dtype).view(part.shape).copy_(part)
 
     def to_wire(self) -> list:
         return [self.index, self.sender, self.receiver, self.name, self.region.to_wire(), self.row, self.rows,

@@ -128,7 +128,7 @@ class _Run:
             self.arena_round = piece.arena_round
         slot = self.w.arena[piece.arena:piece.arena + piece.nbytes]
         started = time.perf_counter()
-        slot.copy_(piece.source(full))
+        piece.copy_into(slot, full)
         staged = time.perf_counter()
         group = (piece.receiver, piece.round)
         self.sums.setdefault(group, {})[piece.index] = checksum(slot, self.w.algorithm)
