@@ -1,7 +1,8 @@
 """Benchmark: device-direct P2P against the raw writes of the same bytes, and against broadcast, one run.
 
-Topology per point: a Megatron trainer (qwen3 dense, TP=2: 2 gloo processes, one stage) and `engines`
-reference engines of N ranks each, started as separate jobs that meet at the weight-sync rendezvous,
+Topology per point: a Megatron trainer (qwen3 dense, TP=2: 2 gloo processes, one stage; its weights in bf16
+as a `--bf16` Megatron job holds them, `--params-dtype float32` for a trainer whose every sync also casts) and
+`engines` reference engines of N ranks each, started as separate jobs that meet at the weight-sync rendezvous,
 exactly as `tests/support/jobs.py::run_pair` runs them through the unchanged drivers. Per point:
 `--versions` syncs with a training step between them; the first is a warm-up. After each measured sync
 every trainer rank writes the same messages again from its arena, the wire alone (`P2PSender.replay_last`:
@@ -9,7 +10,8 @@ no gather, conversion, staging, checksums, reports or agreement), `--replays` ti
 transport of the same bytes over the same mover between the same processes. Reported (medians):
 
 - sync s: the slowest trainer rank's `TrainerWeightSync.sync()` (returns after every engine rank
-  committed), and its phases; raw s and sync / raw (one-sided movers: nixl, mooncake);
+  committed), every trainer rank starting it at a barrier as each replay starts, and its phases; raw s and
+  sync / raw (one-sided movers: nixl, mooncake);
 - recv MB: bytes each inference rank received at the transport;
 - egress / model: the bytes all trainer ranks wrote in one version over the model's bytes; egress / engine:
   over the bytes one engine's ranks received together (engines of one layout form a chain, so 1.00 whatever
@@ -82,6 +84,7 @@ def run_point(transport: str, *, engines: int = 1, engine_tp: int = 1, versions:
         settings["p2p"] = {**settings["p2p"], "window_mb": window_mb, "arena_mb": window_mb}
     case = {"spec": SPEC, "layout": TRAINERS[trainer], "engines": engines, "engine_tp": engine_tp, "versions": versions,
             "receiver_metrics": True, "keep_tensors": False, "timeout_s": 600.0, "raw_replays": raw,
+            "aligned_start": True,  # every trainer rank starts each sync at a barrier, as each raw replay does
             "env": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"} if transport.startswith("nixl") else {},
             "weight_sync": {"dtype": dtype, "bucket_size_mb": bucket_mb, **settings}}
     start = time.monotonic()
@@ -155,8 +158,11 @@ def main(argv=None) -> None:
                         help='model fields over the default, JSON (e.g. \'{"hidden_size": 1024}\')')
     parser.add_argument("--staging-sets", type=int, default=2, choices=(1, 2),
                         help="staging sets per inference rank (1: no raw replays)")
+    parser.add_argument("--params-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="the trainer's Megatron weights (bfloat16: as a --bf16 job holds them; float32: each "
+                             "sync also casts them)")
     args = parser.parse_args(argv)
-    SPEC.update(args.spec)
+    SPEC.update(params_dtype=args.params_dtype, **args.spec)
     MODEL_BYTES = model_bytes("bfloat16")
     print(machine_description())
     print(f"model: {SPEC} ({MODEL_BYTES / MB:.1f} MB in bf16); trainer of 2 processes, one stage, TP=2 unless "

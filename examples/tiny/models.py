@@ -127,6 +127,7 @@ class ModelSpec:
     linear_conv_kernel_dim: int = 4
     full_attention_interval: int = 2
     hf_model_type: str | None = None
+    params_dtype: str = "float32"  # the Megatron model's weights ("bfloat16": as a bf16 training job holds them)
 
     def __post_init__(self):
         family = get_family(self.family)  # UnknownFamilyError names the registered ones
@@ -209,8 +210,9 @@ def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | Non
         qk_layernorm=spec.traits.qk_norm or spec.traits.mla,  # MLA: the q/kv latent norms
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,  # required by Megatron when PP > 1
+        params_dtype=getattr(torch, spec.params_dtype),
+        pipeline_dtype=getattr(torch, spec.params_dtype),  # required by Megatron when PP > 1
+        bf16=spec.params_dtype == "bfloat16",
         use_cpu_initialization=True,
         perform_initialization=True,
         gradient_accumulation_fusion=False,

@@ -132,6 +132,8 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
                     metrics.append(callback.after_optimizer_step(True).to_json())
                     handoffs[-1]["to_generation"] = [r.to_json() for r in callback.handoff_rows]
                 else:
+                    if case.get("aligned_start"):  # every rank starts the sync at once (the raw replays do too)
+                        torch.distributed.barrier()
                     with spy.counting():
                         metrics.append(syncer.sync().to_json())
             except Exception as e:  # noqa: BLE001 — recorded for the test, or raised
