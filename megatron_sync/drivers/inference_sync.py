@@ -102,6 +102,7 @@ class InferenceWeightSync:
         auto = config.transport == "auto"  # adopt the trainer's choice once admitted to its session
         transport_cls = None if auto else get_transport(config.transport)
         self.transport = None
+        self._fleet_board = None  # p2p in a fleet: where engines chained across links meet (closed with this)
         backend = config.resolved_backend(torch.cuda.is_available())
         identity = self._identity = _identity(config, transport_cls, job_id, inference_rank, num_trainer_stages,
                                               backend, hf_config)
@@ -161,9 +162,10 @@ class InferenceWeightSync:
         if config.fleet:
             hello(self.transport, self.receiver, relays=not driven)
             if hasattr(self.receiver, "join_fleet") and not driven:  # p2p: engines chain across links
-                self.receiver.join_fleet(store_board(self.session.store, prefix="", rank=inference_rank,
-                                                    timeout_s=config.timeout_s),
-                                         config.engine_id, self.session.generation)
+                # blocking: a round's report from the engine chained before this one is taken at once
+                self._fleet_board = store_board(self.session.store, prefix="", rank=inference_rank,
+                                                timeout_s=config.timeout_s, blocking=True)
+                self.receiver.join_fleet(self._fleet_board, config.engine_id, self.session.generation)
             self.relays = None if driven else Relays(self.session, self.receiver, self.transport, config,
                                                      rank=inference_rank, ranks=config.engine_tp_size)
         self.handoff = EngineHandoff(engine, self.transport.rank, self.receiver.live_shards, config.metrics_path)
@@ -333,6 +335,9 @@ class InferenceWeightSync:
                 self._acknowledged = True
             self.transport.close()
             self.transport = None
+        if getattr(self, "_fleet_board", None) is not None:
+            self._fleet_board.close()
+            self._fleet_board = None
         if self.session is not None:
             self.session.close()
             self.session = None

@@ -104,8 +104,9 @@ class IpcTransport(PlanBucketTransport):
         # Control messages post on the session's own connection and wait in the store's wait, a bounded slice at
         # a time (an idle engine waits there for hours, and a stopped trainer must be noticed); the data path and
         # the agreement rounds wait on connections of their own (`board.WaitingStore`).
-        self.control = StoreControlChannel(store_board(session.store, prefix=prefix, rank=rank, blocking=True,
-                                                       timeout_s=config.timeout_s, failure=self._fail, media=self.media))
+        self._control_board = store_board(session.store, prefix=prefix, rank=rank, blocking=True,
+                                          timeout_s=config.timeout_s, failure=self._fail, media=self.media)
+        self.control = StoreControlChannel(self._control_board)
         self._store = session.store.raw  # each thread's board waits on a connection of its own (`clone`)
         self.board = self._board_for_this_thread()
         self._gather = BoardGather(self.board, name="all", index=rank, size=self.world_size)
@@ -267,6 +268,7 @@ class IpcTransport(PlanBucketTransport):
         if self._watch is not None:
             self._watch.close()
         self.board.close()
+        self._control_board.close()  # the connections its blocking waits held
         if self._worker_board is not None:
             self._worker_board.close()
 
