@@ -159,3 +159,25 @@ def test_a_blocking_wait_on_a_stopped_host_raises_store_silent_instead_of_hangin
     # the bounded call first: the host's silence for timeout_s, or the call's own limit of timeout_s
     with pytest.raises(StoreSilentError, match=r"has not answered for 3[.0-9]*s|did not answer \(.*\) within 3s"):
         board.fetch("control/1", 60)
+
+
+def test_a_host_stopped_during_a_blocking_wait_is_known_silent_to_every_call_of_the_client():
+    """A P2P receiver waits for a round's report on its thread's own connection, made while the trainer ran; the
+    trainer is then stopped. Once that wait found the host silent, the receiver's other calls (telling the ranks
+    it relays to that it gives up) fail at once instead of waiting another timeout_s each."""
+    from megatron_sync.session.board import store_board
+
+    with _hosting() as (port, host):
+        client = connect("127.0.0.1", port, timeout_s=TIMEOUT_S)
+        board = store_board(client, prefix="t/", rank=1, timeout_s=TIMEOUT_S, blocking=True)
+        board.post("report/0", b"ok")
+        assert board.fetch("report/0", 60) == b"ok"  # this thread's connection is made, while the host runs
+        os.kill(host.pid, signal.SIGSTOP)
+        poll(lambda: _state(host.pid) in ("T", "t"), within=30, what="the host process stopping")
+        with pytest.raises(StoreSilentError, match=r"has not answered for 3[.0-9]*s|did not answer \(.*\) within 3s"):
+            board.fetch("report/1", 60)
+        assert client.silent
+        with using_clock(ManualClock()) as clock:
+            with pytest.raises(StoreSilentError, match="has not answered for"):
+                board.post("report/abort", b"gave up")
+            assert clock.now() == 0

@@ -31,16 +31,29 @@ MIN_BOUND_S = 2.0
 CHECK_EVERY_S = 0.05  # how often a waiting caller looks at how long the helper has been in its call
 
 
-class BoundedStore:
-    """The calls of a c10d store (`raw`) the library makes, each bounded (see the module docstring)."""
+class _Silence:
+    """When the calls to one store host were first found unanswered (None: never), shared by its clients."""
 
-    def __init__(self, raw: Any, *, where: str, timeout_s: float) -> None:
+    def __init__(self) -> None:
+        self.since: Optional[float] = None
+        self.lock = threading.Lock()
+
+
+class BoundedStore:
+    """The calls of a c10d store (`raw`) the library makes, each bounded (see the module docstring). A client
+    and its clones share what they found: once one is silent, all are."""
+
+    def __init__(self, raw: Any, *, where: str, timeout_s: float, silence: Optional[_Silence] = None) -> None:
         self.raw, self.where, self.timeout_s = raw, where, timeout_s
         self._requests: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
-        self.silent_since: Optional[float] = None  # clock time when the call that outlived timeout_s began
+        self._silence = silence or _Silence()  # the clock time when a call that outlived timeout_s began
         self._busy_since: Optional[float] = None  # when the helper began the call it runs now (None: idle)
+
+    @property
+    def silent_since(self) -> Optional[float]:
+        return self._silence.since
 
     def set(self, key: str, value: bytes, *, bound: Optional[float] = None) -> None:
         self._call(f"set {key!r}", self.raw.set, key, value, bound=bound)
@@ -66,7 +79,7 @@ class BoundedStore:
         """Return a bounded client of the same store on a connection (and helper thread) of its own; connecting
         is bounded too (a stopped host accepts the connection and never answers it)."""
         raw = self._call("connect a second client", self.raw.clone, bound=None)
-        return BoundedStore(raw, where=self.where, timeout_s=self.timeout_s)
+        return BoundedStore(raw, where=self.where, timeout_s=self.timeout_s, silence=self._silence)
 
     @property
     def silent(self) -> bool:
@@ -75,8 +88,8 @@ class BoundedStore:
 
     def found_silent(self, since: float) -> None:
         """Other evidence (a fresh connection that got no answer) says the host is silent since `since`."""
-        with self._lock:
-            self.silent_since = self.silent_since or since
+        with self._silence.lock:
+            self._silence.since = self._silence.since or since
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, bound: Optional[float]) -> Any:
         if self.silent_since is not None:
@@ -92,8 +105,7 @@ class BoundedStore:
             # started it, so a call queued behind one already stuck does not wait a second timeout_s).
             busy_since = self._busy_since
             if not done.is_set() and busy_since is not None and clock().now() - busy_since >= self.timeout_s:
-                with self._lock:
-                    self.silent_since = self.silent_since or busy_since
+                self.found_silent(busy_since)
                 raise self._silent_error(what, clock().now() - busy_since)
             return done.is_set()
 
