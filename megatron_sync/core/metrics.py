@@ -78,8 +78,9 @@ class SyncMetrics:
     """Per-bucket start/end events, when the sender or receiver was asked to record them."""
     started_at: float = 0.0
     ended_at: float = 0.0
-    """Wall-clock time (time.time()) this rank's part of the sync began and ended (a receiver: the window in
-    which its engine was taking the version in)."""
+    """Wall-clock time (time.time()) this rank's part of the sync began and ended (a receiver: from taking the
+    version in until it had loaded it and cast its last vote, `session/commit.py`; the version is live once
+    every rank has)."""
     source: str = ""
     """A fleet receiver: where the version came from ("trainer", or "engine N" for a relay)."""
     fleet: list = field(default_factory=list)

@@ -12,6 +12,7 @@ on every rank. Every transport's sender and receiver run these rounds.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
 
 import torch
@@ -114,6 +115,7 @@ class AgreedCommit:
             load_error = self._load(shards, version if as_version is None else as_version, metrics)
             if load_error is None and self.check is not None:
                 load_error = self._checked(version, snapshot, old_version, metrics)
+        metrics.ended_at = time.time()  # this rank is done with the version: it goes live once every rank is
         try:
             with PhaseTimer(metrics, "commit", ("commit", -1)):
                 self.agree(version, load_error)

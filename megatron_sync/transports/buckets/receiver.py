@@ -114,7 +114,6 @@ class WeightReceiver(Receiver):
             error = self._receive_all(version, metrics)
             self._agreed(version, error, staged, metrics)
             self.staging.committed(version)
-        metrics.ended_at = time.time()
         metrics.media_bytes = self.transport.take_media_bytes()
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
@@ -147,7 +146,6 @@ class WeightReceiver(Receiver):
                 error = f"{type(e).__name__}: {e}"
             self._agreed(version, error, staged, metrics)
             self.staging.committed(version)
-        metrics.ended_at = time.time()
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
         return metrics

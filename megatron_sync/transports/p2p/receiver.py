@@ -20,7 +20,7 @@ from megatron_sync.core.checksum import resolve_checksum
 from megatron_sync.core.errors import PeerFailureError, SyncError
 from megatron_sync.core.metrics import PhaseTimer, SyncMetrics
 from megatron_sync.layout.loaded import LoadCheck
-from megatron_sync.layout.staging import StagingSets
+from megatron_sync.layout.staging import StagingSets, copies_shards
 from megatron_sync.session.commit import AgreedCommit
 from megatron_sync.transports.base import Commit, Receiver
 from megatron_sync.transports.p2p.endpoint import P2PEndpoint
@@ -42,7 +42,7 @@ class P2PReceiver(Receiver):
         self.index = transport.rank - transport.num_trainer_ranks
         self.schedule = handshake(transport, num_trainer_ranks=transport.num_trainer_ranks,
                                   engine_tp_size=config.engine_tp_size, layout=engine.rank_layout,
-                                  expected=engine.expected_tensors())
+                                  expected=engine.expected_tensors(), copies=copies_shards(engine))
         mover = transport.mover
         self.layout = self.schedule.receivers[self.index].layout
         self.staging = StagingSets(self.layout, mover.alloc, self.schedule.options.staging_sets,
@@ -106,7 +106,6 @@ class P2PReceiver(Receiver):
             notices.forget(self.index, rounds)
             if path is not None and path.feed is not None:
                 path.feed_notices.forget(path.me, rounds)
-        metrics.ended_at = time.time()
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
         return metrics
