@@ -88,9 +88,8 @@ class InferenceWeightSync:
         driven: bool = False,
     ):
         _check_rank(config, inference_rank)
-        self.config = config
+        self.config, self.engine = config, engine
         self.relays: Optional[Relays] = None  # a fleet engine's relays to and from other engines
-        self.engine = engine
         self.stop_reason: Optional[str] = None  # why the trainer stopped the session, when it said
         self.synced_version = 0  # the last version the trainer synced here (its numbering), for a "left" report
         self._acknowledged = False  # told the leader it stopped or left
