@@ -31,6 +31,8 @@ def test_defaults_are_valid_and_keyword_only():
     ({"enabled": "yes"}, "enabled"),
     ({"every_n_steps": 1.5}, "every_n_steps"),
     ({"checksum": "md5"}, r"checksum='md5' is not valid; use one of \['auto', 'xxh3', 'crc32', 'wsum64', 'none'\]"),
+    ({"staging_sets": 3}, r"staging_sets=3: use \"auto\" .*, 2 .* or 1"),
+    ({"staging_sets": "two"}, r"staging_sets='two': use \"auto\""),
 ])
 def test_validation_names_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -80,6 +82,10 @@ def test_argparse_flags_round_trip():
     assert (cfg.every_n_steps, cfg.bucket_size_mb, cfg.enabled, cfg.master_port) == (2, 64.0, False, 31000)
     assert cfg.hf_config_path == "/models/qwen/config.json"
     assert WeightSyncConfig.from_args(parser.parse_args([])) == WeightSyncConfig()
+    # a setting that is a number or a word: "1" on the command line is the number 1, as in YAML
+    for given, meant in (("1", 1), ("2", 2), ("auto", "auto")):
+        cfg = WeightSyncConfig.from_args(parser.parse_args(["--weight-sync-staging-sets", given]))
+        assert cfg.staging_sets == meant and type(cfg.staging_sets) is type(meant)
 
 
 def test_argparse_bad_value_is_validated():

@@ -58,7 +58,7 @@ def _syncs_exactly(url: str, spec, parallel: dict, workers: int) -> None:
         assert len(r["receivers"]) == workers
         for m in r["receivers"]:
             assert m["copied_bytes"] == m["shard_bytes"] > 0, m  # one copy, of exactly this worker's shard
-            assert m["held_bytes"] < 2.1 * m["shard_bytes"], m  # two staging sets, no receive buffer
+            assert m["held_bytes"] < 1.1 * m["shard_bytes"], m  # one staging set (auto: vLLM copies), no buffer
             media = m["media_bytes"]
             assert media["shm"] == m["bytes"] > 0, m  # every bucket reached the worker in shared memory
             assert media["socket"] < CONTROL_BYTES_PER_BUCKET * m["num_buckets"] + CONTROL_BYTES_PER_SYNC, m

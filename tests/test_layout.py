@@ -18,7 +18,7 @@ from megatron_sync.layout.regions import (
     padded_vocab_range, weight_region,
 )
 from megatron_sync.layout.roles import RoleLayout
-from megatron_sync.layout.staging import StagedCopy, StagingSets
+from megatron_sync.layout.staging import StagedCopy, StagingSets, copies_shards, resolve_staging_sets
 from tests.support import models
 
 
@@ -244,5 +244,23 @@ def test_one_staging_set_keeps_a_host_copy_of_the_live_version_as_its_rollback_s
 
 def test_staging_sets_other_than_one_or_two_are_refused_naming_the_choice():
     layout, _ = _layout_of_one_param()
-    with pytest.raises(ValueError, match=r"staging_sets=3: use 2 .* or 1"):
-        StagingSets(layout, lambda n: torch.empty((n,), dtype=torch.uint8), 3)
+    for count, match in ((3, r"StagingSets holds 1 or 2 sets, got 3"), ("auto", r"got 'auto' \(resolve weight_sync")):
+        with pytest.raises(ValueError, match=match):
+            StagingSets(layout, lambda n: torch.empty((n,), dtype=torch.uint8), count)
+
+
+def test_auto_staging_sets_are_one_for_an_engine_that_copies_and_two_for_one_that_may_run_on_a_set():
+    from megatron_sync.engines.reference.engine import ReferenceEngine
+    from megatron_sync.engines.vllm.adapter import VLLMModelAdapter
+
+    assert copies_shards(VLLMModelAdapter) and not copies_shards(ReferenceEngine) and not copies_shards(object())
+    assert [resolve_staging_sets("auto", copies=c) for c in (True, False)] == [1, 2]
+    assert [resolve_staging_sets(n, copies=c) for n in (1, 2) for c in (True, False)] == [1, 1, 2, 2]
+    with pytest.raises(ValueError, match=r"staging_sets=0: use \"auto\""):
+        resolve_staging_sets(0, copies=True)
+    # over P2P the trainer's options carry "auto" and every rank resolves it at the handshake alike
+    from megatron_sync.transports.p2p.schedule import ScheduleOptions
+
+    options = ScheduleOptions(piece_bytes=4096, staging_sets="auto")
+    assert options.resolved(copies=True).staging_sets == 1 and options.resolved(copies=False).staging_sets == 2
+    assert options.resolved(copies=True).posts_base and not options.resolved(copies=False).posts_base

@@ -61,11 +61,14 @@ def test_an_engine_that_copies_its_staged_version_pays_the_copy_one_that_runs_on
 def test_one_staging_set_copies_and_each_engine_rank_holds_weights_plus_one_set_and_a_host_copy():
     """With `staging_sets: 1` an engine copies even if it could run on a set (the set takes the next version), and
     the prediction says what each engine rank holds: 2 x its largest shard on the GPU instead of 3 x (or 2 x
-    running on a set), plus the host copy and its time between syncs, which no sync counts."""
+    running on a set), plus the host copy and its time between syncs, which no sync counts. `staging_sets: auto`
+    (the default) is one set for an engine that copies, two for one that runs on a set."""
     planner, h100 = _moonlight(2), profile_named("h100")
     summary = planner.plan("p2p", bucket_bytes=GIB)
     one = predict(summary, h100, SyncOptions(staging_sets=1, engine_switch=True))
-    two_copying, two_switching = predict(summary, h100), predict(summary, h100, SyncOptions(engine_switch=True))
+    two_copying = predict(summary, h100, SyncOptions(staging_sets=2))
+    two_switching = predict(summary, h100, SyncOptions(engine_switch=True))  # "auto": 2 for an engine on its set
+    assert predict(summary, h100).notes == one.notes  # "auto": 1 for an engine that copies
     assert one.seconds == pytest.approx(two_copying.seconds) and one.phase("apply") > 0
     shard = max(summary.shard_bytes) / 1e9
     held = {p: p.notes[0].split(" = ")[-1] for p in (one, two_copying, two_switching)}

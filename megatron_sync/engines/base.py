@@ -50,6 +50,10 @@ class EngineAdapter(Protocol):
         `StagedCopy` (a receiver's only staging set, `staging_sets: 1`) is overwritten by the next version and
         carries the live version's host copy as `.previous`, for an engine that must undo a load part-way."""
 
+    # An engine that copies every version into weights of its own (vLLM) says so with a class attribute
+    # `copies_shards = True` (read with `layout.staging.copies_shards`; absent: False): `staging_sets: auto`
+    # then stages each version in one set, where a second would only be a rollback source on the device.
+
     def snapshot(self) -> Optional[Mapping[str, torch.Tensor]]:
         """Return the live params (what `load_shards` takes back to undo a load), or None when this engine
         cannot snapshot (a load that fails elsewhere then leaves this rank ahead)."""

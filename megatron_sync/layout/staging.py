@@ -1,15 +1,16 @@
 """The staging sets of one inference rank: flat buffers of its params that versions are received into.
 
-Two sets (`staging_sets: 2`, the default): a version is staged into the set the engine is not running from,
-so the other set still holds the live version's params: that set is the rollback source when a load fails
-on another rank, and no sync copies a snapshot. Both sets are one allocation (what a one-sided transport
+Two sets (`staging_sets: 2`; what "auto", the default, means for an engine that may run on a set): a
+version is staged into the set the engine is not running from, so the other set still holds the live
+version's params: that set is the rollback source when a load fails on another rank, and no sync copies a
+snapshot. Both sets are one allocation (what a one-sided transport
 registers once), made and zeroed at start-up from the rank's layout (bytes no region lands in, such as
 vocabulary padding rows, stay zero): 2 x this rank's params, held between syncs. A set's params are handed
 to the engine as `HeldShards`: the receiver does not write a set while the engine may run on it, so an
 engine whose memory matches the layout runs on the set itself (the reference engine) and a commit switches
 sets instead of copying; the engine then holds no weights of its own.
 
-One set (`staging_sets: 1`), for engines that copy every shard into weights of their own (vLLM): each
+One set (`staging_sets: 1`; "auto" for engines that copy every shard into weights of their own, vLLM): each
 version is staged into the same memory, so the engine rank holds its weights + 1 x its params instead of
 + 2 x. The rollback source is then a host copy of the live version (`HostCopy`), taken in the background
 after each commit (on a GPU a side stream into pinned memory; a thread on the CPU) and waited for before
@@ -28,15 +29,33 @@ import torch
 from megatron_sync.core.errors import SyncError
 from megatron_sync.layout.rank import RankLayout
 
-STAGING_SETS = (1, 2)
+STAGING_SETS = ("auto", 1, 2)
+AUTO = "auto"
 
 
 def check_staging_sets(count: object) -> None:
-    """Raise ValueError naming both choices unless `count` is 1 or 2 (`weight_sync.staging_sets`)."""
+    """Raise ValueError naming every choice unless `count` is "auto", 1 or 2 (`weight_sync.staging_sets`)."""
     if count not in STAGING_SETS or isinstance(count, bool):
-        raise ValueError(f"staging_sets={count!r}: use 2 (the default: the engine may run on a set, and the other "
-                         "is the rollback source) or 1 (engines that copy, such as vLLM: weights + one set, with a "
-                         "host copy of the live version for rollback)")
+        raise ValueError(f"staging_sets={count!r}: use \"auto\" (the default: 1 for an engine that copies every "
+                         "version into weights of its own, 2 for one that may run on a set), 2 (the engine may run on "
+                         "a set, and the other is the rollback source) or 1 (weights + one set, with a host copy of "
+                         "the live version for rollback)")
+
+
+def copies_shards(engine: object) -> bool:
+    """Whether `engine` copies every version's shards into weights of its own (its `copies_shards`, default False:
+    it may run on a staging set, as the reference engine does)."""
+    return bool(getattr(engine, "copies_shards", False))
+
+
+def resolve_staging_sets(setting: object, *, copies: bool) -> int:
+    """Return the staging sets `setting` means for engines that copy (`copies`) or not: "auto" is 1 for the
+    first, since a second set would only be a rollback source on the device, and 2 for the second, which run
+    on the set a version arrived in; 1 and 2 are themselves."""
+    check_staging_sets(setting)
+    if setting == AUTO:
+        return 1 if copies else 2
+    return int(setting)  # type: ignore[call-overload]
 
 
 class HeldShards(dict):
@@ -109,7 +128,9 @@ class StagingSets:
 
     def __init__(self, layout: RankLayout, alloc: Callable[[int], torch.Tensor], count: int = 2, *,
                  keep: bool = True, timeout_s: float = 600.0) -> None:
-        check_staging_sets(count)
+        if count not in (1, 2) or isinstance(count, bool):
+            raise ValueError(f"StagingSets holds 1 or 2 sets, got {count!r} (resolve weight_sync.staging_sets "
+                             "with resolve_staging_sets first)")
         self.layout, self.count = layout, count
         self.set_bytes = layout.nbytes
         self.memory = alloc(count * self.set_bytes)

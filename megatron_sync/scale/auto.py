@@ -163,7 +163,7 @@ def resolve(config: Any, layout: Any, family: str, hf_config: Any, *, colocated:
     sglang = any(parse_engine(entry)[0] == "sglang" for entry in config.engines)
     options = SyncOptions(checksum=config.checksum != "none", pause_resume=bool(config.engines),
                           p2p_backend=getattr(config, "p2p_backend", "nixl"),
-                          staging_sets=getattr(config, "staging_sets", 2))
+                          staging_sets=getattr(config, "staging_sets", "auto"))
     return choose(planner, profile, excluded=exclusions(sglang_engines=sglang, trainer=trainer, fleet=fleet),
                   options=options, p2p=p2p_settings(config))
 

@@ -22,6 +22,7 @@ from megatron_sync.scale.layouts import FleetLayout, TrainerLayout
 from megatron_sync.scale.models import MODELS, model_named
 from megatron_sync.scale.plans import ScalePlanner
 from megatron_sync.scale.timing import SyncOptions
+from megatron_sync.settings.checks import int_or_word
 
 FLEET_FLAGS = {"ep": ("expert_parallel", True), "whole_vocab": ("vocab_parallel", False),
                "colocated": ("colocated", True)}
@@ -69,8 +70,9 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--p2p-window-mb", type=float, default=None, help="P2P receive window (0: the staging set)")
     p.add_argument("--p2p-arena-mb", type=float, default=None, help="P2P sender arena (0: the whole share)")
     p.add_argument("--no-forward", action="store_true", help="p2p_forward false: the trainer writes every engine")
-    p.add_argument("--staging-sets", type=int, default=None, choices=(1, 2),
-                   help="staging sets per inference rank (weight_sync.staging_sets; default 2)")
+    p.add_argument("--staging-sets", type=int_or_word, default=None, choices=("auto", 1, 2),
+                   help="staging sets per inference rank (weight_sync.staging_sets; default auto: 1 for engines "
+                        "that copy, 2 for engines that run on a set)")
 
 
 def _from_yaml(path: str) -> dict[str, Any]:
@@ -99,7 +101,8 @@ def _from_yaml(path: str) -> dict[str, Any]:
 
 
 DEFAULTS = {"model": "kimi-k2", "profile": "h100", "trainer": "tp=8,pp=8,cp=4,ep=32", "fleet": "engines=8,tp=32,ep",
-            "bucket_mb": 256.0, "p2p_backend": "nixl", "p2p_window_mb": 0.0, "p2p_arena_mb": 0.0, "staging_sets": 2}
+            "bucket_mb": 256.0, "p2p_backend": "nixl", "p2p_window_mb": 0.0, "p2p_arena_mb": 0.0,
+            "staging_sets": "auto"}
 
 
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:

@@ -53,9 +53,17 @@ class SyncOptions:
     engine_switch: bool = False
     """The engine computes on the staging set a version arrived in (the reference engine's unfused weights), so
     a broadcast, ipc or P2P apply switches sets; False: it copies the shard into weights of its own (vLLM, SGLang)."""
-    staging_sets: int = 2
+    staging_sets: int | str = "auto"
     """`weight_sync.staging_sets`: 1 keeps one set per inference rank and a host copy of the live version, taken
-    between syncs (the engine then copies: no switch); 2 keeps two sets."""
+    between syncs (the engine then copies: no switch); 2 keeps two sets; "auto" (the default) is 2 for an engine
+    that runs on a set (`engine_switch`), else 1 (`sets`)."""
+
+    @property
+    def sets(self) -> int:
+        """Return the staging sets each inference rank keeps (`staging_sets` with "auto" resolved)."""
+        if self.staging_sets == "auto":
+            return 2 if self.engine_switch else 1
+        return int(self.staging_sets)
 
 
 def gather_seconds(traffic: Traffic | None, profile: HardwareProfile) -> float:
@@ -97,7 +105,7 @@ def engine_tail(summary: PlanSummary, profile: HardwareProfile, rounds: int, opt
     copies the largest shard, or a switch of staging sets where the version waited in one (`staged`: broadcast,
     ipc, P2P) and the engine runs on it (`options.engine_switch`)."""
     rank = max(range(len(summary.shard_bytes)), key=summary.shard_bytes.__getitem__, default=0)
-    if not (staged and options.engine_switch and options.staging_sets == 2):
+    if not (staged and options.engine_switch and options.sets == 2):
         apply = (summary.shard_bytes[rank] / profile.device_copy
                  + summary.shard_tensors[rank] * profile.apply_tensor_s.value) if summary.shard_bytes else 0.0
         phases = [Phase("apply", apply, f"inference rank {rank}", f"{rate_of(profile, 'copy')} + "
@@ -121,7 +129,7 @@ def staging_memory(summary: PlanSummary, profile: HardwareProfile, options: Sync
     """Return what the inference rank with the largest shard holds for syncs (broadcast, ipc, P2P: its staging
     sets, and its weights unless it runs on a set), and with one set the host copy and its time between syncs."""
     shard = max(summary.shard_bytes, default=0) / 1e9
-    if options.staging_sets == 1:
+    if options.sets == 1:
         between = max(summary.shard_bytes, default=0) / profile.pcie.value
         return (f"engine rank memory: its weights + 1 staging set = 2 x {shard:.1f} GB = {2 * shard:.1f} GB on the "
                 f"GPU, and a host copy of the live version ({shard:.1f} GB pinned) for rollback, copied in "
@@ -130,7 +138,7 @@ def staging_memory(summary: PlanSummary, profile: HardwareProfile, options: Sync
         return (f"engine rank memory: 2 staging sets, the live one its weights = 2 x {shard:.1f} GB = "
                 f"{2 * shard:.1f} GB on the GPU")
     return (f"engine rank memory: its weights + 2 staging sets = 3 x {shard:.1f} GB = {3 * shard:.1f} GB on the GPU "
-            "(an engine that copies; staging_sets 1: 2 x)")
+            "(staging_sets 2 for an engine that copies; auto: 1 set, 2 x)")
 
 
 def _cite(source: str) -> str:

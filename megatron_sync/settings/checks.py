@@ -33,6 +33,11 @@ def check_number(name: str, value: Any, *, positive: bool, what: str = "a number
         raise ValueError(f"{name} must be {what} {'> 0' if positive else '>= 0'}{note}, got {value!r}")
 
 
+def int_or_word(text: str) -> int | str:
+    """Return a flag's value as an int when it is a number ("1"), else as it is ("auto")."""
+    return int(text) if text.strip().lstrip("-").isdigit() else text
+
+
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     """Raise unless `value` is one of `choices`."""
     if value not in choices:

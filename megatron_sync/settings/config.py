@@ -223,11 +223,11 @@ class WeightSyncConfig:
     each engine rank forwards every round to the same rank of the next, so the trainer sends one copy per
     layout however many engines there are. False: the trainer writes every engine. The trainer's value is used."""
 
-    staging_sets: int = 2
-    """Staging sets of its shard per engine rank (broadcast, ipc, p2p; over p2p the trainer's value). 2: a version
-    arrives in the set the engine does not run on; the other is the rollback source. 1: for engines that copy
-    (vLLM): weights + 1 set instead of + 2; the rollback source is a host copy of the live version, taken after
-    each commit and waited for before the set is written again (docs/transports/p2p.md, "Where a version waits")."""
+    staging_sets: int | str = "auto"
+    """Staging sets of its shard per engine rank (broadcast, ipc, p2p; over p2p the trainer's). 2: a version arrives
+    in the set the engine does not run on; the other is the rollback source. 1: weights + 1 set, the rollback source
+    a host copy of the live version taken between syncs. "auto": 1 for engines that copy every version into weights
+    of their own (vLLM), else 2 (docs/transports/p2p.md, "Where a version waits")."""
 
     verify_every: int = 1
     """After an engine rank loaded a version, check that its params hold exactly what was sent, region by
@@ -364,8 +364,8 @@ def add_weight_sync_args(parser: argparse.ArgumentParser, *, defaults: bool = Tr
         kwargs: dict[str, Any] = {"dest": f"weight_sync_{field.name}", "default": default}
         if field.type in ("bool", bool):
             kwargs["action"] = _DeprecatedBool
-        elif field.type in ("int", int, "Optional[int]"):
-            kwargs.update(type=int, action=_DeprecatedStore)
+        elif field.type in ("int", int, "Optional[int]", "int | str"):
+            kwargs.update(type=checks.int_or_word if field.type == "int | str" else int, action=_DeprecatedStore)
         elif field.type in ("float", float):
             kwargs.update(type=float, action=_DeprecatedStore)
         elif str(field.type).startswith("tuple"):

@@ -21,10 +21,11 @@ Restoring the previous version. vLLM keeps no copy of the weights it
 replaces. A load that fails before any layer changed leaves the worker as it
 was; one that fails after gives the layers still waiting their live tensors
 back and then *reloads* the previous version through the same path: from the
-previous version's staged params, which the receiver keeps (its other staging
-set: at most this worker's own shard, nothing copied; with `staging_sets: 1`
-the receiver's host copy of it, `StagedCopy.previous`), or, for version 0,
-re-read from the served checkpoint by vLLM's own loader (nothing held).
+previous version's staged params, which the receiver keeps (with one staging
+set, what `staging_sets: auto` takes for vLLM, the receiver's host copy of it,
+`StagedCopy.previous`; with two, its other set: at most this worker's own
+shard, nothing copied), or, for version 0, re-read from the served checkpoint
+by vLLM's own loader (nothing held).
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ class CheckpointWeights(Mapping):
 
 class VLLMModelAdapter:
     """The `EngineAdapter` of one vLLM worker (one TP/PP/EP rank of the engine)."""
+
+    copies_shards = True
+    """vLLM copies every version into its own weights (its layerwise reload): `staging_sets: auto` is one set."""
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, *, worker_rank: int, label: str) -> None:
         self.model, self.vllm_config = model, vllm_config

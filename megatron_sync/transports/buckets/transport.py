@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
+from megatron_sync.layout.staging import copies_shards, resolve_staging_sets
 from megatron_sync.transports.buckets.receiver import WeightReceiver
 from megatron_sync.transports.buckets.sender import WeightSender
 from megatron_sync.transports.base import BucketTransport, Commit, Receiver, Sender, Transport
@@ -47,4 +48,4 @@ class PlanBucketTransport(BucketTransport):
         return WeightReceiver(engine, self, bucket_size_bytes=config.bucket_size_bytes,
                               keep_together=keep_together, metrics_path=config.metrics_path, commit=commit,
                               checksum=config.checksum, verify_every=config.verify_every,
-                              staging_sets=config.staging_sets)
+                              staging_sets=resolve_staging_sets(config.staging_sets, copies=copies_shards(engine)))

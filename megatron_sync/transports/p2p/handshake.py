@@ -4,7 +4,7 @@ Two all-gathers on the transport group, in the same order on every rank; each ca
 rank that fails makes every rank fail at the same step:
 
 1. every inference rank publishes its rank layout (`EngineAdapter.rank_layout()`: its params and which
-   region of which HF tensor lands where in them);
+   region of which HF tensor lands where in them) and whether its engine copies every version (`copies_shards`);
 2. every trainer rank publishes its coordinates; each stage's source rank its stage's units in walk order
    (the HF tensors each converts to); trainer rank 0 the HF tensor specs and the schedule options (the
    trainer's settings: the inference job adopts them).
@@ -78,15 +78,17 @@ class TrainerSide:
 def handshake(transport: "Transport", *, num_trainer_ranks: int, engine_tp_size: int,
               layout: Optional[Callable[[], RankLayout]] = None,
               trainer: Optional[Callable[[], TrainerSide]] = None,
-              expected: Optional[list[TensorMeta]] = None) -> Schedule:
+              expected: Optional[list[TensorMeta]] = None, copies: bool = False) -> Schedule:
     """Run both steps; return the schedule every rank agreed on.
 
-    Inference ranks pass `layout` (their rank's) and `expected` (what their engine loads); trainer ranks
-    pass `trainer()`, what they publish. `engine_tp_size` groups inference ranks into engines.
+    Inference ranks pass `layout` (their rank's), `expected` (what their engine loads) and `copies` (whether
+    their engine copies every version into weights of its own: the trainer's `staging_sets: auto` is 1 when
+    every engine does, else 2); trainer ranks pass `trainer()`, what they publish. `engine_tp_size` groups
+    inference ranks into engines.
     """
     published = exchange(transport, "publishing the engines' layouts",
-                         lambda: layout().to_wire() if layout is not None else None)
-    layouts = [RankLayout.from_wire(wire) for wire in published[num_trainer_ranks:]]
+                         lambda: [layout().to_wire(), copies] if layout is not None else None)
+    layouts = [RankLayout.from_wire(wire) for wire, _ in published[num_trainer_ranks:]]
     sides = [TrainerSide.from_wire(w) for w in exchange(
         transport, "publishing the trainer's ranks and units",
         lambda: trainer().to_wire() if trainer is not None else None)[:num_trainer_ranks]]
@@ -98,7 +100,8 @@ def handshake(transport: "Transport", *, num_trainer_ranks: int, engine_tp_size:
     for index, rank_layout in enumerate(layouts):  # the same check, and error, on every rank
         rank_layout.check_against(specs, who=f"inference rank {index}")
     units = [u for side in sorted(sides, key=lambda s: s.rank.pp) if side.units for u in side.units]
+    options = first.options.resolved(copies=all(copy for _, copy in published[num_trainer_ranks:]))
     schedule = build_schedule(units, [s.rank for s in sides], first.specs, inference_ranks(layouts, engine_tp_size),
-                              first.options)
+                              options)
     agree_on_plan(transport, schedule.digest(), coverage_problem(list(schedule.tensors), expected) if expected else None)
     return schedule

@@ -40,6 +40,7 @@ Pure data, computed once from metadata and identical on every rank (compare `dig
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -51,6 +52,7 @@ import torch
 from megatron_sync.core.grid import TrainerRank
 from megatron_sync.layout.rank import RankLayout
 from megatron_sync.layout.regions import Region, TensorSpec
+from megatron_sync.layout.staging import resolve_staging_sets
 from megatron_sync.transports.p2p.balance import Balance
 from megatron_sync.transports.p2p.holders import SourceUnit
 
@@ -85,7 +87,7 @@ class ScheduleOptions:
     round_bytes: int = 0
     arena_bytes: int = 0
     forward: bool = True
-    staging_sets: int = 2
+    staging_sets: int | str = 2  # "auto": resolved at the handshake, by whether every engine copies (`resolved`)
 
     def __post_init__(self) -> None:
         if self.piece_bytes <= 0:
@@ -107,6 +109,10 @@ class ScheduleOptions:
         one staging set written directly (no bounded window) the set holds the live version until the receiver's
         host copy of it, the rollback source, is done."""
         return self.staging_sets == 1 and not self.window_bytes
+
+    def resolved(self, *, copies: bool) -> "ScheduleOptions":
+        """Return these options with `staging_sets` resolved for engines that all copy (`copies`) or not."""
+        return dataclasses.replace(self, staging_sets=resolve_staging_sets(self.staging_sets, copies=copies))
 
     def to_wire(self) -> list:
         return [self.piece_bytes, self.window_bytes, self.round_bytes, self.arena_bytes, self.forward,
