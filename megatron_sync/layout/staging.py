@@ -1,14 +1,13 @@
 """The staging sets of one inference rank: flat buffers of its params that versions are received into.
 
-Two sets (`staging_sets: 2`; what "auto", the default, means for an engine that may run on a set): a
-version is staged into the set the engine is not running from, so the other set still holds the live
-version's params: that set is the rollback source when a load fails on another rank, and no sync copies a
-snapshot. Both sets are one allocation (what a one-sided transport
-registers once), made and zeroed at start-up from the rank's layout (bytes no region lands in, such as
-vocabulary padding rows, stay zero): 2 x this rank's params, held between syncs. A set's params are handed
-to the engine as `HeldShards`: the receiver does not write a set while the engine may run on it, so an
-engine whose memory matches the layout runs on the set itself (the reference engine) and a commit switches
-sets instead of copying; the engine then holds no weights of its own.
+Two sets (`staging_sets: 2`; what "auto", the default, means for an engine that may run on a set): a version
+is staged into the set the engine is not running from, so the other set still holds the live version's params:
+that set is the rollback source when a load fails on another rank, and no sync copies a snapshot. Both sets
+are one allocation (what a one-sided transport registers once), made and zeroed at start-up from the rank's
+layout (bytes no region lands in, such as vocabulary padding rows, stay zero): 2 x this rank's params, held
+between syncs. A set's params are handed to the engine as `HeldShards`: the receiver does not write a set
+while the engine may run on it, so an engine whose memory matches the layout runs on the set itself (the
+reference engine) and a commit switches sets instead of copying; the engine then holds no weights of its own.
 
 One set (`staging_sets: 1`; "auto" for engines that copy every shard into weights of their own, vLLM): each
 version is staged into the same memory, so the engine rank holds its weights + 1 x its params instead of

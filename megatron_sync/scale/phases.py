@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from megatron_sync.layout.staging import resolve_staging_sets
 from megatron_sync.scale.hardware import HardwareProfile
 from megatron_sync.scale.summary import PlanSummary, Traffic
 
@@ -61,9 +62,7 @@ class SyncOptions:
     @property
     def sets(self) -> int:
         """Return the staging sets each inference rank keeps (`staging_sets` with "auto" resolved)."""
-        if self.staging_sets == "auto":
-            return 2 if self.engine_switch else 1
-        return int(self.staging_sets)
+        return resolve_staging_sets(self.staging_sets, copies=not self.engine_switch)
 
 
 def gather_seconds(traffic: Traffic | None, profile: HardwareProfile) -> float:
