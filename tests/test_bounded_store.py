@@ -181,3 +181,42 @@ def test_a_host_stopped_during_a_blocking_wait_is_known_silent_to_every_call_of_
             with pytest.raises(StoreSilentError, match="has not answered for"):
                 board.post("report/abort", b"gave up")
             assert clock.now() == 0
+
+
+class _LeavesBeforeCleanup:
+    """A board whose store host leaves just before this rank removes its post of the round before: the host's
+    own rank finished the last gather (`done`), and its job exits."""
+
+    def __init__(self, board, host, done) -> None:
+        self.board, self.host, self.done = board, host, done
+
+    def post(self, key, value):
+        self.board.post(key, value)
+
+    def fetch(self, key, *args, **kwargs):
+        return self.board.fetch(key, *args, **kwargs)
+
+    def remove(self, key):
+        self.done.result(timeout=30)
+        self.host.kill()
+        self.host.wait(30)
+        self.board.remove(key)
+
+
+def test_a_gather_whose_host_leaves_before_the_last_cleanup_still_returns_every_rank():
+    """The ipc transport's all-gather goes through the store: a rank removes its post of round r - 1 once it read
+    every post of round r. After the last round the host may already be gone; the gather's values are whole,
+    so that clean-up must not fail the sync (it did: `Connection reset by peer` in a fresh-clone run)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_sync.session.board import BoardGather, store_board
+
+    with _hosting() as (port, host), ThreadPoolExecutor(2) as pool:
+        boards = [store_board(connect("127.0.0.1", port, timeout_s=TIMEOUT_S), prefix="t/", rank=r,
+                              timeout_s=TIMEOUT_S) for r in range(2)]
+        gathers = [BoardGather(board, name="g", index=r, size=2) for r, board in enumerate(boards)]
+        assert [f.result(timeout=30) for f in [pool.submit(g, r) for r, g in enumerate(gathers)]] == [[0, 1]] * 2
+        first = pool.submit(gathers[0], 10)  # the last round
+        gathers[1].board = _LeavesBeforeCleanup(boards[1], host, first)
+        assert gathers[1](11) == [10, 11]
+        assert first.result(timeout=30) == [10, 11]

@@ -229,5 +229,8 @@ class BoardGather:
         self.board.post(f"gather/{self.name}/{self._round}/{self.index}", json.dumps(obj).encode())
         values = [json.loads(self.board.fetch(f"gather/{self.name}/{self._round}/{r}")) for r in range(self.size)]
         if self._round > 1:
-            self.board.remove(f"gather/{self.name}/{self._round - 1}/{self.index}")
+            try:
+                self.board.remove(f"gather/{self.name}/{self._round - 1}/{self.index}")
+            except PeerFailureError:
+                pass  # the gather is whole; after the last one the store's host may have left (nothing to clean)
         return values
