@@ -20,8 +20,9 @@ from megatron_sync.session.board import Board
 
 ABORT = b"abort"
 PAUSE_S = 0.01
-"""The longest pause between two looks for a notice: a sync waits on them, so each pause is latency (and a
-look is one small store request)."""
+"""On a polled board, the longest pause between two looks for a notice: a sync waits on them, so each pause is
+latency. The transport's and a fleet's notices go on blocking boards (`TransportGroup.control_board`), whose
+waits take a notice the moment it is posted and ignore this."""
 
 
 def trainer(rank: int) -> str:
