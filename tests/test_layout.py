@@ -264,3 +264,8 @@ def test_auto_staging_sets_are_one_for_an_engine_that_copies_and_two_for_one_tha
     options = ScheduleOptions(piece_bytes=4096, staging_sets="auto")
     assert options.resolved(copies=True).staging_sets == 1 and options.resolved(copies=False).staging_sets == 2
     assert options.resolved(copies=True).posts_base and not options.resolved(copies=False).posts_base
+    # a schedule is never built on an unresolved "auto": every rank must agree on the number of sets
+    from megatron_sync.transports.p2p.build import build_schedule
+
+    with pytest.raises(ValueError, match=r"staging_sets='auto' in the schedule's options: resolve it"):
+        build_schedule((), (), (), (), options)

@@ -19,7 +19,10 @@ from megatron_sync.transports.p2p.schedule import (TRAINER, InferenceRank, Messa
 def build_schedule(units: Sequence[SourceUnit], ranks: Sequence[TrainerRank], tensors: Sequence[TensorSpec],
                    receivers: Sequence[InferenceRank], options: ScheduleOptions) -> Schedule:
     """Return the schedule writing every receiver's placements (see `schedule`); ValueError names a tensor
-    a receiver needs that no trainer rank produces."""
+    a receiver needs that no trainer rank produces, or options whose `staging_sets` is still "auto"."""
+    if options.staging_sets not in (1, 2):
+        raise ValueError(f"staging_sets={options.staging_sets!r} in the schedule's options: resolve it with "
+                         "ScheduleOptions.resolved(copies=...) first (the handshake does, from the engines' layouts)")
     feeds = feeds_of(receivers, options.forward)
     every = _cuts(units, tensors, receivers, [i for i, f in enumerate(feeds) if f == TRAINER], options.piece_bytes)
     cuts, relayed = _relayed(every, options.relays)
