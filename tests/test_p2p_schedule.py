@@ -4,10 +4,12 @@ balanced, one copy out of the trainer per layout, rounds and arenas that fit and
 from __future__ import annotations
 
 import pytest
+import torch
 
+from megatron_sync.layout.regions import Region
 from megatron_sync.transports.p2p.build import build_schedule, feeds_of
 from megatron_sync.transports.p2p.holders import Holders, group_of
-from megatron_sync.transports.p2p.schedule import TRAINER, InferenceRank, ScheduleOptions
+from megatron_sync.transports.p2p.schedule import TRAINER, InferenceRank, Piece, ScheduleOptions
 from tests.p2p_support import fusing, ref, schedule_of, trainer_grid, units_of_specs
 
 CASES = [
@@ -253,3 +255,22 @@ def test_feeds_chain_engines_by_layout_in_engine_order():
     _, s = schedule_of("qwen3_moe", [ref(2), fusing(2), ref(2), fusing(2)], dict(tp=2), piece_bytes=4096)
     receivers = [InferenceRank(r.engine, r.rank, r.layout) for r in s.receivers]
     assert feeds_of(receivers, True) == (TRAINER, TRAINER, TRAINER, TRAINER, 0, 1, 2, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("region", ["columns", "rows"])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_a_piece_copies_its_rows_bytes_into_any_slot_strided_or_not_aligned_or_not(dtype, region, offset):
+    """A row-parallel shard's columns are strided: they are staged in one copy into a slot aligned to the
+    element, and through a contiguous copy into one that is not (offset 1); either way the slot holds the
+    bytes of the reference rows, as contiguous rows, and nothing around the slot is touched."""
+    full = torch.randn((6, 8)).to(dtype)
+    box = Region.box((6, 8), 1, 2, 4) if region == "columns" else Region.box((6, 8), 0, 1, 4)
+    want = (full[1:3, 2:6] if region == "columns" else full[2:4]).contiguous().view(-1).view(torch.uint8)
+    piece = Piece(0, 0, 0, "w", box, 1, 2, 0, want.numel(), 0, 0, 0, 0)
+    buffer = torch.full((piece.nbytes + 2 * full.element_size(),), 7, dtype=torch.uint8)
+    slot = buffer[offset:offset + want.numel()]
+    piece.copy_into(slot, full)
+    assert torch.equal(slot, want)
+    assert torch.equal(buffer[:offset], torch.full((offset,), 7, dtype=torch.uint8))
+    assert bool((buffer[offset + want.numel():] == 7).all())
