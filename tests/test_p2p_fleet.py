@@ -36,10 +36,15 @@ def _model_bytes(case: dict) -> int:
     return sum(s.nbytes for s in specs)
 
 
-def test_a_p2p_fleet_chains_engines_recovers_from_a_dead_forwarder_and_takes_a_new_engine():
+@pytest.mark.parametrize("staging_sets", ["auto", 1])
+def test_a_p2p_fleet_chains_engines_recovers_from_a_dead_forwarder_and_takes_a_new_engine(staging_sets):
+    """With two staging sets (what `auto` gives the reference engine) and with one (what it gives vLLM): each
+    chained engine then posts where its only set starts once its host copy of the live version is taken, and
+    the engine before it waits for that before forwarding into it."""
     case = {"port": free_port(), "engines": 3, "engine_tp": 1, "layout": {"tp": 2}, "versions": 3,
             "spec": {"family": "qwen3"}, "timeout_s": 15.0, "env": UCX_TCP, "await": {3: {3: 0}},
-            "weight_sync": {"fleet": True, "transport": "p2p", "p2p_backend": "nixl", "bucket_size_mb": 0.02}}
+            "weight_sync": {"fleet": True, "transport": "p2p", "p2p_backend": "nixl", "bucket_size_mb": 0.02,
+                            "staging_sets": staging_sets}}
 
     def engine(engine_id: int, **fault):
         return run_ranks(fleet_engine_job, 1, {**case, "engine_id": engine_id, **fault}, timeout=TIMEOUT)
@@ -58,6 +63,8 @@ def test_a_p2p_fleet_chains_engines_recovers_from_a_dead_forwarder_and_takes_a_n
     assert _check_exact(one, leader, case["spec"]) == [1, 1, 2, 3]
     assert _check_exact(two, leader, case["spec"]) == [1, 1, 2, 3]
     assert _check_exact(three, leader, case["spec"]) == [3]  # joined the running fleet: the current version
+    sets = {h["staging_sets"] for out in (one, two, three) for h in out[0][1]["held"]}
+    assert sets == {2 if staging_sets == "auto" else 1}
 
     rows = [{r["engine"]: r for r in version if "outcome" in r} for version in leader["fleet"]]
     model = _model_bytes(case)

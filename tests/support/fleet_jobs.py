@@ -91,8 +91,10 @@ def fleet_engine_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
             if not isync.handle(message, {}):
                 break
             if message.op in (ControlOp.SYNC, ControlOp.RELAY_RECEIVE):
+                staging = getattr(isync.receiver, "staging", None)  # a P2P or bucket receiver's sets
                 held.append({"version": me.engine.version, "shards": me.engine.snapshot(),
-                             "logits": me.engine.logits(EVAL_TOKENS)})
+                             "logits": me.engine.logits(EVAL_TOKENS),
+                             "staging_sets": None if staging is None else staging.count})
                 if me.engine.version == case.get("die_after"):
                     os._exit(KILLED)
     except Exception as e:  # noqa: BLE001 — what the test reads
