@@ -28,19 +28,35 @@ def test_exchange_returns_every_rank_value_or_fails_all_with_the_rank_that_raise
     assert "ZeroDivisionError" in info.value.failures[0][1] and info.value.failures[1] == (1, "remote trouble")
 
 
-def test_a_consumed_report_is_deleted_from_the_store():
+def test_taken_reports_stay_until_the_version_is_agreed_and_then_nothing_is_left_in_the_store():
+    """A receiver takes each report with one request to the store (a blocking get: a wait and a read), and the
+    reports, releases and base of an attempt are deleted together once every rank agreed on it (`forget`), not
+    one by one inside the sync, where at full scale every request queues at the one store."""
     import datetime
+    import threading
 
     import torch.distributed as dist
 
     from megatron_sync.session.board import store_board
+    from megatron_sync.transports.p2p.notices import Notices, RoundReport
     from tests.support.dist import free_port
 
     store = dist.TCPStore("127.0.0.1", free_port(), None, True, timeout=datetime.timedelta(seconds=10),
                           wait_for_workers=False)
-    board = store_board(store, prefix="p2p_test/", rank=0, timeout_s=5)
-    board.post("p2p/v1.1/report/0/1", b"{}")
-    assert board.fetch("p2p/v1.1/report/0/1") == b"{}"
-    board.remove("p2p/v1.1/report/0/1")
+    empty = store.num_keys()
+    board = store_board(store, prefix="p2p_test/", rank=0, timeout_s=5, blocking=True)
+    notices = Notices(board, version=3, attempt=1)
+    notices.post_base(0, 128)
+    notices.release(0, 0)
+    notices.report("trainer/0", 0, 0, RoundReport({7: 99}, 4096))
+    late = threading.Timer(0.2, notices.report, ("trainer/1", 0, 1, RoundReport({8: -5}, 512)))
+    late.start()  # posted while the receiver already waits for it
+    assert notices.take_report("trainer/0", 0, 0, 5.0) == RoundReport({7: 99}, 4096)
+    assert notices.take_report("trainer/1", 0, 1, 5.0) == RoundReport({8: -5}, 512)
+    late.join()
+    assert store.num_keys() == empty + 4  # the two reports are kept until the attempt is agreed
     with pytest.raises(PeerFailureError, match="nothing was posted"):
-        board.fetch("p2p/v1.1/report/0/1", 0.05)
+        notices.take_report("trainer/2", 0, 0, 0.05)
+    notices.forget(0, rounds=2)
+    assert store.num_keys() == empty and notices.taken == []
+    board.close()

@@ -8,7 +8,7 @@ words a failure of the medium as the caller's `PeerFailureError`. What differs i
 the board's *medium*:
 
 - `PolledStore`: the rendezvous store, polled (a dead host is noticed at once), every call bounded; or, with
-  `blocking`, waiting in the store's own wait, a slice at a time, on a connection of each waiting thread's
+  `blocking`, waiting in the store's own get, a slice at a time, on a connection of each waiting thread's
   own (a key is seen the moment it is set; the control channel, where a poll's pauses were latency);
 - `WaitingStore`: a store connection of its own, blocking in the store's wait (about 0.1 ms to see a key;
   one per waiting thread), naming a colocated peer that dies while it waits (`watch`);
@@ -110,8 +110,9 @@ class PolledStore:
     host died (the trainer) is noticed at once, and bounded (`store.BoundedStore`), so a host that is stopped
     or hung is noticed within `timeout_s` as a `StoreSilentError`.
 
-    With `blocking`, a wait blocks in the store's own wait instead, in slices of at most `SLICE_S`, each a
-    bounded call on a clone of the store (one per waiting thread: a blocking wait holds its connection), so
+    With `blocking`, a wait blocks in the store's own get instead (which waits for the key and reads it in one
+    request), in slices of at most `SLICE_S`, each a bounded call on a clone of the store (one per waiting
+    thread: a blocking get holds its connection and sets its timeout), so
     a key is taken the moment it is set, while a dead host still raises at once and a stopped one
     (whose client never returns from a timed-out wait) within `timeout_s`."""
 
@@ -144,9 +145,9 @@ class PolledStore:
         while True:
             try:
                 # bounded by timeout_s, as every call: a stopped host is named after that long, not after one
-                # slow answer (a slice takes at most a quarter of it)
-                waiter.wait([key], max(min(self._slice_s, deadline.remaining()), 0.001))
-                return self._store.get(key, bound=deadline.remaining())
+                # slow answer (a slice takes at most a quarter of it). One request, not a wait and a get: at
+                # full scale every P2P report goes through this one store (bench/bench_store.py)
+                return waiter.get_within(key, max(min(self._slice_s, deadline.remaining()), 0.001))
             except dist.DistStoreError as e:
                 if "timeout" not in str(e):
                     raise

@@ -60,6 +60,7 @@ class Notices:
     board: Board
     version: int
     attempt: int | str
+    taken: list[str] = field(default_factory=list, compare=False)  # reports taken, deleted by `forget`
 
     def _key(self, *parts: object) -> str:
         return "/".join(["p2p", f"v{self.version}.{self.attempt}", *map(str, parts)])
@@ -69,10 +70,12 @@ class Notices:
         self.board.post(self._key("report", to, round_, source), report.to_bytes())
 
     def take_report(self, source: str, to: int, round_: int, timeout_s: float) -> RoundReport:
-        """Return (and delete) `source`'s report of `round_` to receiver `to`, waiting up to `timeout_s`."""
+        """Return `source`'s report of `round_` to receiver `to`, waiting up to `timeout_s`. It is deleted by
+        `forget`, after the version: at full scale every report of a sync goes through the one store, whose
+        requests are served one at a time (`bench/bench_store.py`), so a sync asks it for the report alone."""
         key = self._key("report", to, round_, source)
         report = RoundReport.from_bytes(self.board.fetch(key, timeout_s, max_pause_s=PAUSE_S))
-        self.board.remove(key)
+        self.taken.append(key)
         return report
 
     def release(self, index: int, round_: int, value: bytes = b"ok") -> None:
@@ -93,8 +96,12 @@ class Notices:
         return int(self.board.fetch(self._key("base", index), timeout_s, max_pause_s=PAUSE_S))
 
     def forget(self, index: int, rounds: int) -> None:
-        """Delete receiver `index`'s releases and base of this attempt (every writer is past them once the
-        ranks agreed on the version), so they do not pile up in the store."""
+        """Delete the reports taken through these notices and receiver `index`'s releases and base of this
+        attempt (every writer is past them once the ranks agreed on the version), so they do not pile up in
+        the store."""
+        for key in self.taken:
+            self.board.remove(key)
+        self.taken.clear()
         for round_ in range(rounds):
             self.board.remove(self._key("release", index, round_))
         self.board.remove(self._key("base", index))

@@ -100,15 +100,25 @@ class P2PReceiver(Receiver):
                 raise  # a writer died or stalls: the transport must be rebuilt; the engine keeps its version
             except SyncError as e:  # a corrupt piece, or a writer that reported its failure: agreed on
                 error = f"[inference rank {self.index}] {type(e).__name__}: {e}"
-            self._agreed(version, error, staged, metrics)
+            try:
+                self._agreed(version, error, staged, metrics)
+            except PeerFailureError:
+                raise  # the store may be gone or silent: nothing to tidy there
+            except SyncError:
+                self._forget(notices, path)  # every rank agreed to abort: every writer is past this attempt
+                raise
             self.staging.committed(version)
-            rounds = self.schedule.rounds[self.index]
-            notices.forget(self.index, rounds)
-            if path is not None and path.feed is not None:
-                path.feed_notices.forget(path.me, rounds)
+            self._forget(notices, path)
         self.history.append(metrics)
         metrics.append_to(self.metrics_path)
         return metrics
+
+    def _forget(self, notices: Notices, path: Optional[Route]) -> None:
+        """Delete this rank's notices of the attempt once every rank agreed on it (`Notices.forget`)."""
+        rounds = self.schedule.rounds[self.index]
+        notices.forget(self.index, rounds)
+        if path is not None and path.feed is not None:
+            path.feed_notices.forget(path.me, rounds)
 
 
 FLEET = "fleet/"
