@@ -51,12 +51,66 @@ def test_taken_reports_stay_until_the_version_is_agreed_and_then_nothing_is_left
     notices.report("trainer/0", 0, 0, RoundReport({7: 99}, 4096))
     late = threading.Timer(0.2, notices.report, ("trainer/1", 0, 1, RoundReport({8: -5}, 512)))
     late.start()  # posted while the receiver already waits for it
-    assert notices.take_report("trainer/0", 0, 0, 5.0) == RoundReport({7: 99}, 4096)
-    assert notices.take_report("trainer/1", 0, 1, 5.0) == RoundReport({8: -5}, 512)
+    assert notices.take_reports(["trainer/0"], 0, 0, 5.0) == {"trainer/0": RoundReport({7: 99}, 4096)}
+    assert notices.take_reports(["trainer/1"], 0, 1, 5.0) == {"trainer/1": RoundReport({8: -5}, 512)}
     late.join()
     assert store.num_keys() == empty + 4  # the two reports are kept until the attempt is agreed
     with pytest.raises(PeerFailureError, match="nothing was posted"):
-        notices.take_report("trainer/2", 0, 0, 0.05)
+        notices.take_reports(["trainer/2"], 0, 0, 0.05)
+    # a round's reports from all its writers in one request, one of them posted while the receiver waits
+    notices.report("trainer/0", 0, 2, RoundReport({9: 1}, 8))
+    late = threading.Timer(0.2, notices.report, ("trainer/1", 0, 2, RoundReport(error="trainer rank 1 failed")))
+    late.start()
+    assert notices.take_reports(["trainer/0", "trainer/1"], 0, 2, 5.0) == {
+        "trainer/0": RoundReport({9: 1}, 8), "trainer/1": RoundReport(error="trainer rank 1 failed")}
+    late.join()
+    assert notices.take_reports([], 0, 3, 5.0) == {}
+    notices.report("trainer/0", 0, 3, RoundReport({10: 2}, 8))  # trainer/1 never reports round 3: it is named
+    with pytest.raises(PeerFailureError, match=r"nothing was posted under 'p2p/v3.1/report/0/3/trainer/1' within 0.2s"
+                       ) as missing:
+        notices.take_reports(["trainer/0", "trainer/1"], 0, 3, 0.2)
+    assert missing.value.source == "trainer/1"
     notices.forget(0, rounds=2)
-    assert store.num_keys() == empty and notices.taken == []
+    assert store.num_keys() == empty + 1 and notices.taken == []  # only round 3's report, never taken, is left
     board.close()
+
+
+def test_notices_about_each_engine_go_to_that_engines_own_store_hosted_beside_the_sessions():
+    """Group rank 0 hosts one notice store per engine (`session/shards.py`); a report to a receiver lands on
+    its engine's store, and another rank finds that store from the ports rank 0 posted."""
+    import datetime
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_sync.session.board import store_board
+    from megatron_sync.session.shards import NoticeShards
+    from megatron_sync.session.store import BoundedStore
+    from megatron_sync.transports.p2p.notices import Notices, RoundReport, engine_boards
+    from tests.support.dist import free_port
+
+    port = free_port()
+    main = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=10),
+                         wait_for_workers=False)
+
+    def group(rank: int):
+        client = BoundedStore(dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=10)),
+                              where=f"127.0.0.1:{port}", timeout_s=5.0)
+        g = SimpleNamespace(rank=rank, timeout_s=5.0, store_host="127.0.0.1", store_client=client, group_name="g",
+                            failure=lambda op, e: PeerFailureError(f"{op}: {e}"), shards=None)
+        g.board = store_board(client, prefix="g/post/", rank=rank, timeout_s=5.0)
+        g.notice_shards = lambda count: g.shards or setattr(g, "shards", NoticeShards(g, count)) or g.shards
+        return g
+
+    host, writer = group(0), group(1)
+    receivers = [SimpleNamespace(engine=e) for e in (0, 0, 1, 1)]  # two engines of two ranks
+    before = main.num_keys()
+    on_writer = Notices(writer.board, 1, 1, shards=engine_boards(writer, receivers))
+    on_host = Notices(host.board, 1, 1, shards=engine_boards(host, receivers))
+    on_writer.report("trainer/1", 3, 0, RoundReport({5: 6}, 10))  # receiver 3: engine 1's store
+    assert on_host.take_reports(["trainer/1"], 3, 0, 5.0) == {"trainer/1": RoundReport({5: 6}, 10)}
+    engine1 = dist.TCPStore("127.0.0.1", host.shards._ports[1], None, False, timeout=datetime.timedelta(seconds=5))
+    assert engine1.check(["g/notice/p2p/v1.1/report/3/0/trainer/1"])
+    assert main.num_keys() == before + 1  # the session's store holds the ports, no notice
+    for g in (writer, host):
+        g.shards.close()

@@ -67,6 +67,21 @@ class Board:
         with self._failing(f"posting {key!r}"):
             self.medium.set(self._prefix + key, value)
 
+    def fetch_all(self, keys: list[str], timeout_s: float, *, max_pause_s: float = 0.1) -> Optional[list[bytes]]:
+        """Return the values posted under every key of `keys`, in their order, once all are (one request to a
+        store that can wait for several keys); None when some are not within `timeout_s`."""
+        full = [self._prefix + k for k in keys]
+        with self._failing(f"waiting for {keys}"):
+            if hasattr(self.medium, "wait_all"):
+                values = self.medium.wait_all(full, Deadline.after(timeout_s), max_pause_s)
+            else:
+                deadline = Deadline.after(timeout_s)
+                values = [self.medium.wait(k, deadline, max_pause_s) for k in full]
+                values = None if any(v is None for v in values) else values
+        for key, value in zip(keys, values or ()):
+            self._count(key, value)
+        return values
+
     def fetch(self, key: str, timeout_s: Optional[float] = None, *, max_pause_s: float = 0.1) -> bytes:
         """Return the value posted under `key`, waiting up to `timeout_s` (None: the board's timeout) and looking
         at least every `max_pause_s` (a wait inside a sync, where each pause is latency, asks for less)."""
@@ -137,17 +152,30 @@ class PolledStore:
             return None
         return self._store.get(key, bound=deadline.remaining())
 
-    def _wait_blocking(self, key: str, deadline: Deadline) -> Optional[bytes]:
+    def wait_all(self, keys: list[str], deadline: Deadline, max_pause_s: float) -> Optional[list[bytes]]:
+        """`wait` for every key at once: the values in order once all are set, None if not by `deadline`."""
+        if self._waiters is not None:
+            return self._wait_blocking(keys, deadline)
+        try:
+            poll(lambda: self._store.check(keys, bound=deadline.remaining()), within=deadline,
+                 what=f"values under {keys!r}", max_pause_s=max_pause_s)
+        except WaitTimeout:
+            return None
+        return [self._store.get(key, bound=deadline.remaining()) for key in keys]
+
+    def _wait_blocking(self, key: str | list[str], deadline: Deadline) -> Any:
         waiter = getattr(self._waiters, "store", None)
         if waiter is None:
             waiter = self._waiters.store = self._store.clone()
             self._clones.append(waiter)
         while True:
+            # bounded by timeout_s, as every call: a stopped host is named after that long, not after one slow
+            # answer (a slice takes at most a quarter of it). One request, not a wait and a get per key: at full
+            # scale every P2P report goes through this one store (bench/bench_store.py)
+            within = max(min(self._slice_s, deadline.remaining()), 0.001)
             try:
-                # bounded by timeout_s, as every call: a stopped host is named after that long, not after one
-                # slow answer (a slice takes at most a quarter of it). One request, not a wait and a get: at
-                # full scale every P2P report goes through this one store (bench/bench_store.py)
-                return waiter.get_within(key, max(min(self._slice_s, deadline.remaining()), 0.001))
+                return (waiter.multi_get_within(key, within) if isinstance(key, list)
+                        else waiter.get_within(key, within))
             except dist.DistStoreError as e:
                 if "timeout" not in str(e):
                     raise

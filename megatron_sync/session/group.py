@@ -24,6 +24,7 @@ from megatron_sync.core.errors import PeerFailureError
 from megatron_sync.session.rendezvous import Identity
 from megatron_sync.session.session import SyncSession
 from megatron_sync.session.board import Board, store_board
+from megatron_sync.session.shards import NoticeShards
 
 INLINE_JSON = 248
 """Bytes of JSON a rank's part of `all_gather_json` carries in the first collective (with its 8-byte length:
@@ -42,6 +43,7 @@ class TransportGroup:
         self.board = store_board(store, prefix=f"{group_name}/post/", rank=rank, timeout_s=timeout_s,
                                 failure=self._fail)
         self._blocking: Optional[Board] = None
+        self._shards: Optional[NoticeShards] = None
         self._owned_session: Any = None
 
     def control_board(self) -> Board:
@@ -51,6 +53,28 @@ class TransportGroup:
             self._blocking = store_board(self._store, prefix=f"{self.group_name}/post/", rank=self.rank,
                                          timeout_s=self.timeout_s, failure=self._fail, blocking=True)
         return self._blocking
+
+    def notice_shards(self, count: int) -> NoticeShards:
+        """Return the group's `count` notice stores (`session/shards.py`), hosted by rank 0, made once."""
+        if self._shards is None:
+            self._shards = NoticeShards(self, count)
+        if self._shards.count != count:
+            raise ValueError(f"the group's notice stores are {self._shards.count}, not {count}")
+        return self._shards
+
+    @property
+    def store_client(self) -> Any:
+        """This rank's bounded client of the group's store."""
+        return self._store
+
+    @property
+    def store_host(self) -> str:
+        """The address the group's store is reached at."""
+        return self._store.raw.host
+
+    def failure(self, op: str, error: BaseException) -> PeerFailureError:
+        """Word a store error of this group (`op` failed) as a PeerFailureError."""
+        return self._fail(op, error)
 
     def owns(self, session: Any) -> None:
         """Close `session` with this group (a bare group that hosted or joined its own)."""
@@ -159,6 +183,8 @@ class TransportGroup:
             self.board.close()
             if self._blocking is not None:
                 self._blocking.close()
+            if self._shards is not None:
+                self._shards.close()
         if self._owned_session is not None:
             self._owned_session.close()
             self._owned_session = None

@@ -23,6 +23,8 @@ import queue
 import threading
 from typing import Any, Callable, Optional
 
+import torch.distributed as dist
+
 from megatron_sync.core.wait import clock, poll
 from megatron_sync.core.errors import StoreSilentError
 
@@ -84,6 +86,26 @@ class BoundedStore:
             return self.raw.get(key)
 
         return self._call(f"get {key!r}", get, bound=bound)
+
+    def multi_get_within(self, keys: list[str], seconds: float, *, bound: Optional[float] = None) -> list[bytes]:
+        """`get_within` for every key of `keys` at once: the store waits until all are set, then reads them, in
+        one request."""
+        def get() -> list[bytes]:
+            self.raw.set_timeout(datetime.timedelta(seconds=seconds))
+            return self.raw.multi_get(keys)
+
+        return self._call(f"get {keys}", get, bound=bound)
+
+    def beside(self, host: str, port: int) -> "BoundedStore":
+        """Return a bounded client of another store of this one's host (at `port`), connected within the bound
+        (a stopped host accepts the connection and never answers it), that shares what this client found:
+        the host is stopped for both at once."""
+        def connect() -> Any:
+            return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=self.timeout_s),
+                                 wait_for_workers=False)
+
+        raw = self._call(f"connect to the store at {host}:{port}", connect, bound=None)
+        return BoundedStore(raw, where=f"{host}:{port}", timeout_s=self.timeout_s, silence=self._silence)
 
     def clone(self) -> "BoundedStore":
         """Return a bounded client of the same store on a connection (and helper thread) of its own; connecting

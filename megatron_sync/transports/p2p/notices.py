@@ -13,9 +13,11 @@ On the control board (the transport group's store), under keys that carry the ve
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
+
+from megatron_sync.core.errors import PeerFailureError
 from megatron_sync.session.board import Board
 
 ABORT = b"abort"
@@ -55,56 +57,84 @@ class RoundReport:
 
 @dataclass(frozen=True)
 class Notices:
-    """The keys of one sync attempt of `version` on `board`."""
+    """The keys of one sync attempt of `version` on `board`, or, with `shards`, on the board of the notice
+    store that serves the receiver a notice is about (`session/shards.py`: one store per engine)."""
 
     board: Board
     version: int
     attempt: int | str
-    taken: list[str] = field(default_factory=list, compare=False)  # reports taken, deleted by `forget`
+    shards: Optional[Callable[[int], Board]] = field(default=None, compare=False)  # receiver -> its board
+    taken: list[tuple[Board, str]] = field(default_factory=list, compare=False)  # deleted by `forget`
 
     def _key(self, *parts: object) -> str:
         return "/".join(["p2p", f"v{self.version}.{self.attempt}", *map(str, parts)])
 
+    def _on(self, receiver: int) -> Board:
+        return self.board if self.shards is None else self.shards(receiver)
+
     def report(self, source: str, to: int, round_: int, report: RoundReport) -> None:
         """Post `source`'s report of `round_` to receiver `to`."""
-        self.board.post(self._key("report", to, round_, source), report.to_bytes())
+        self._on(to).post(self._key("report", to, round_, source), report.to_bytes())
 
-    def take_report(self, source: str, to: int, round_: int, timeout_s: float) -> RoundReport:
-        """Return `source`'s report of `round_` to receiver `to`, waiting up to `timeout_s`. It is deleted by
-        `forget`, after the version: at full scale every report of a sync goes through the one store, whose
-        requests are served one at a time (`bench/bench_store.py`), so a sync asks it for the report alone."""
-        key = self._key("report", to, round_, source)
-        report = RoundReport.from_bytes(self.board.fetch(key, timeout_s, max_pause_s=PAUSE_S))
-        self.taken.append(key)
-        return report
+    def take_reports(self, sources: list[str], to: int, round_: int, timeout_s: float) -> dict[str, RoundReport]:
+        """Return the report of `round_` to receiver `to` of every one of `sources`, taken in one request to the
+        store once all are posted (a round has a report from each of its writers; at full scale the store
+        serves every report of a sync, `bench/bench_store.py`). When they are not all posted within
+        `timeout_s`, the PeerFailureError raised names the first writer whose report is missing (its `source`)."""
+        if not sources:
+            return {}
+        board = self._on(to)
+        keys = [self._key("report", to, round_, source) for source in sources]
+        values = board.fetch_all(keys, timeout_s, max_pause_s=PAUSE_S)
+        if values is None:
+            for source, key in zip(sources, keys):
+                try:
+                    board.fetch(key, 0.0)
+                except PeerFailureError as e:
+                    missing = PeerFailureError(f"[rank {board.rank}] nothing was posted under {key!r} within "
+                                               f"{timeout_s:g}s")
+                    missing.source = source  # whose report is missing
+                    raise missing from e
+            return self.take_reports(sources, to, round_, timeout_s)  # all came just after the deadline
+        self.taken.extend((board, key) for key in keys)
+        return {source: RoundReport.from_bytes(value) for source, value in zip(sources, values)}
 
     def release(self, index: int, round_: int, value: bytes = b"ok") -> None:
         """Post that receiver `index` is done with `round_` of its window (`ABORT`: it gave up)."""
-        self.board.post(self._key("release", index, round_), value)
+        self._on(index).post(self._key("release", index, round_), value)
 
     def released(self, index: int, round_: int, timeout_s: float) -> bool:
         """Wait until receiver `index` released `round_`; return False when it gave up instead."""
-        return self.board.fetch(self._key("release", index, round_), timeout_s, max_pause_s=PAUSE_S) != ABORT
+        return self._on(index).fetch(self._key("release", index, round_), timeout_s, max_pause_s=PAUSE_S) != ABORT
 
     def post_base(self, index: int, base: int) -> None:
         """Post where receiver `index`'s target set starts in its window this version (what a rank forwarding
         into it writes at: engines of a fleet flip their staging sets on their own commits)."""
-        self.board.post(self._key("base", index), str(base).encode())
+        self._on(index).post(self._key("base", index), str(base).encode())
 
     def base(self, index: int, timeout_s: float) -> int:
         """Return receiver `index`'s posted `post_base`, waiting up to `timeout_s`."""
-        return int(self.board.fetch(self._key("base", index), timeout_s, max_pause_s=PAUSE_S))
+        return int(self._on(index).fetch(self._key("base", index), timeout_s, max_pause_s=PAUSE_S))
 
     def forget(self, index: int, rounds: int) -> None:
         """Delete the reports taken through these notices and receiver `index`'s releases and base of this
         attempt (every writer is past them once the ranks agreed on the version), so they do not pile up in
         the store."""
-        for key in self.taken:
-            self.board.remove(key)
+        for board, key in self.taken:
+            board.remove(key)
         self.taken.clear()
         for round_ in range(rounds):
-            self.board.remove(self._key("release", index, round_))
-        self.board.remove(self._key("base", index))
+            self._on(index).remove(self._key("release", index, round_))
+        self._on(index).remove(self._key("base", index))
+
+
+def engine_boards(group: Any, receivers: Sequence[Any]) -> Callable[[int], Board]:
+    """Return, for `Notices.shards`, the board of the notice store of each receiver's engine (`receivers`: the
+    schedule's, each with its `engine`): the group's notice stores, one per engine (`session/shards.py`)."""
+    engines = sorted({r.engine for r in receivers})
+    shards = group.notice_shards(len(engines))
+    shard_of = [engines.index(r.engine) for r in receivers]
+    return lambda receiver: shards.board(shard_of[receiver])
 
 
 class PostedBases(Mapping):

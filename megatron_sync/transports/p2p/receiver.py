@@ -25,7 +25,7 @@ from megatron_sync.session.commit import AgreedCommit
 from megatron_sync.transports.base import Commit, Receiver
 from megatron_sync.transports.p2p.endpoint import P2PEndpoint
 from megatron_sync.transports.p2p.handshake import handshake
-from megatron_sync.transports.p2p.notices import Board, Notices, receiver
+from megatron_sync.transports.p2p.notices import Board, Notices, engine_boards, receiver
 from megatron_sync.transports.p2p.rounds import Route, RoundReceiver
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ class P2PReceiver(Receiver):
                                     timeout_s=config.timeout_s)
         algorithm = resolve_checksum(config.checksum, mover.device)
         self.check = LoadCheck(self.layout, engine, algorithm, config.verify_every, f"inference rank {self.index}")
+        self._notice_board = engine_boards(transport.group, self.schedule.receivers)
         self._agreed = AgreedCommit.over(transport, engine, commit, live_shards=self.staging.live_params,
                                          check=self.check)
         self.fleet: Optional[FleetPlace] = None  # set by a fleet engine: where engines chain across links
@@ -76,7 +77,7 @@ class P2PReceiver(Receiver):
         """Receive, verify (and forward) this rank's params of `version` along `route` (a fleet's: the engines
         before and after this one, and the sync's number); commit them once every rank agrees."""
         self._attempt += 1
-        notices = Notices(self.transport.group.control_board(), version, self._attempt)
+        notices = Notices(self.transport.group.control_board(), version, self._attempt, shards=self._notice_board)
         path = self.fleet.route(version, route) if route and self.fleet is not None else None
         metrics = SyncMetrics(version, role="receiver", rank=self.transport.rank,
                               shard_bytes=self.layout.shard_bytes, held_bytes=self.staging.nbytes)

@@ -172,16 +172,17 @@ class RoundReceiver:
         """Take the reports of `sources` on this round and wait for their bytes; return their checksums."""
         sums: dict[int, int] = {}
         failed = []
-        for source in sources:
-            try:
-                report = reports_on.take_report(source, me, round_, self.timeout_s)
-            except PeerFailureError as e:
-                posted.pop(source, None)  # nothing will come from it
-                if route.feed is None:
-                    raise  # a trainer rank is silent: this transport is broken
-                # the engine forwarding to us is gone or stuck; our own link is fine: abort this version only
-                raise SenderFailedError(f"{source}, which forwards version {version} to this rank, sent "
-                                        f"nothing of round {round_} within {self.timeout_s:g}s: {e}") from e
+        try:
+            reports = reports_on.take_reports(list(sources), me, round_, self.timeout_s)
+        except PeerFailureError as e:
+            source = getattr(e, "source", next(iter(sources)))  # whose report is missing, when it is one
+            posted.pop(source, None)  # nothing will come from it
+            if route.feed is None:
+                raise  # a trainer rank is silent: this transport is broken
+            # the engine forwarding to us is gone or stuck; our own link is fine: abort this version only
+            raise SenderFailedError(f"{source}, which forwards version {version} to this rank, sent "
+                                    f"nothing of round {round_} within {self.timeout_s:g}s: {e}") from e
+        for source, report in reports.items():
             if report.error is not None:
                 failed.append(f"{source} failed while sending version {version}: {report.error}")
             sums.update(report.checksums)

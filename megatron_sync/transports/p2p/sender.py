@@ -26,7 +26,7 @@ from megatron_sync.transports.base import Sender
 from megatron_sync.transports.p2p.endpoint import P2PEndpoint
 from megatron_sync.transports.p2p.handshake import TrainerSide, handshake
 from megatron_sync.transports.p2p.holders import SourceUnit, source_units
-from megatron_sync.transports.p2p.notices import Notices, PostedBases
+from megatron_sync.transports.p2p.notices import Notices, PostedBases, engine_boards
 from megatron_sync.transports.p2p.schedule import ROUND_PIECES, Schedule, ScheduleOptions
 from megatron_sync.transports.p2p.walk import ScheduledGatherer
 from megatron_sync.transports.p2p.writer import ShareWriter
@@ -75,6 +75,8 @@ class P2PSender(Sender):
         self._pulled = 0.0  # seconds the last walk kept this thread waiting
         self._attempt = 0  # syncs so far; trainer and engines count them in step
         self._target = 0  # the staging set every receiver takes the next version into
+        # group rank 0 hosts the notice stores, one per engine; the other ranks read their ports at first use
+        self._notice_board = engine_boards(transport.group, schedule.receivers)
 
     @classmethod
     def connect(cls, transport: P2PEndpoint, stream: "MegatronWeightStream",
@@ -145,7 +147,7 @@ class P2PSender(Sender):
         """Walk, stage and write this rank's pieces of `version`, then agree; raise on failure."""
         rank = self.transport.rank
         self._attempt += 1
-        notices = Notices(self.transport.group.control_board(), version, self._attempt)
+        notices = Notices(self.transport.group.control_board(), version, self._attempt, shards=self._notice_board)
         metrics = SyncMetrics(version, role="sender", rank=rank)
         metrics.started_at = time.time()
         with PhaseTimer(metrics, "total"):
