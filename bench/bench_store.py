@@ -9,9 +9,12 @@ runs in a process of its own and its CPU time (user + system, every thread) over
 
 - `before`: set, wait, get, delete (how a report was taken until 2026-12-06), through the same bounded
   clients;
-- `notices`: the library's own `Notices.report` and `Notices.take_report` on a blocking board (a set and a
-  blocking get), then `Notices.forget` after the timing, as a receiver deletes the taken reports once the
-  version is agreed; `forget` is timed on its own.
+- `notices`: the library's own `Notices.report` and `Notices.take_reports` on a blocking board: each of a
+  round's writers posts its report (a set), the receiver takes them all in one blocking multi-get; with one
+  writer a round and with `--batch` (8: a Kimi-K2 head rank's round has about that many writers). The taken
+  reports are deleted afterwards, as `Notices.forget` deletes them once the version is agreed, timed on
+  their own. The two runs give a report's post and a round's take, the scale model's `store_post_s` and
+  `store_take_s`.
 
     PYTHONPATH=. python bench/bench_store.py                  # 8 clients, 2000 reports each
     PYTHONPATH=. python bench/bench_store.py --clients 16 --reports 1000
@@ -46,7 +49,7 @@ def _server(ready, stop, out) -> None:
     out.put(marks)
 
 
-def _client(port: int, index: int, reports: int, mode: str, go, done) -> None:
+def _client(port: int, index: int, reports: int, mode: str, batch: int, go, done) -> None:
     import torch.distributed as dist
 
     from megatron_sync.session.board import store_board
@@ -60,29 +63,29 @@ def _client(port: int, index: int, reports: int, mode: str, go, done) -> None:
     waiter = bounded.clone()  # as the blocking board waited: on a clone of the waiting thread's own
     go.wait()
     start = time.perf_counter()
-    for r in range(reports):
+    writers = [f"trainer/{w}" for w in range(batch)]
+    for r in range(reports // batch):
         if mode == "before":
             key = f"bench/p2p/v1.1/report/{index}/{r}/trainer/0"
             bounded.set(key, report.to_bytes())
             waiter.wait([key], 1.0)
             RoundReport.from_bytes(bounded.get(key))
             bounded.delete_key(key)
-        else:
-            notices.report("trainer/0", index, r, report)
-            notices.take_report("trainer/0", index, r, 60.0)
+        else:  # a round of `batch` writers: each posts its report, the receiver takes them together
+            for writer in writers:
+                notices.report(writer, index, r, report)
+            notices.take_reports(writers, index, r, 60.0)
     done.put(("reports", start, time.perf_counter()))
     go.wait()
     start = time.perf_counter()
-    if mode == "notices":
-        for r in range(reports):  # forget one round at a time: only the taken reports, not releases and bases
-            key = notices.taken[r]
-            board.remove(key)
+    for key in notices.taken:  # as `Notices.forget` deletes them once the version is agreed
+        board.remove(key)
     done.put(("forget", start, time.perf_counter()))
     waiter.close()
     board.close()
 
 
-def run(mode: str, clients: int, reports: int) -> dict:
+def run(mode: str, clients: int, reports: int, batch: int = 1) -> dict:
     """Return the server's CPU seconds and the wall seconds of the reports and of forgetting them."""
     ctx = mp.get_context("spawn")
     ready, stop, out, done = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -90,7 +93,7 @@ def run(mode: str, clients: int, reports: int) -> dict:
     server = ctx.Process(target=_server, args=(ready, stop, out))
     server.start()
     port = ready.get(timeout=60)
-    workers = [ctx.Process(target=_client, args=(port, i, reports, mode, go, done)) for i in range(clients)]
+    workers = [ctx.Process(target=_client, args=(port, i, reports, mode, batch, go, done)) for i in range(clients)]
     for w in workers:
         w.start()
     result = {}
@@ -111,17 +114,25 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--reports", type=int, default=2000, help="reports each client posts and takes")
+    parser.add_argument("--batch", type=int, default=8, help="writers of a round in the batched run (at least 2)")
     args = parser.parse_args(argv)
     print(machine_description())
     total = args.clients * args.reports
     print(f"{args.clients} client processes x {args.reports} reports = {total:,} reports; server CPU = its "
           "process's user + system time over them")
-    for mode in ("before", "notices"):
-        r = run(mode, args.clients, args.reports)
-        print(f"{mode:>8}: server CPU {1e6 * r['reports_cpu_s'] / total:5.1f} us a report "
-              f"({total / r['reports_cpu_s']:,.0f} reports/s of one server core), wall {r['reports_wall_s']:.2f} s"
+    per = {}
+    for mode, batch in (("before", 1), ("notices", 1), ("notices", args.batch)):
+        r = run(mode, args.clients, args.reports, batch)
+        per[(mode, batch)] = r["reports_cpu_s"] / total
+        print(f"{mode:>8}, {batch} writer(s) a round: server CPU {1e6 * per[(mode, batch)]:5.1f} us a report "
+              f"({1 / per[(mode, batch)]:,.0f} reports/s of one server core), wall {r['reports_wall_s']:.2f} s"
               + (f"; deleting them after the version: {1e6 * r['forget_cpu_s'] / total:.1f} us a report"
                  if mode == "notices" else ""))
+    # per report: post + take / batch; solve the two notices runs for the post and the take
+    b = args.batch
+    take = (per[("notices", 1)] - per[("notices", b)]) * b / (b - 1)
+    print(f"  => a report's post {1e6 * (per[('notices', 1)] - take):.1f} us, a round's take (one request for all "
+          f"its reports) {1e6 * take:.1f} us of the server's CPU")
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -18,7 +18,7 @@ from megatron_sync.scale.p2p_plan import P2POptions, plan_p2p, trainer_units
 from megatron_sync.scale.plans import ScalePlanner
 from megatron_sync.scale.timing import predict
 from megatron_sync.transports.p2p.build import build_schedule
-from megatron_sync.transports.p2p.schedule import InferenceRank, ScheduleOptions
+from megatron_sync.transports.p2p.schedule import ROUND_PIECES, InferenceRank, ScheduleOptions
 from tests.support.models import ModelSpec, hf_config
 
 MOE = dict(family="qwen3_moe", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -46,16 +46,18 @@ def _planner(spec: dict, trainer: TrainerLayout, fleet: FleetLayout, fp8: bool =
 @pytest.mark.parametrize("forward", [True, False])
 def test_scale_items_balance_as_build_schedule_does(spec, trainer, fleet, piece, forward):
     """Per trainer rank, the bytes the scale model's items assign equal the bytes of the real schedule's
-    pieces, and the groups gathering each unit are the same."""
+    pieces, the groups gathering each unit are the same, and so is the number of reports on the store."""
     planner = _planner(spec, trainer, fleet, fp8=spec is MLA)
     totals = plan_p2p(planner, P2POptions(piece, forward=forward))
     mine = totals.balance
     receivers = [InferenceRank(e, r, planner.engine.rank_layout(planner.specs, r))
                  for e in range(fleet.engines) for r in range(fleet.engine_ranks)]
     schedule = build_schedule(trainer_units(planner), trainer.ranks(), planner.specs, receivers,
-                              ScheduleOptions(piece_bytes=piece, forward=forward))
+                              ScheduleOptions(piece_bytes=piece, forward=forward, round_bytes=ROUND_PIECES * piece))
     real = schedule.balance
     assert mine.load == real.load and sum(real.load.values()) > 0
+    assert totals.notices == schedule.notices()  # what each engine's notice store serves per version
+    assert all(reports >= takes > 0 for reports, takes in totals.notices.values())
     assert mine.gathering == real.gathering
     relayed_in = {i: sum(p.nbytes for p in schedule.relays if p.receiver == i) for i in range(len(receivers))}
     assert {r: t.out_intra + t.out_inter for r, t in totals.relay.items() if t.out_intra + t.out_inter} == {

@@ -55,6 +55,9 @@ ASSUMED_ROUND = ("assumed: one agreement round (an all-gather of a small JSON ov
                  "at hundreds of ranks; measured only on loopback")
 ASSUMED_MSG = "assumed: latency of one collective or RDMA operation between nodes (a few microseconds + software)"
 STORAGE = "assumed: a parallel file system client per node (e.g. 2 x 200 Gb/s storage ports on DGX H100)"
+STORE = ("measured on this machine: bench/bench_store.py, 8 clients, the TCPStore server's CPU per P2P report "
+         "posted and per round's reports taken in one request (bench/RESULTS.md); the trainer node's host core "
+         "assumed no faster")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +84,8 @@ class HardwareProfile:
     apply_tensor_s: Value  # engine load per HF tensor
     pause_resume_s: Value  # engine pause + resume around a sync
     switch_s: Value  # an engine's switch to its other staging set (`SyncOptions.engine_switch`: no copy)
+    store_post_s: Value = field(default_factory=lambda: _v(6.2e-6, STORE))  # the store's work per report posted
+    store_take_s: Value = field(default_factory=lambda: _v(20.7e-6, STORE))  # per take of a round's reports
     cpu_bound: bool = False  # True: every phase, the wire included, is work on `cores` shared CPU cores
     cores: Value = field(default_factory=lambda: _v(0, "n/a"))
     cpu: dict[str, Value] = field(default_factory=dict)  # cpu_bound profiles: seconds per byte / per item

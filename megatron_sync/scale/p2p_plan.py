@@ -75,6 +75,7 @@ class P2PTotals:
     local_sent: dict[int, int] = field(default_factory=dict)  # bytes a sender writes to GPUs of its own node
     local_received: dict[int, int] = field(default_factory=dict)  # per head inference rank
     relay: dict[int, Traffic] = field(default_factory=dict)  # per head inference rank: bytes relayed in and out
+    notices: dict[int, tuple[int, int]] = field(default_factory=dict)  # per engine's store (`count_notices`)
 
 
 def trainer_units(planner: Any) -> list[SourceUnit]:
@@ -88,12 +89,13 @@ def trainer_units(planner: Any) -> list[SourceUnit]:
 
 
 class _Dest:
-    """Where an item's bytes land: `targets` (rank, bytes) of one head engine, in `head` or in every head."""
+    """Where an item's bytes land: `targets` (rank, bytes) of one head engine, in `head` or in every head, and
+    per target the other ranks of that engine its rank relays the bytes to (`peers`)."""
 
-    __slots__ = ("head", "targets")
+    __slots__ = ("head", "targets", "peers")
 
-    def __init__(self, head: int | None, targets: Sequence[tuple[int, int]]):
-        self.head, self.targets = head, targets
+    def __init__(self, head: int | None, targets: Sequence[tuple[int, int]], peers: Sequence[tuple[int, ...]]):
+        self.head, self.targets, self.peers = head, targets, peers
 
 
 class _Groups:
@@ -133,23 +135,61 @@ def build_items(planner: Any, units: Sequence[SourceUnit], options: P2POptions,
     dests: list[_Dest] = []
     for name in sorted(where, key=lambda name: where[name][0]):
         i, unit = index[name], where[name][1]
-        cuts = []  # (owner, bytes) of one head engine, each run of rows once
+        cuts, peers = [], []  # (owner, bytes) of one head engine, each run of rows once; whom the owner relays to
         for members, sizes in groups.of(i):
             for n in sizes:
                 owner = owners.choose(members, n) if len(members) > 1 else members[0]
                 cuts.append((owner, n))
+                peers.append(tuple(m for m in members if m != owner))
                 _count_relay(planner, relay, owner, members, n)
+        # `build_schedule` orders a tensor's cuts by receiver, then rows (its `_Cut.key`)
+        order = sorted(range(len(cuts)), key=lambda k: cuts[k][0])
+        cuts, peers = [cuts[k] for k in order], [peers[k] for k in order]
         total = sum(n for _, n in cuts) * heads
         if total <= options.piece_bytes:
             if total:
                 items.append(Item(total, unit))
-                dests.append(_Dest(None, cuts))
+                dests.append(_Dest(None, cuts, peers))
             continue
         for head in range(heads):
-            for owner, n in cuts:
-                items.append(Item(n, unit))
-                dests.append(_Dest(head, ((owner, n),)))
+            for cut, relayed in zip(cuts, peers):
+                items.append(Item(cut[1], unit))
+                dests.append(_Dest(head, (cut,), (relayed,)))
     return items, dests, dict(relay)
+
+
+def count_notices(dests: Sequence[_Dest], senders: Sequence[int], round_bytes: int, heads: int,
+                  chain: int) -> dict[int, tuple[int, int]]:
+    """Return per engine the reports one version posts on its notice store and the takes that read them, as
+    `Schedule.notices` counts them: each head rank's cuts, in the schedule's order, fill rounds of
+    `round_bytes` (an unbounded window's rule, `build._windows`; a bounded window's rounds are cut alike, slot
+    by slot, without its alignment); one report per writer, receiver and round, the relays' in the round of
+    the cut they copy, and one per round of every rank of the `chain - 1` engines forwarded to; one take per
+    receiver and round for the trainer's reports, one for the relays', one per round of a forwarded-to rank.
+    Head engines are 0..heads - 1; with forwarding (one head) engines 1..chain - 1 are forwarded to."""
+    fill: dict[tuple[int, int], list[int]] = {}  # (head, rank) -> [round, bytes in it]
+    last: dict[tuple[int, int], int] = defaultdict(int)  # (head, rank) -> its last round
+    reports: set[tuple[int, int, int, int]] = set()  # (writer, head, rank, round); relays: writer -1 - owner
+    for dest, sender in zip(dests, senders):
+        for head in range(heads) if dest.head is None else (dest.head,):
+            for (owner, n), peers in zip(dest.targets, dest.peers):
+                at = fill.setdefault((head, owner), [0, 0])
+                if round_bytes and at[1] and at[1] + n > round_bytes:
+                    at[0], at[1] = at[0] + 1, 0
+                at[1] += n
+                reports.add((sender, head, owner, at[0]))
+                last[(head, owner)] = max(last[(head, owner)], at[0])
+                for peer in peers:
+                    reports.add((-1 - owner, head, peer, at[0]))
+                    last[(head, peer)] = max(last[(head, peer)], at[0])
+    out = {head: [0, 0] for head in range(heads)}
+    for _, head, _, _ in reports:
+        out[head][0] += 1
+    for _, head, _, _ in {(w >= 0, head, rank, round_) for w, head, rank, round_ in reports}:
+        out[head][1] += 1
+    fed = sum(r + 1 for r in last.values())  # every rank of an engine forwarded to: a report and a take a round
+    out.update({engine: [fed, fed] for engine in range(1, chain)})
+    return {engine: (r, t) for engine, (r, t) in out.items() if r or t}
 
 
 def _count_relay(planner: Any, relay: dict[int, Traffic], owner: int, members: Sequence[int], nbytes: int) -> None:
@@ -180,6 +220,7 @@ def plan_p2p(planner: Any, options: P2POptions) -> P2PTotals:
     for item, sender in zip(items, shares.senders):
         totals.sent_items[sender] = totals.sent_items.get(sender, 0) + 1
         totals.largest[sender] = max(totals.largest.get(sender, 0), item.nbytes)
+    totals.notices = count_notices(dests, shares.senders, options.round_bytes, heads, totals.chain)
     totals.gather = gather_traffic(planner, units, shares, items)
     if fleet.shares_nodes(trainer):
         totals.local_sent, totals.local_received = _local_bytes(planner, items, dests, shares.senders, heads)

@@ -147,7 +147,8 @@ def _cite(source: str) -> str:
 
 def rate_of(profile: HardwareProfile, link: str) -> str:
     """Return a link's rate and the short name of its source (`python -m megatron_sync.scale profile NAME`
-    prints every source in full): nic, nvlink, hbm, copy (a device copy), wsum64, pcie, host_xxh3, storage."""
+    prints every source in full): nic, nvlink, hbm, copy (a device copy), wsum64, pcie, host_xxh3, storage, store
+    (the rendezvous store's work per P2P report)."""
     gb = 1e9
     p = profile
     if link == "nic":
@@ -159,6 +160,9 @@ def rate_of(profile: HardwareProfile, link: str) -> str:
         return f"{link} {value.value / gb:.0f} GB/s [{_cite(value.source)}]"
     if link == "copy":
         return f"device copy {p.device_copy / gb:.0f} GB/s = HBM / 2 [{_cite(p.hbm.source)}]"
+    if link == "store":
+        return (f"{p.store_post_s.value * 1e6:g} us a report + {p.store_take_s.value * 1e6:g} us a take "
+                f"[{_cite(p.store_post_s.source)}]")
     if link == "wsum64":
         return (f"wsum64 {p.hbm.value / WSUM64_PASSES / gb:.0f} GB/s = HBM / {WSUM64_PASSES} "
                 f"[{_cite(p.hbm.source)}; passes from core/checksum.py]")

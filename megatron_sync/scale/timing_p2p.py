@@ -14,11 +14,14 @@ What the code does per version (`transports/p2p/schedule.py`, `build.py`, `balan
   node, the NIC across nodes, both directions at once); each later engine of the chain
   receives the same rounds from the engine before it, pipelined: it ends one round after the one
   before it;
+- every report (a writer's round landed, with its checksums) goes through the notice store of the receiver's
+  engine (one per engine, hosted beside the session's store: `session/shards.py`), which serves the posts
+  and the takes one at a time while the bytes move: the transfer ends no sooner than the busiest store;
 - the last round is verified on the GPU (wsum64), then two agreement rounds and the switch to the other
   staging set (no copy).
 
 So the sync takes max(the busiest sender's production and writes, a head receiver's ingress, a head rank's
-relays out), plus the last round's relays, (chain length - 1) rounds, the last round's verification and the
+relays out, the busiest notice store), plus the last round's relays, (chain length - 1) rounds, the last round's verification and the
 agreement. Into a bounded window, each round but the last can add a stall: the writes of a round wait until
 the last round in its slot of the window was verified, relayed, copied out and released, and only the
 rounds in the other slots arrive meanwhile. NIXL and Mooncake both write over RDMA from registered GPU memory
@@ -85,6 +88,11 @@ def _head_engine(summary: PlanSummary, profile: HardwareProfile, out: list[Phase
     return heads, ingress, local_in, relay_out, relay_link
 
 
+SENDER_LINKS = {"gather (its units' shards from its group)": "nvlink", "convert": "hbm", "stage into arena": "copy",
+                "checksum (wsum64)": "wsum64", "write": "nic"}
+"""The link or unit whose rate each of a sender's phases (`_sender`) runs at."""
+
+
 def p2p_gpu(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions):
     """Return the phases, total, bound and (no) CPU-seconds of a device-direct P2P sync (module doc)."""
     totals, opts = summary.extra["p2p"], summary.extra["options"]
@@ -93,9 +101,7 @@ def p2p_gpu(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions
         phases = _sender(summary, profile, options, s)
         ends.append((_sender_end(phases, s.bytes, opts.piece_bytes), s.rank, phases))
     send_end, busiest, sender_phases = max(ends)
-    links = {"gather (its units' shards from its group)": "nvlink", "convert": "hbm", "stage into arena": "copy",
-             "checksum (wsum64)": "wsum64", "write": "nic"}
-    out = [Phase(name, seconds, f"trainer rank {busiest}", rate_of(profile, links[name]))
+    out = [Phase(name, seconds, f"trainer rank {busiest}", rate_of(profile, SENDER_LINKS[name]))
            for name, seconds in sender_phases.items()]
     heads, ingress, local_in, relay_out, relay_link = _head_engine(summary, profile, out)
     hop_rate, hop_link = _hop_rate(summary, profile)
@@ -122,17 +128,34 @@ def p2p_gpu(summary: PlanSummary, profile: HardwareProfile, options: SyncOptions
     if turns:
         out.append(Phase("wait for each round's release (bounded window)", turns,
                          f"{rounds} rounds of {round_bytes / 2**20:,.0f} MiB", rate_of(profile, "copy")))
-    transfer = max(send_end, ingress[0], local_in[0], relay_out[0])
+    notices, busiest_store = _notice_store(totals.notices, profile, out)
+    transfer = max(send_end, ingress[0], local_in[0], relay_out[0], notices)
     tail = engine_tail(summary, profile, 2, options)
     total = (transfer + turns + last_relay + (totals.chain - 1) * hop + window + verify
              + sum(p.seconds for p in tail))
-    if send_end >= max(ingress[0], local_in[0], relay_out[0]):
+    if notices >= max(send_end, ingress[0], local_in[0], relay_out[0]):
+        bound = busiest_store
+    elif send_end >= max(ingress[0], local_in[0], relay_out[0]):
         bound = f"trainer rank {busiest}: production and writes ({send_end:.2f} s)"
     elif relay_out[0] > max(ingress[0], local_in[0]):
         bound = f"relays (inference rank {relay_out[1]}: rows its engine's ranks share)"
     else:
         bound = f"receive (head engine) (inference rank {ingress[1]}: its shard through its NIC)"
     return out + tail, total, bound, None
+
+
+def _notice_store(notices: dict[int, tuple[int, int]], profile: HardwareProfile,
+                  out: list[Phase]) -> tuple[float, str]:
+    """Append the busiest engine notice store's phase to `out` and return its seconds and what it is: each
+    store serves its engine's reports and takes one at a time while the bytes move, so the last round is not
+    verified before it has served them all."""
+    seconds, engine = max((r * profile.store_post_s.value + t * profile.store_take_s.value, e)
+                          for e, (r, t) in notices.items())
+    reports, takes = notices[engine]
+    out.append(Phase("reports through the busiest notice store", seconds,
+                     f"engine {engine}'s: {reports:,} reports, {takes:,} takes a version ({len(notices)} stores)",
+                     rate_of(profile, "store")))
+    return seconds, f"engine {engine}'s notice store: {reports:,} reports and {takes:,} takes, one at a time"
 
 
 def sender_rounds(summary: PlanSummary) -> int:

@@ -269,6 +269,28 @@ class Schedule:
         """Return the trainer ranks writing into head `receiver` in `round` (ascending)."""
         return sorted({p.sender for p in self._incoming[receiver] if p.round == round and not p.relayed})
 
+    def notices(self) -> dict[int, tuple[int, int]]:
+        """Return, per engine, the reports one version posts on its notice store (`notices.Notices.report`: one
+        per writer, receiver and round among the trainer's pieces and the relays, and one per round of every
+        receiver the engine before it feeds) and the takes that read them (`Notices.take_reports`: one per
+        receiver and round for the trainer's writes, one for the relays into it, one for its feed's)."""
+        out: dict[int, list[int]] = {}
+
+        def count(receiver: int, reports: int, takes: int) -> None:
+            cell = out.setdefault(self.receivers[receiver].engine, [0, 0])
+            cell[0], cell[1] = cell[0] + reports, cell[1] + takes
+
+        for group in ({(p.sender, p.receiver, p.round) for p in self.pieces},
+                      {(p.via, p.receiver, p.round) for p in self.relays}):
+            for _, receiver, _ in group:
+                count(receiver, 1, 0)
+            for receiver, _ in {(receiver, round_) for _, receiver, round_ in group}:
+                count(receiver, 0, 1)
+        for i, feed in enumerate(self.feeds):
+            if feed != TRAINER:
+                count(i, self.rounds[i], self.rounds[i])
+        return {engine: (r, t) for engine, (r, t) in out.items()}
+
     def arena_bytes(self, sender: int) -> int:
         """Return the size of `sender`'s arena (0 when it sends nothing)."""
         return max((aligned(p.arena + p.nbytes) for p in self._queues.get(sender, ())), default=0)
