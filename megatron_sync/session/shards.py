@@ -44,12 +44,16 @@ class NoticeShards:
             group.board.post(f"{PORTS}/{count}", json.dumps(self._ports).encode())
 
     def board(self, shard: int) -> Board:
-        """Return this rank's blocking board on notice store `shard` (connected at first use)."""
+        """Return this rank's blocking board on notice store `shard` (connected at first use; a host that is
+        gone raises PeerFailureError)."""
         with self._lock:
             if shard not in self._boards:
                 if self._ports is None:
                     self._ports = json.loads(self.group.board.fetch(f"{PORTS}/{self.count}"))
-                self._boards[shard] = self._connect(self._ports[shard])
+                try:
+                    self._boards[shard] = self._connect(self._ports[shard])
+                except (RuntimeError, dist.DistError) as e:
+                    raise self.group.failure(f"connecting to notice store {shard}", e) from e
             return self._boards[shard]
 
     def _connect(self, port: int) -> Board:
@@ -60,9 +64,11 @@ class NoticeShards:
                            failure=g.failure, blocking=True)
 
     def close(self) -> None:
-        """Close this rank's boards and (group rank 0) stop serving."""
+        """Close this rank's boards. Group rank 0 goes on serving until this object is dropped (with its
+        group): a peer may still be reading the error reports of a failed version, as the session's own
+        store lingers for it."""
         for board in self._boards.values():
             board.close()
         for client in self._clients:
             client.close()
-        self._boards, self._clients, self._servers = {}, [], []
+        self._boards, self._clients = {}, []
