@@ -49,6 +49,8 @@ class Medium(Protocol):
 
     def close(self) -> None: ...
 
+    # optional: wait_all(keys, deadline, max_pause_s) -> values once all are set, in one request (`Board.fetch_all`)
+
 
 class Board:
     """Post small control data under a key, fetch it (waiting up to a timeout), remove it once consumed.
@@ -171,7 +173,7 @@ class PolledStore:
         while True:
             # bounded by timeout_s, as every call: a stopped host is named after that long, not after one slow
             # answer (a slice takes at most a quarter of it). One request, not a wait and a get per key: at full
-            # scale every P2P report goes through this one store (bench/bench_store.py)
+            # scale a store serves tens of thousands of P2P reports a version (bench/bench_store.py)
             within = max(min(self._slice_s, deadline.remaining()), 0.001)
             try:
                 return (waiter.multi_get_within(key, within) if isinstance(key, list)
