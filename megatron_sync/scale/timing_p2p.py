@@ -21,8 +21,8 @@ What the code does per version (`transports/p2p/schedule.py`, `build.py`, `balan
   staging set (no copy).
 
 So the sync takes max(the busiest sender's production and writes, a head receiver's ingress, a head rank's
-relays out, the busiest notice store), plus the last round's relays, (chain length - 1) rounds, the last round's verification and the
-agreement. Into a bounded window, each round but the last can add a stall: the writes of a round wait until
+relays out, the busiest notice store), plus the last round's relays, (chain length - 1) rounds, the last
+round's verification and the agreement. Into a bounded window, each round but the last can add a stall: the writes of a round wait until
 the last round in its slot of the window was verified, relayed, copied out and released, and only the
 rounds in the other slots arrive meanwhile. NIXL and Mooncake both write over RDMA from registered GPU memory
 here, so they share this model (`local` measures each).
