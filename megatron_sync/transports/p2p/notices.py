@@ -78,8 +78,8 @@ class Notices:
 
     def take_reports(self, sources: list[str], to: int, round_: int, timeout_s: float) -> dict[str, RoundReport]:
         """Return the report of `round_` to receiver `to` of every one of `sources`, taken in one request to the
-        store once all are posted (a round has a report from each of its writers; at full scale the store
-        serves every report of a sync, `bench/bench_store.py`). When they are not all posted within
+        store once all are posted (a round has a report from each of its writers; at full scale a store serves
+        tens of thousands of reports a version, `bench/bench_store.py`). When they are not all posted within
         `timeout_s`, the PeerFailureError raised names the first writer whose report is missing (its `source`)."""
         if not sources:
             return {}
