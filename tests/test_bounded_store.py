@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -220,3 +221,105 @@ def test_a_gather_whose_host_leaves_before_the_last_cleanup_still_returns_every_
         gathers[1].board = _LeavesBeforeCleanup(boards[1], host, first)
         assert gathers[1](11) == [10, 11]
         assert first.result(timeout=30) == [10, 11]
+
+
+class _FinishingThenStuck:
+    """A stand-in for a c10d client whose host stops between two calls: `check(["slow"])` returns once the
+    test's own call has waited a second (the helper was finishing it when the test asked), `check(["stuck"])`
+    never returns until the test ends (no answer from a stopped host)."""
+
+    def __init__(self, clock: "_MainWaits") -> None:
+        self.clock, self.entered, self.ended = clock, threading.Event(), threading.Event()
+
+    def check(self, keys):
+        if keys == ["slow"]:
+            self.entered.set()
+            self.clock.main_waiting.wait(30)
+            self.clock.sleep(1.0)
+            return True
+        self.ended.wait(60)
+        return False
+
+
+class _MainWaits(ManualClock):
+    """A manual clock that says when the test's own thread first waited on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main_waiting = threading.Event()
+
+    def wait_event(self, event, seconds):
+        if threading.current_thread() is threading.main_thread():
+            self.main_waiting.set()
+        return super().wait_event(event, seconds)
+
+
+def test_a_call_unanswered_for_timeout_s_makes_the_host_silent_though_the_helper_began_it_late():
+    """The call asked while the helper still finished another one: the helper begins it a second later, so when
+    the caller has waited timeout_s the call is only timeout_s - 1 old. It is still the host's silence (every
+    later call fails at once), not a slow answer each later call waits out again (an engine rank giving up
+    after a stopped trainer then waited another timeout_s on its first notice)."""
+    from megatron_sync.session.store import BoundedStore
+
+    with using_clock(_MainWaits()) as clock:
+        raw = _FinishingThenStuck(clock)
+        store = BoundedStore(raw, where="the stopped host", timeout_s=TIMEOUT_S)
+        try:
+            finishing = threading.Thread(target=lambda: store.check(["slow"]), daemon=True)
+            finishing.start()
+            assert raw.entered.wait(30)
+            with pytest.raises(StoreSilentError, match=r"has not answered for 3[.0-9]*s \(check \['stuck'\]\)"):
+                store.check(["stuck"])
+            assert store.silent
+            before = clock.now()
+            with pytest.raises(StoreSilentError):
+                store.check(["abort"])
+            assert clock.now() == before
+        finally:
+            raw.ended.set()
+            finishing.join(30)
+
+
+def test_a_chained_receiver_whose_notice_store_stops_names_the_store_not_the_engine_before_it():
+    """An engine rank chained behind another engine waits for that engine's report of a round on the trainer's
+    store, and the trainer is stopped. The store is silent, so the transport is broken: the rank raises the
+    store's silence (a PeerFailureError the engine words as a stopped trainer), not "the engine forwarding to
+    this rank sent nothing", which aborts the version alone and agrees on it with the stopped trainer's ranks
+    (another timeout_s)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_sync.session.board import store_board
+    from megatron_sync.transports.p2p.notices import Notices
+    from megatron_sync.transports.p2p.rounds import RoundReceiver
+    from tests.p2p_support import ref, schedule_of
+
+    _, schedule = schedule_of("qwen3", [ref(1), ref(1)], dict(tp=1), piece_bytes=4096)
+    assert schedule.feeds[1] == 0  # the second engine's rank is fed by the first's
+    with _hosting() as (port, host):
+        board = store_board(connect("127.0.0.1", port, timeout_s=TIMEOUT_S), prefix="t/", rank=1,
+                            timeout_s=TIMEOUT_S, blocking=True)
+        notices = Notices(board, 1, 1)
+        rounds = RoundReceiver(schedule, 1, SimpleNamespace(two_sided=False), torch.empty(0, dtype=torch.uint8),
+                               algorithm="xxh3", timeout_s=TIMEOUT_S)
+        failed = {}
+
+        def receive():
+            try:
+                rounds.receive_version(notices, torch.empty(schedule.receivers[1].layout.nbytes, dtype=torch.uint8), 0)
+            except Exception as e:  # noqa: BLE001 — what it raised is the test's subject
+                failed["error"] = e
+
+        receiving = threading.Thread(target=receive, daemon=True)
+        receiving.start()
+        board.fetch("p2p/v1.1/base/1", 60)  # it posted where the engine before it writes: it now waits for a report
+        os.kill(host.pid, signal.SIGSTOP)
+        poll(lambda: _state(host.pid) in ("T", "t"), within=30, what="the host process stopping")
+        receiving.join(60)
+        assert not receiving.is_alive()
+    error = failed.get("error")
+    assert isinstance(error, StoreSilentError), repr(error)
+    # in the wait for the report, or in connecting the waiting thread's own client first if the stop came before
+    assert re.search(r"has not answered for 3[.0-9]*s \((get \['t/p2p/v1\.1/report/1/0/receiver/0'\]|connect a "
+                     r"second client)\)", str(error)), str(error)

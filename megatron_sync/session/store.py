@@ -141,9 +141,16 @@ class BoundedStore:
                 raise self._silent_error(what, clock().now() - busy_since)
             return done.is_set()
 
+        def unanswered(waited: float) -> StoreSilentError:
+            if limit < self.timeout_s:  # a bound the caller chose: the host may just be slow for a moment
+                return StoreSilentError(f"the store at {self.where} did not answer ({what}) within {limit:.3g}s")
+            # unanswered for the full timeout_s since it was asked: silent, even where the helper began the call
+            # later than that (it was finishing another) and `answered` has not yet seen it timeout_s old
+            self.found_silent(clock().now() - waited)
+            return self._silent_error(what, waited)
+
         poll(answered, within=limit, what=f"the store's answer ({what})", max_pause_s=CHECK_EVERY_S, wake=done,
-             timeout=lambda _: StoreSilentError(
-                 f"the store at {self.where} did not answer ({what}) within {limit:.3g}s"))
+             timeout=unanswered)
         if "error" in box:
             raise box["error"]
         return box.get("value")

@@ -80,7 +80,8 @@ class Notices:
         """Return the report of `round_` to receiver `to` of every one of `sources`, taken in one request to the
         store once all are posted (a round has a report from each of its writers; at full scale a store serves
         tens of thousands of reports a version, `bench/bench_store.py`). When they are not all posted within
-        `timeout_s`, the PeerFailureError raised names the first writer whose report is missing (its `source`)."""
+        `timeout_s`, the PeerFailureError raised names the first writer whose report is missing (its `source`);
+        one the store itself raises (it is silent or gone) names no writer."""
         if not sources:
             return {}
         board = self._on(to)
@@ -88,13 +89,11 @@ class Notices:
         values = board.fetch_all(keys, timeout_s, max_pause_s=PAUSE_S)
         if values is None:
             for source, key in zip(sources, keys):
-                try:
-                    board.fetch(key, 0.0)
-                except PeerFailureError as e:
+                if board.fetch_all([key], 0.0) is None:
                     missing = PeerFailureError(f"[rank {board.rank}] nothing was posted under {key!r} within "
                                                f"{timeout_s:g}s")
                     missing.source = source  # whose report is missing
-                    raise missing from e
+                    raise missing
             return self.take_reports(sources, to, round_, timeout_s)  # all came just after the deadline
         self.taken.extend((board, key) for key in keys)
         return {source: RoundReport.from_bytes(value) for source, value in zip(sources, values)}

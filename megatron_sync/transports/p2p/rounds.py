@@ -29,7 +29,8 @@ from typing import Optional
 import torch
 
 from megatron_sync.core.checksum import checksum
-from megatron_sync.core.errors import CorruptBucketError, PeerFailureError, SenderFailedError, SyncError
+from megatron_sync.core.errors import (CorruptBucketError, PeerFailureError, SenderFailedError, StoreSilentError,
+                                       SyncError)
 from megatron_sync.transports.p2p.movers import ByteMover, Span
 from megatron_sync.transports.p2p.notices import ABORT, Notices, RoundReport, receiver, trainer
 from megatron_sync.transports.p2p.schedule import TRAINER, Piece, Schedule
@@ -115,6 +116,8 @@ class RoundReceiver:
         try:
             for round_ in range(self.rounds):
                 self._round(round_, notices, route, target, at, stats, posted.get(round_, {}))
+        except StoreSilentError:
+            raise  # the trainer's host is stopped: nobody can be told through its stores, nothing will come
         except SyncError as e:
             self._give_up(notices, route, round_, f"inference rank {self.index}: {type(e).__name__}: {e}",
                           [p for rest in posted.values() for p in rest.values()])
@@ -175,10 +178,10 @@ class RoundReceiver:
         try:
             reports = reports_on.take_reports(list(sources), me, round_, self.timeout_s)
         except PeerFailureError as e:
-            source = getattr(e, "source", next(iter(sources)))  # whose report is missing, when it is one
+            source = getattr(e, "source", None)  # whose report is missing; None: the store failed (silent, gone)
             posted.pop(source, None)  # nothing will come from it
-            if route.feed is None:
-                raise  # a trainer rank is silent: this transport is broken
+            if route.feed is None or source is None:
+                raise  # a trainer rank or the trainer's store is silent: this transport is broken
             # the engine forwarding to us is gone or stuck; our own link is fine: abort this version only
             raise SenderFailedError(f"{source}, which forwards version {version} to this rank, sent "
                                     f"nothing of round {round_} within {self.timeout_s:g}s: {e}") from e
