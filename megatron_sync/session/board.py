@@ -145,14 +145,8 @@ class PolledStore:
         self._store.set(key, value)
 
     def wait(self, key: str, deadline: Deadline, max_pause_s: float) -> Optional[bytes]:
-        if self._waiters is not None:
-            return self._wait_blocking(key, deadline)
-        try:
-            poll(lambda: self._store.check([key], bound=deadline.remaining()), within=deadline,
-                 what=f"a value under {key!r}", max_pause_s=max_pause_s)
-        except WaitTimeout:
-            return None
-        return self._store.get(key, bound=deadline.remaining())
+        values = self.wait_all([key], deadline, max_pause_s)
+        return None if values is None else values[0]
 
     def wait_all(self, keys: list[str], deadline: Deadline, max_pause_s: float) -> Optional[list[bytes]]:
         """`wait` for every key at once: the values in order once all are set, None if not by `deadline`."""
@@ -165,7 +159,7 @@ class PolledStore:
             return None
         return [self._store.get(key, bound=deadline.remaining()) for key in keys]
 
-    def _wait_blocking(self, key: str | list[str], deadline: Deadline) -> Any:
+    def _wait_blocking(self, keys: list[str], deadline: Deadline) -> Optional[list[bytes]]:
         waiter = getattr(self._waiters, "store", None)
         if waiter is None:
             waiter = self._waiters.store = self._store.clone()
@@ -176,8 +170,7 @@ class PolledStore:
             # scale a store serves tens of thousands of P2P reports a version (bench/bench_store.py)
             within = max(min(self._slice_s, deadline.remaining()), 0.001)
             try:
-                return (waiter.multi_get_within(key, within) if isinstance(key, list)
-                        else waiter.get_within(key, within))
+                return waiter.get_within(keys, within)
             except dist.DistStoreError as e:
                 if "timeout" not in str(e):
                     raise

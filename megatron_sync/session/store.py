@@ -77,19 +77,11 @@ class BoundedStore:
         passed (the store raises its "wait timeout" DistStoreError); the call as a whole stays bounded."""
         self._call(f"wait {keys}", self.raw.wait, keys, datetime.timedelta(seconds=seconds), bound=bound)
 
-    def get_within(self, key: str, seconds: float, *, bound: Optional[float] = None) -> bytes:
-        """Return the value under `key` once it is set (the store's own get waits for it and answers the moment
-        it is) or raise the store's "wait timeout" DistStoreError after `seconds`: a wait and a read in one
-        request. It sets this client's timeout, so it is for a client only one waiting thread uses (a clone)."""
-        def get() -> bytes:
-            self.raw.set_timeout(datetime.timedelta(seconds=seconds))
-            return self.raw.get(key)
-
-        return self._call(f"get {key!r}", get, bound=bound)
-
-    def multi_get_within(self, keys: list[str], seconds: float, *, bound: Optional[float] = None) -> list[bytes]:
-        """`get_within` for every key of `keys` at once: the store waits until all are set, then reads them, in
-        one request."""
+    def get_within(self, keys: list[str], seconds: float, *, bound: Optional[float] = None) -> list[bytes]:
+        """Return the values under `keys` once all are set (the store's own get waits for them and answers the
+        moment they are) or raise the store's "wait timeout" DistStoreError after `seconds`: a wait and a read
+        in one request. It sets this client's timeout, so it is for a client only one waiting thread uses (a
+        clone)."""
         def get() -> list[bytes]:
             self.raw.set_timeout(datetime.timedelta(seconds=seconds))
             return self.raw.multi_get(keys)
