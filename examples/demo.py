@@ -111,6 +111,12 @@ def stop_job(name: str, proc: subprocess.Popen, grace_s: float) -> None:
     family = descendants(proc.pid)
     if proc.poll() is None and grace_s > 0:
         _signal(proc.pid, signal.SIGTERM, group=True)
+        frozen = stopped([proc.pid, *family])
+        if frozen:  # a stopped process never acts on SIGTERM: its grace would only be waited out
+            print(f"[demo] the {name} job's process {', '.join(map(str, frozen))} is stopped (e.g. SIGSTOP) and "
+                  "cannot act on SIGTERM; killing it now, the rest of the job gets its grace", flush=True)
+            for pid in frozen:
+                _signal(pid, signal.SIGKILL, group=False)
         try:
             proc.wait(grace_s)
         except subprocess.TimeoutExpired:
@@ -138,6 +144,20 @@ def descendants(pid: int) -> list[int]:
         for child in children.get(todo.pop(), []):
             found.append(child)
             todo.append(child)
+    return found
+
+
+def stopped(pids: list[int]) -> list[int]:
+    """Return those of `pids` that are stopped (state T: SIGSTOP, or t: stopped by a tracer), from /proc."""
+    found = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if stat[stat.rindex(")") + 2] in "Tt":
+            found.append(pid)
     return found
 
 

@@ -100,3 +100,38 @@ def test_run_id_is_a_plain_name(run_id, ok):
     else:
         with pytest.raises(ValueError, match="run_id="):
             WeightSyncConfig(run_id=run_id)
+
+
+_LAUNCHER = """
+import signal, subprocess, sys
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+signal.signal(signal.SIGTERM, lambda *_: None)  # like torchrun: on SIGTERM it waits for its workers
+print(worker.pid, flush=True)
+sys.exit(0 if worker.wait() == -9 else 3)
+"""
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_a_stopped_worker_is_killed_at_once_and_the_rest_of_the_job_keeps_its_grace(capsys):
+    """A job's process stopped by SIGSTOP cannot act on SIGTERM: the demo kills it at once instead of waiting out
+    the grace, and the launcher that waits for it (torchrun) then exits by itself within its grace, not killed."""
+    import signal
+    import subprocess
+    import sys
+
+    from examples.demo import stop_job, stopped
+    from megatron_sync.core.wait import poll
+
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        worker = int(launcher.stdout.readline())
+        os.kill(worker, signal.SIGSTOP)
+        poll(lambda: stopped([worker]), within=30, what="the worker to stop")
+        stop_job("trainer", launcher, grace_s=30.0)
+    finally:
+        stop_job("trainer", launcher, 0.0)
+    assert launcher.returncode == 0  # the launcher saw its worker killed and left on its own, within its grace
+    assert f"the trainer job's process {worker} is stopped (e.g. SIGSTOP) and cannot act on SIGTERM" \
+        in capsys.readouterr().out
