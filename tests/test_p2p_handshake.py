@@ -114,3 +114,51 @@ def test_notices_about_each_engine_go_to_that_engines_own_store_hosted_beside_th
     assert main.num_keys() == before + 1  # the session's store holds the ports, no notice
     for g in (writer, host):
         g.shards.close()
+
+
+def test_a_fleet_engine_reports_what_it_forwards_on_the_next_engines_link_store_not_the_root_store():
+    """In a fleet each engine has its own link (a transport group over the session's root store, whose rank 0,
+    the trainer's leader, hosts the link's notice store). The engine forwarding into engine 1 reports on
+    engine 1's link store, found from the link name engine 1 posted on the root board; engine 1 takes the
+    report from its own link's store; the root store holds the ports and link names, no report."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron_sync.session.board import store_board
+    from megatron_sync.session.group import TransportGroup
+    from megatron_sync.session.store import BoundedStore
+    from megatron_sync.transports.p2p.notices import RoundReport
+    from megatron_sync.transports.p2p.receiver import FleetPlace
+    from tests.support.dist import free_port
+
+    port = free_port()
+    root = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=10),
+                         wait_for_workers=False)
+
+    def link(engine: int, rank: int) -> TransportGroup:  # the store side of a link: no collective is used
+        client = BoundedStore(dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=10)),
+                              where=f"127.0.0.1:{port}", timeout_s=5.0)
+        return TransportGroup(None, client, rank=rank, world_size=2, backend="gloo", timeout_s=5.0,
+                              group_name=f"megatron_sync_p2p/s/link-e{engine}g1")
+
+    trainer = [link(engine, 0) for engine in (0, 1)]  # the trainer leader hosts both links' notice stores
+    for group in trainer:
+        group.notice_shards(1)
+    engines = [link(engine, 1) for engine in (0, 1)]
+    boards = [store_board(g.store_client, prefix="", rank=1, timeout_s=5.0, blocking=True) for g in engines]
+    places = [FleetPlace(boards[e], e, 1, 0, engines[e]) for e in (0, 1)]
+    before = root.num_keys()
+    forwarder = places[0].route(7, {"sync": 3, "next": [1, 1]})
+    chained = places[1].route(7, {"sync": 3, "feed": [0, 1]})
+    forwarder.next_notices.report(forwarder.name, forwarder.next_index, 0, RoundReport({4: 9}, 64))
+    assert chained.feed_notices.take_reports([forwarder.name], chained.me, 0, 5.0) == {
+        forwarder.name: RoundReport({4: 9}, 64)}
+    link1 = dist.TCPStore("127.0.0.1", trainer[1].notice_shards(1)._ports[0], None, False,
+                          timeout=datetime.timedelta(seconds=5))
+    assert link1.check([f"megatron_sync_p2p/s/link-e1g1/notice/p2p/v7.3.e1/report/0/0/{forwarder.name}"])
+    assert root.num_keys() == before  # the links' ports and names were posted before; no report landed there
+    for group in [*engines, *trainer]:
+        group.close()
+    for board in boards:
+        board.close()

@@ -44,6 +44,7 @@ class TransportGroup:
                                 failure=self._fail)
         self._blocking: Optional[Board] = None
         self._shards: Optional[NoticeShards] = None
+        self._others: dict[str, NoticeShards] = {}  # other groups' notice stores this rank reports on
         self._owned_session: Any = None
 
     def control_board(self) -> Board:
@@ -61,6 +62,13 @@ class TransportGroup:
         if self._shards.count != count:
             raise ValueError(f"the group's notice stores are {self._shards.count}, not {count}")
         return self._shards
+
+    def notice_shards_of(self, group_name: str, count: int) -> NoticeShards:
+        """Return the `count` notice stores of another group over this group's store (`group_name`: that group's
+        name; its rank 0 hosts them), made once and closed with this group."""
+        if group_name not in self._others:
+            self._others[group_name] = NoticeShards(self, count, of=group_name)
+        return self._others[group_name]
 
     @property
     def store_client(self) -> Any:
@@ -183,8 +191,8 @@ class TransportGroup:
             self.board.close()
             if self._blocking is not None:
                 self._blocking.close()
-            if self._shards is not None:
-                self._shards.close()
+            for shards in [*([self._shards] if self._shards is not None else []), *self._others.values()]:
+                shards.close()
         if self._owned_session is not None:
             self._owned_session.close()
             self._owned_session = None

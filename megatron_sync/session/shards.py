@@ -8,7 +8,8 @@ chained engines' grow with the fleet. So group rank 0 (the trainer's leader, whi
 hosts `count` more stores, each serving the notices addressed to the ranks of one engine; it posts their ports
 on the group's board, and every rank connects to a shard the first time it posts or waits there. They live
 on the same host as the session's store, so a stopped or dead host is found the same way, and once one of
-its stores is silent all are (`BoundedStore.beside`).
+its stores is silent all are (`BoundedStore.beside`). A rank may also reach another group's notice stores over
+the same store (`of`): in a fleet, the engine forwarding into engine B reports on B's link's store.
 """
 
 from __future__ import annotations
@@ -27,16 +28,19 @@ PORTS = "notice-stores"
 
 
 class NoticeShards:
-    """`count` notice stores hosted by group rank 0 of `group`, and this rank's boards on them."""
+    """`count` notice stores hosted by group rank 0 of `group` (or of the group named `of` over the same store,
+    which hosts them itself), and this rank's boards on them."""
 
-    def __init__(self, group: Any, count: int) -> None:
+    def __init__(self, group: Any, count: int, *, of: Optional[str] = None) -> None:
         self.group, self.count = group, count
+        self.name = of or group.group_name  # the group whose notice stores these are
         self._servers: list[Any] = []
         self._boards: dict[int, Board] = {}
         self._clients: list[Any] = []
         self._ports: Optional[list[int]] = None
+        self._foreign_posts: Optional[Board] = None
         self._lock = threading.Lock()
-        if group.rank == 0:
+        if of is None and group.rank == 0:
             timeout = datetime.timedelta(seconds=group.timeout_s)
             self._servers = [dist.TCPStore(group.store_host, 0, None, True, timeout=timeout, wait_for_workers=False)
                              for _ in range(count)]
@@ -49,25 +53,35 @@ class NoticeShards:
         with self._lock:
             if shard not in self._boards:
                 if self._ports is None:
-                    self._ports = json.loads(self.group.board.fetch(f"{PORTS}/{self.count}"))
+                    self._ports = json.loads(self._posts().fetch(f"{PORTS}/{self.count}"))
                 try:
                     self._boards[shard] = self._connect(self._ports[shard])
                 except (RuntimeError, dist.DistError) as e:
                     raise self.group.failure(f"connecting to notice store {shard}", e) from e
             return self._boards[shard]
 
+    def _posts(self) -> Board:
+        """The board the stores' ports are posted on: the group's own, or the other group's."""
+        g = self.group
+        if self.name == g.group_name:
+            return g.board
+        board = store_board(g.store_client, prefix=f"{self.name}/post/", rank=g.rank, timeout_s=g.timeout_s,
+                            failure=g.failure)
+        self._foreign_posts = board  # closed with the shards' boards
+        return board
+
     def _connect(self, port: int) -> Board:
         g = self.group
         client = g.store_client.beside(g.store_host, port)
         self._clients.append(client)
-        return store_board(client, prefix=f"{g.group_name}/notice/", rank=g.rank, timeout_s=g.timeout_s,
+        return store_board(client, prefix=f"{self.name}/notice/", rank=g.rank, timeout_s=g.timeout_s,
                            failure=g.failure, blocking=True)
 
     def close(self) -> None:
         """Close this rank's boards. Group rank 0 goes on serving until this object is dropped (with its
         group): a peer may still be reading the error reports of a failed version, as the session's own
         store lingers for it."""
-        for board in self._boards.values():
+        for board in [*self._boards.values(), *([self._foreign_posts] if self._foreign_posts else [])]:
             board.close()
         for client in self._clients:
             client.close()

@@ -30,6 +30,7 @@ from megatron_sync.transports.p2p.rounds import Route, RoundReceiver
 
 if TYPE_CHECKING:
     from megatron_sync.engines.base import EngineAdapter
+    from megatron_sync.session.group import TransportGroup
     from megatron_sync.settings.config import WeightSyncConfig
 
 
@@ -69,7 +70,7 @@ class P2PReceiver(Receiver):
     def join_fleet(self, board: Board, engine: int, generation: int) -> None:
         """Expose this rank's window to the fleet's other engines too (on the session's root `board`), so an
         engine chained before this one can forward into it."""
-        self.fleet = FleetPlace(board, engine, generation, self.index)
+        self.fleet = FleetPlace(board, engine, generation, self.index, self.transport.group)
         self.transport.mover.route(FLEET, board)
         self.transport.mover.expose(self.fleet.name(engine, generation), self.window)
 
@@ -127,11 +128,17 @@ FLEET = "fleet/"
 
 
 class FleetPlace:
-    """Where one engine rank sits in a fleet: its engine, generation and rank, and the root board chained
-    engines meet on."""
+    """Where one engine rank sits in a fleet: its engine, generation and rank, the root board chained engines
+    meet on, and `group`, this engine's link. The reports of the rounds written into an engine go to the notice
+    store of that engine's link (hosted by the trainer's leader beside the root store), so each engine's
+    reports have a store of their own, as in one session of many engines (`session/shards.py`); each engine
+    posts its link's name on the root board for the engine chained before it."""
 
-    def __init__(self, board: Board, engine: int, generation: int, rank: int) -> None:
-        self.board, self.engine, self.generation, self.rank = board, engine, generation, rank
+    def __init__(self, board: Board, engine: int, generation: int, rank: int, group: TransportGroup) -> None:
+        self.board, self.engine, self.generation, self.rank, self.group = board, engine, generation, rank, group
+        self._links: dict[tuple[int, int], str] = {(engine, generation): group.group_name}
+        if rank == 0:
+            board.post(self._link_key(engine, generation), group.group_name.encode())
 
     def name(self, engine: int, generation: int) -> str:
         """Return the endpoint of rank `rank` of `engine`'s `generation` in the fleet."""
@@ -140,11 +147,25 @@ class FleetPlace:
     def route(self, version: int, wire: dict) -> Route:
         """Return this rank's route of `version` from the leader's announcement (feed and next as [engine,
         generation], and the fleet's sync number the keys are named by)."""
-        def notices(engine: int) -> Notices:  # the keys of the rounds written into `engine`
-            return Notices(self.board, version, f"{wire['sync']}.e{engine}")
+        def notices(engine: int, generation: int) -> Notices:  # the keys of the rounds written into `engine`
+            return Notices(self.notice_board(engine, generation), version, f"{wire['sync']}.e{engine}")
 
         feed, after = wire.get("feed"), wire.get("next")
         return Route(self.name(self.engine, self.generation), self.rank,
-                     feed=None if feed is None else self.name(*feed), feed_notices=notices(self.engine),
+                     feed=None if feed is None else self.name(*feed),
+                     feed_notices=notices(self.engine, self.generation),
                      next=None if after is None else self.name(*after), next_index=self.rank,
-                     next_notices=None if after is None else notices(after[0]))
+                     next_notices=None if after is None else notices(*after))
+
+    def notice_board(self, engine: int, generation: int) -> Board:
+        """Return this rank's board on the notice store of `engine`'s `generation` link (one engine a link)."""
+        key = (engine, generation)
+        if key not in self._links:
+            self._links[key] = self.board.fetch(self._link_key(engine, generation)).decode()
+        if self._links[key] == self.group.group_name:
+            return self.group.notice_shards(1).board(0)
+        return self.group.notice_shards_of(self._links[key], 1).board(0)
+
+    @staticmethod
+    def _link_key(engine: int, generation: int) -> str:
+        return f"{FLEET}e{engine}g{generation}/link"
