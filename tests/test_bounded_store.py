@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -280,14 +281,26 @@ def test_a_call_unanswered_for_timeout_s_makes_the_host_silent_though_the_helper
             finishing.join(30)
 
 
-def test_a_chained_receiver_whose_notice_store_stops_names_the_store_not_the_engine_before_it():
+class _Receives:
+    """A two-sided mover's receives as the receiver posts them for a version: each one's waits are counted."""
+
+    two_sided = True
+
+    def __init__(self) -> None:
+        self.waited = 0
+
+    def expect(self, source, window, spans):
+        return SimpleNamespace(wait=lambda timeout_s: setattr(self, "waited", self.waited + 1))
+
+
+@pytest.mark.parametrize("two_sided", [False, True], ids=["one-sided", "two-sided"])
+def test_a_chained_receiver_whose_notice_store_stops_names_the_store_not_the_engine_before_it(two_sided):
     """An engine rank chained behind another engine waits for that engine's report of a round on the trainer's
     store, and the trainer is stopped. The store is silent, so the transport is broken: the rank raises the
     store's silence (a PeerFailureError the engine words as a stopped trainer), not "the engine forwarding to
     this rank sent nothing", which aborts the version alone and agrees on it with the stopped trainer's ranks
-    (another timeout_s)."""
-    from types import SimpleNamespace
-
+    (another timeout_s). It does not give the version up either: with a two-sided mover that would wait on each
+    receive it posted (timeout_s each; nothing will come from a stopped trainer)."""
     import torch
 
     from megatron_sync.session.board import store_board
@@ -301,8 +314,9 @@ def test_a_chained_receiver_whose_notice_store_stops_names_the_store_not_the_eng
         board = store_board(connect("127.0.0.1", port, timeout_s=TIMEOUT_S), prefix="t/", rank=1,
                             timeout_s=TIMEOUT_S, blocking=True)
         notices = Notices(board, 1, 1)
-        rounds = RoundReceiver(schedule, 1, SimpleNamespace(two_sided=False), torch.empty(0, dtype=torch.uint8),
-                               algorithm="xxh3", timeout_s=TIMEOUT_S)
+        mover = _Receives() if two_sided else SimpleNamespace(two_sided=False)
+        rounds = RoundReceiver(schedule, 1, mover, torch.empty(0, dtype=torch.uint8), algorithm="xxh3",
+                               timeout_s=TIMEOUT_S)
         failed = {}
 
         def receive():
@@ -323,3 +337,5 @@ def test_a_chained_receiver_whose_notice_store_stops_names_the_store_not_the_eng
     # in the wait for the report, or in connecting the waiting thread's own client first if the stop came before
     assert re.search(r"has not answered for 3[.0-9]*s \((get \['t/p2p/v1\.1/report/1/0/receiver/0'\]|connect a "
                      r"second client)\)", str(error)), str(error)
+    if two_sided:
+        assert mover.waited == 0  # no posted receive was drained
