@@ -130,15 +130,9 @@ def descendants(pid: int) -> list[int]:
     """Return the pids of every living process below `pid` (from /proc; workers may sit in other sessions)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        parent = int(stat[stat.rindex(")") + 2:].split()[1])
-        children.setdefault(parent, []).append(int(entry))
+        fields = _stat(int(entry)) if entry.isdigit() else None
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry))
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -149,16 +143,17 @@ def descendants(pid: int) -> list[int]:
 
 def stopped(pids: list[int]) -> list[int]:
     """Return those of `pids` that are stopped (state T: SIGSTOP, or t: stopped by a tracer), from /proc."""
-    found = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if stat[stat.rindex(")") + 2] in "Tt":
-            found.append(pid)
-    return found
+    return [pid for pid in pids if (fields := _stat(pid)) is not None and fields[0] in ("T", "t")]
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Return the fields of /proc/<pid>/stat after the command name (state, parent pid, ...); None once gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
 
 
 def _signal(pid: int, sig: int, *, group: bool) -> None:
