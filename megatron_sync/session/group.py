@@ -43,8 +43,7 @@ class TransportGroup:
         self.board = store_board(store, prefix=f"{group_name}/post/", rank=rank, timeout_s=timeout_s,
                                 failure=self._fail)
         self._blocking: Optional[Board] = None
-        self._shards: Optional[NoticeShards] = None
-        self._others: dict[str, NoticeShards] = {}  # other groups' notice stores this rank reports on
+        self._shards: dict[str, NoticeShards] = {}  # by group name: this group's, and others' this rank reports on
         self._owned_session: Any = None
 
     def control_board(self) -> Board:
@@ -55,20 +54,15 @@ class TransportGroup:
                                          timeout_s=self.timeout_s, failure=self._fail, blocking=True)
         return self._blocking
 
-    def notice_shards(self, count: int) -> NoticeShards:
-        """Return the group's `count` notice stores (`session/shards.py`), hosted by rank 0, made once."""
-        if self._shards is None:
-            self._shards = NoticeShards(self, count)
-        if self._shards.count != count:
-            raise ValueError(f"the group's notice stores are {self._shards.count}, not {count}")
-        return self._shards
-
-    def notice_shards_of(self, group_name: str, count: int) -> NoticeShards:
-        """Return the `count` notice stores of another group over this group's store (`group_name`: that group's
-        name; its rank 0 hosts them), made once and closed with this group."""
-        if group_name not in self._others:
-            self._others[group_name] = NoticeShards(self, count, of=group_name)
-        return self._others[group_name]
+    def notice_shards(self, count: int, *, of: Optional[str] = None) -> NoticeShards:
+        """Return the group's `count` notice stores (`session/shards.py`), hosted by rank 0, or those of the group
+        named `of` over the same store (hosted by its rank 0); each made once, closed with this group."""
+        name = of or self.group_name
+        if name not in self._shards:
+            self._shards[name] = NoticeShards(self, count, of=None if name == self.group_name else name)
+        if self._shards[name].count != count:
+            raise ValueError(f"the notice stores of group {name!r} are {self._shards[name].count}, not {count}")
+        return self._shards[name]
 
     @property
     def store_client(self) -> Any:
@@ -191,7 +185,7 @@ class TransportGroup:
             self.board.close()
             if self._blocking is not None:
                 self._blocking.close()
-            for shards in [*([self._shards] if self._shards is not None else []), *self._others.values()]:
+            for shards in self._shards.values():
                 shards.close()
         if self._owned_session is not None:
             self._owned_session.close()

@@ -162,9 +162,7 @@ class FleetPlace:
         key = (engine, generation)
         if key not in self._links:
             self._links[key] = self.board.fetch(self._link_key(engine, generation)).decode()
-        if self._links[key] == self.group.group_name:
-            return self.group.notice_shards(1).board(0)
-        return self.group.notice_shards_of(self._links[key], 1).board(0)
+        return self.group.notice_shards(1, of=self._links[key]).board(0)
 
     @staticmethod
     def _link_key(engine: int, generation: int) -> str:
