@@ -136,11 +136,11 @@ def test_a_fleet_engine_reports_what_it_forwards_on_the_next_engines_link_store_
     root = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=10),
                          wait_for_workers=False)
 
-    def link(engine: int, rank: int) -> TransportGroup:  # the store side of a link: no collective is used
+    def link(engine: int, rank: int, generation: int = 1) -> TransportGroup:  # a link's store side: no collective
         client = BoundedStore(dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=10)),
                               where=f"127.0.0.1:{port}", timeout_s=5.0)
         return TransportGroup(None, client, rank=rank, world_size=2, backend="gloo", timeout_s=5.0,
-                              group_name=f"megatron_sync_p2p/s/link-e{engine}g1")
+                              group_name=f"megatron_sync_p2p/s/link-e{engine}g{generation}")
 
     trainer = [link(engine, 0) for engine in (0, 1)]  # the trainer leader hosts both links' notice stores
     for group in trainer:
@@ -158,6 +158,18 @@ def test_a_fleet_engine_reports_what_it_forwards_on_the_next_engines_link_store_
                           timeout=datetime.timedelta(seconds=5))
     assert link1.check([f"megatron_sync_p2p/s/link-e1g1/notice/p2p/v7.3.e1/report/0/0/{forwarder.name}"])
     assert root.num_keys() == before  # the links' ports and names were posted before; no report landed there
+    # engine 1 restarted (generation 2, a new link): the forwarder reports on the new link's store, and lets go
+    # of the old one
+    trainer.append(link(1, 0, generation=2))
+    trainer[-1].notice_shards(1)
+    engines.append(link(1, 1, generation=2))
+    FleetPlace(boards[1], 1, 2, 0, engines[-1])
+    forwarder = places[0].route(8, {"sync": 4, "next": [1, 2]})
+    forwarder.next_notices.report(forwarder.name, forwarder.next_index, 0, RoundReport({4: 9}, 64))
+    link2 = dist.TCPStore("127.0.0.1", trainer[-1].notice_shards(1)._ports[0], None, False,
+                          timeout=datetime.timedelta(seconds=5))
+    assert link2.check([f"megatron_sync_p2p/s/link-e1g2/notice/p2p/v8.4.e1/report/0/0/{forwarder.name}"])
+    assert "megatron_sync_p2p/s/link-e1g1" not in engines[0]._shards  # its boards there are closed
     for group in [*engines, *trainer]:
         group.close()
     for board in boards:

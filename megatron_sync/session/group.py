@@ -64,6 +64,13 @@ class TransportGroup:
             raise ValueError(f"the notice stores of group {name!r} are {self._shards[name].count}, not {count}")
         return self._shards[name]
 
+    def close_notice_shards(self, of: str) -> None:
+        """Close this rank's boards on the notice stores of the group named `of` (one it will not report on
+        again: a fleet engine's earlier link)."""
+        shards = self._shards.pop(of, None)
+        if shards is not None:
+            shards.close()
+
     @property
     def store_client(self) -> Any:
         """This rank's bounded client of the group's store."""

@@ -136,7 +136,8 @@ class FleetPlace:
 
     def __init__(self, board: Board, engine: int, generation: int, rank: int, group: TransportGroup) -> None:
         self.board, self.engine, self.generation, self.rank, self.group = board, engine, generation, rank, group
-        self._links: dict[tuple[int, int], str] = {(engine, generation): group.group_name}
+        self._own = (engine, generation)
+        self._links: dict[tuple[int, int], str] = {self._own: group.group_name}
         if rank == 0:
             board.post(self._link_key(engine, generation), group.group_name.encode())
 
@@ -161,6 +162,8 @@ class FleetPlace:
         """Return this rank's board on the notice store of `engine`'s `generation` link (one engine a link)."""
         key = (engine, generation)
         if key not in self._links:
+            for earlier in [k for k in self._links if k[0] == engine and k[1] < generation and k != self._own]:
+                self.group.close_notice_shards(self._links.pop(earlier))  # that engine was restarted
             self._links[key] = self.board.fetch(self._link_key(engine, generation)).decode()
         return self.group.notice_shards(1, of=self._links[key]).board(0)
 
