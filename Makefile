@@ -9,7 +9,7 @@ SGLANG_VENV := .venv-sglang
 CONFIG ?= configs/demo_qwen3_moe_ep2.yaml
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test test-fast gpu-check bench scale serve-vllm serve-sglang clean
+.PHONY: setup demo test test-fast gpu-check gpu-wheels bench scale serve-vllm serve-sglang clean
 
 $(BIN)/.installed: requirements-cpu.txt pyproject.toml
 	@# Mooncake's TCP build links libibverbs.so.1 (not vendored in its wheel). Without the
@@ -61,6 +61,10 @@ test-fast: setup
 # No setup: a GPU machine brings its own CUDA torch (docs/testing.md, "The GPU check", lists the wheels to carry).
 gpu-check:
 	PYTHONPATH=. $(PY) bench/gpu_check.py
+
+# The wheels a lent CUDA machine's image lacks (Python 3.12), into .whl/ (ignored): see docs/testing.md.
+gpu-wheels:
+	bash bench/gpu_wheels.sh
 
 bench: setup
 	PYTHONPATH=. $(BIN)/python bench/bench_sync.py
