@@ -38,7 +38,6 @@ class NoticeShards:
         self._boards: dict[int, Board] = {}
         self._clients: list[Any] = []
         self._ports: Optional[list[int]] = None
-        self._foreign_posts: Optional[Board] = None
         self._lock = threading.Lock()
         if of is None and group.rank == 0:
             timeout = datetime.timedelta(seconds=group.timeout_s)
@@ -53,22 +52,25 @@ class NoticeShards:
         with self._lock:
             if shard not in self._boards:
                 if self._ports is None:
-                    self._ports = json.loads(self._posts().fetch(f"{PORTS}/{self.count}"))
+                    self._ports = self._fetch_ports()
                 try:
                     self._boards[shard] = self._connect(self._ports[shard])
                 except (RuntimeError, dist.DistError) as e:
                     raise self.group.failure(f"connecting to notice store {shard}", e) from e
             return self._boards[shard]
 
-    def _posts(self) -> Board:
-        """The board the stores' ports are posted on: the group's own, or the other group's."""
+    def _fetch_ports(self) -> list[int]:
+        """Return the stores' ports as group rank 0 posted them on its group's board (this group's, or the
+        other group's board over the same store, read once)."""
         g = self.group
         if self.name == g.group_name:
-            return g.board
-        board = store_board(g.store_client, prefix=f"{self.name}/post/", rank=g.rank, timeout_s=g.timeout_s,
+            return json.loads(g.board.fetch(f"{PORTS}/{self.count}"))
+        posts = store_board(g.store_client, prefix=f"{self.name}/post/", rank=g.rank, timeout_s=g.timeout_s,
                             failure=g.failure)
-        self._foreign_posts = board  # closed with the shards' boards
-        return board
+        try:
+            return json.loads(posts.fetch(f"{PORTS}/{self.count}"))
+        finally:
+            posts.close()
 
     def _connect(self, port: int) -> Board:
         g = self.group
@@ -81,7 +83,7 @@ class NoticeShards:
         """Close this rank's boards. Group rank 0 goes on serving until this object is dropped (with its
         group): a peer may still be reading the error reports of a failed version, as the session's own
         store lingers for it."""
-        for board in [*self._boards.values(), *([self._foreign_posts] if self._foreign_posts else [])]:
+        for board in self._boards.values():
             board.close()
         for client in self._clients:
             client.close()
