@@ -104,11 +104,14 @@ def run_point(transport: str, *, engines: int = 1, engine_tp: int = 1, versions:
     raw_s = statistics.median(max(t["raw_s"][k][r] for t in trainers) for k in range(len(measured))
                               for r in range(raw)) if raw else None
     share = trainers[0].get("share")
+    # each measured sync's wall-clock span (first trainer rank's start to last one's end) and each raw replay's
+    spans = {"sync": [[min(m["started_at"] for m in syncs[v]), max(m["ended_at"] for m in syncs[v])]
+                      for v in measured], "raw": trainers[0].get("raw_spans", [])}
     egress = sum(statistics.median(syncs[v][i]["bytes"] for v in measured) for i in range(len(trainers)))
     return {"transport": transport, "engines": engines, "tp": engine_tp, "window_mb": window_mb, "trainer": trainer,
             "staging_sets": staging_sets,
             "sync_s": phases["total"], "phases": phases,
-            "warmup_s": slowest(0)["phases_s"]["total"], "recv": recv, "raw_s": raw_s, "wall": wall,
+            "warmup_s": slowest(0)["phases_s"]["total"], "recv": recv, "raw_s": raw_s, "wall": wall, "spans": spans,
             "egress_over_model": egress / MODEL_BYTES if share else None,
             "egress_over_engine": egress / sum(recv[:engine_tp]) if share else None}
 

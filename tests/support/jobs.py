@@ -116,6 +116,7 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     spy = GatherBytes(layout)
     sent, logits, unquantized, metrics, received, failures, draft_logits, handoffs = [], [], [], [], [], [], [], []
     raw: list[list[float]] = []
+    raw_spans: list[list[float]] = []  # each raw replay's start and end, wall clock
     memory = TrainerMemory(ddp, optimizer, rank=rank) if case.get("handoff") else None
     with WeightSyncCallback.from_config(sync_config(case), ddp, hf_config=case_hf_config(case), layout=layout,
                                         memory=memory, keep_sent=case.get("keep_tensors", True)) as callback:
@@ -155,7 +156,7 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
             if case.get("receiver_metrics") and syncer.is_leader:
                 received.append([m.to_json() for m in syncer.receiver_metrics(syncer.version)])
             if case.get("raw_replays") and version > 1:  # the wire alone, the same messages, between two syncs
-                raw.append(_replays(syncer.sender, case["raw_replays"]))
+                raw.append(_replays(syncer.sender, case["raw_replays"], raw_spans))
         sender = syncer.sender
         if memory is not None:  # one more turn without a sync: the engines reload the version they hold
             handoffs.append({"to_training": [r.to_json() for r in callback.to_training()]})
@@ -163,7 +164,8 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
             handoffs[-1]["to_generation"] = [r.to_json() for r in callback.handoff_rows]
     out = {"sent": sent, "logits": logits, "unquantized": unquantized, "metrics": metrics, "received": received,
            "failures": failures, "draft_logits": draft_logits, "handoffs": handoffs, "raw_s": raw,
-           "transport": syncer.config.transport, "bucket_size_mb": syncer.config.bucket_size_mb}
+           "raw_spans": raw_spans, "transport": syncer.config.transport,
+           "bucket_size_mb": syncer.config.bucket_size_mb}
     if isinstance(sender, P2PSender):  # P2P: what this rank writes per version, and its arena
         out["share"] = {"arena": sender.arena.numel(), "scheduled": sender.schedule.bytes_from_sender()[rank],
                         "egress": sender.schedule.trainer_egress(), "busiest_over_mean":
@@ -175,9 +177,10 @@ def trainer_job(rank: int, world_size: int, case: dict) -> dict[str, Any]:
     return out
 
 
-def _replays(sender: Any, count: int) -> list[float]:
+def _replays(sender: Any, count: int, spans: list[list[float]]) -> list[float]:
     """Return the seconds of `count` replays of the last version's writes by every trainer rank at once (from
-    a barrier of the trainer job to the barrier after every rank's writes landed)."""
+    a barrier of the trainer job to the barrier after every rank's writes landed); add each replay's start and
+    end (wall clock) to `spans`."""
     import time
 
     import torch.distributed as dist
@@ -185,10 +188,11 @@ def _replays(sender: Any, count: int) -> list[float]:
     seconds = []
     for _ in range(count):
         dist.barrier()
-        start = time.perf_counter()
+        start, at = time.perf_counter(), time.time()
         sender.replay_last()
         dist.barrier()
         seconds.append(time.perf_counter() - start)
+        spans.append([at, time.time()])
     return seconds
 
 
