@@ -270,8 +270,9 @@ def test_a_stage_source_killed_mid_handoff_fails_every_survivor_within_timeout(v
     """Stage source `victim` is SIGKILLed with its second bucket of version 2 in its slot, unannounced. Every
     survivor reports a dead peer: the session's store went with the victim that hosted it; a victim that did
     not host it is named by the survivors' watch on their colocated peers (long before timeout_s), unless the
-    store's host, a survivor too, noticed first and left with the store. The
-    engines hold version 1 exactly, and nothing is left in /dev/shm (each segment's name went when every
+    store's host, a survivor too, noticed first and left with the store. A store host that finished version 1
+    before the other stage's source had read its last agreement takes the store away mid-read: that source
+    then fails in version 1, which every engine committed. The engines hold version 1 exactly, and nothing is left in /dev/shm (each segment's name went when every
     rank had mapped it)."""
     timeout = 60.0
     # every survivor's version 2 fails within timeout_s, else that rank fails
@@ -287,8 +288,13 @@ def test_a_stage_source_killed_mid_handoff_fails_every_survivor_within_timeout(v
         messages.append(log[1][4])
     survivor = 1 - victim
     status, log = out[survivor]
-    assert status == "ok" and len(log) == 2 and log[1][1] == "PeerFailureError", (status, log)
-    messages.append(log[1][2])
+    assert status == "ok" and log[-1][1] == "PeerFailureError", (status, log)
+    if len(log) == 1:  # the victim, which hosted the store, read the last gather of version 1 (every engine
+        # committed it, above), went on and died while this slower rank was still reading it: the store went too
+        assert victim == 0 and log[0][0] == 1 and any(closed in log[0][2] for closed in CLOSED), log
+    else:
+        assert len(log) == 2 and log[0][:2] == (1, "ok"), log
+    messages.append(log[-1][2])
     if victim == 1:  # the first survivor to notice names it from its watch (stage 0's source, hosting the store,
         # often: the engines then find the store gone, whichever watch had not fired yet)
         assert any("transport rank 1 (pid" in m and "died while this rank waited" in m for m in messages), messages
