@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from examples.demo import stopped
 from megatron_sync.core.wait import ManualClock, poll, using_clock
 from megatron_sync.core.errors import StoreSilentError
 from megatron_sync.session.session import connect
@@ -37,12 +38,6 @@ SyncSession.host("127.0.0.1", {port}, Identity(job="T", role="trainer", member=0
 print("hosting", flush=True)
 threading.Event().wait(600)  # host until the test stops it, then kills it
 """
-
-
-def _state(pid: int) -> str:
-    """The process's state letter from /proc (T: stopped)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 @contextlib.contextmanager
@@ -75,7 +70,7 @@ def stopped_host():
         os.kill(host.pid, signal.SIGSTOP)
         # the signal is delivered asynchronously: a host still running on the other core could answer one more
         # call, so wait until the kernel reports it stopped
-        poll(lambda: _state(host.pid) in ("T", "t"), within=30, what="the host process stopping")
+        poll(lambda: stopped([host.pid]), within=30, what="the host process stopping")
         yield port, client
 
 
@@ -175,7 +170,7 @@ def test_a_host_stopped_during_a_blocking_wait_is_known_silent_to_every_call_of_
         board.post("report/0", b"ok")
         assert board.fetch("report/0", 60) == b"ok"  # this thread's connection is made, while the host runs
         os.kill(host.pid, signal.SIGSTOP)
-        poll(lambda: _state(host.pid) in ("T", "t"), within=30, what="the host process stopping")
+        poll(lambda: stopped([host.pid]), within=30, what="the host process stopping")
         with pytest.raises(StoreSilentError, match=r"has not answered for 3[.0-9]*s|did not answer \(.*\) within 3s"):
             board.fetch("report/1", 60)
         assert client.silent
@@ -329,7 +324,7 @@ def test_a_chained_receiver_whose_notice_store_stops_names_the_store_not_the_eng
         receiving.start()
         board.fetch("p2p/v1.1/base/1", 60)  # it posted where the engine before it writes: it now waits for a report
         os.kill(host.pid, signal.SIGSTOP)
-        poll(lambda: _state(host.pid) in ("T", "t"), within=30, what="the host process stopping")
+        poll(lambda: stopped([host.pid]), within=30, what="the host process stopping")
         receiving.join(60)
         assert not receiving.is_alive()
     error = failed.get("error")
