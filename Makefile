@@ -66,8 +66,11 @@ gpu-check:
 gpu-wheels:
 	bash bench/gpu_wheels.sh
 
+# The pipelined broadcast sync against its raw broadcasts, then P2P (NIXL, Mooncake, torch) against its raw
+# writes and broadcast, in one run (docs/benchmarks.md)
 bench: setup
 	PYTHONPATH=. $(BIN)/python bench/bench_sync.py
+	PYTHONPATH=. $(BIN)/python bench/bench_p2p.py
 
 # The scale model: Kimi-K2 from 32 trainer nodes into 32 inference nodes of H100s per transport, what
 # transport: auto chooses on three setups, predicted sync time against model size and node count
