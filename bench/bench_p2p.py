@@ -104,9 +104,11 @@ def run_point(transport: str, *, engines: int = 1, engine_tp: int = 1, versions:
     raw_s = statistics.median(max(t["raw_s"][k][r] for t in trainers) for k in range(len(measured))
                               for r in range(raw)) if raw else None
     share = trainers[0].get("share")
-    # each measured sync's wall-clock span (first trainer rank's start to last one's end) and each raw replay's
+    # each measured sync's wall-clock span (first trainer rank's start to last one's end; P2P metrics carry
+    # them) and each raw replay's
     spans = {"sync": [[min(m["started_at"] for m in syncs[v]), max(m["ended_at"] for m in syncs[v])]
-                      for v in measured], "raw": trainers[0].get("raw_spans", [])}
+                      for v in measured if all("started_at" in m for m in syncs[v])],
+             "raw": trainers[0].get("raw_spans", [])}
     egress = sum(statistics.median(syncs[v][i]["bytes"] for v in measured) for i in range(len(trainers)))
     return {"transport": transport, "engines": engines, "tp": engine_tp, "window_mb": window_mb, "trainer": trainer,
             "staging_sets": staging_sets,
