@@ -75,12 +75,11 @@ class _Mooncake:
 
 class _Nixl:
     def __init__(self, buf: torch.Tensor):
-        try:
-            from nixl_cu12._api import nixl_agent, nixl_agent_config
-        except ImportError:
-            from nixl._api import nixl_agent, nixl_agent_config
+        from megatron_sync.transports.p2p.movers.nixl import nixl_api
+
+        api = nixl_api()
         self.buf = buf
-        self.agent = nixl_agent(f"scale-rates-{dist.get_rank()}", nixl_agent_config(backends=["UCX"]))
+        self.agent = api.nixl_agent(f"scale-rates-{dist.get_rank()}", api.nixl_agent_config(backends=["UCX"]))
         self.reg = self.agent.register_memory([(buf.data_ptr(), buf.numel(), 0, "")], "DRAM")
         peers = _exchange((self.agent.get_agent_metadata(), buf.data_ptr()))
         self.remote = self.agent.add_remote_agent(peers[0][0]) if dist.get_rank() == 1 else None
@@ -132,14 +131,13 @@ def loopback(rank: int, world: int, cfg: dict) -> dict:
 def measure(backend: str, nbytes: int, reps: int, run_distributed) -> dict[str, float] | None:
     """Return the backend's rates (see the module doc), or None when its library is not installed."""
     try:
-        __import__({"torch": "torch", "mooncake": "mooncake.engine", "nixl": "nixl_cu12"}[backend])
+        if backend == "nixl":
+            from megatron_sync.transports.p2p.movers.nixl import nixl_api
+            nixl_api()
+        else:
+            __import__({"torch": "torch", "mooncake": "mooncake.engine"}[backend])
     except ImportError:
-        if backend != "nixl":
-            return None
-        try:
-            __import__("nixl")
-        except ImportError:
-            return None
+        return None
     env = NIXL_ENV if backend == "nixl" else None
     receiver, writer = run_distributed(loopback, 2, {"backend": backend, "nbytes": nbytes, "reps": reps},
                                        timeout=600, env=env)

@@ -88,10 +88,12 @@ def rows_of_report(junit_path: str, returncode: int) -> list[Row]:
     return [Row("gpu-marked tests", status, f"{passed} passed, {failed} failed, {skipped} skipped"), *failures]
 
 
-def run_gpu_tests(out_dir: str, time_limit_s: float) -> list[Row]:
-    """Run every gpu-marked test under `time_limit_s`; return its rows."""
+def run_gpu_tests(out_dir: str, time_limit_s: float, select: Optional[str] = None) -> list[Row]:
+    """Run every gpu-marked test (those `select`, a pytest -k expression, picks) under `time_limit_s`; return
+    its rows."""
     junit = os.path.join(out_dir, "gpu-tests.xml")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", f"--junitxml={junit}"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", f"--junitxml={junit}",
+           *(["-k", select] if select else [])]
     try:
         done = subprocess.run(cmd, cwd=ROOT, timeout=time_limit_s, capture_output=True, text=True)
     except subprocess.TimeoutExpired:
@@ -253,8 +255,8 @@ def nixl_row(device: str) -> Row:
     from megatron_sync.core.checksum import wsum64_checksum
     from megatron_sync.transports.p2p.movers import Span
     try:
-        from megatron_sync.transports.p2p.movers.nixl import NixlMover, _agent_class
-        _agent_class()
+        from megatron_sync.transports.p2p.movers.nixl import NixlMover, nixl_api
+        nixl_api()
     except ImportError as e:
         return Row("P2P arena (NIXL, device memory)", f"skipped: {e}")
     with socket.socket() as probe:
@@ -337,6 +339,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--allow-cpu", action="store_true", help="run without CUDA (tests of this script)")
     parser.add_argument("--skip-tests", action="store_true", help="only the device checks")
+    parser.add_argument("--tests", metavar="EXPR", help="only the gpu-marked tests this pytest -k expression picks "
+                        "(a second call that brings NIXL: --tests nixl)")
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "gpu-check"), help="where reports go")
     parser.add_argument("--test-time-limit", type=float, default=300.0)
     args = parser.parse_args(argv)
@@ -347,7 +351,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     os.makedirs(args.out, exist_ok=True)
-    rows = [] if args.skip_tests else run_gpu_tests(args.out, args.test_time_limit)
+    rows = [] if args.skip_tests else run_gpu_tests(args.out, args.test_time_limit, args.tests)
     rows += [check(fn.__name__, lambda fn=fn: fn(device)) for fn in CHECKS]
     print(table(rows))
     with open(os.path.join(args.out, "gpu-check.json"), "w") as f:

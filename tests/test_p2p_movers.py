@@ -15,11 +15,13 @@ corrupted on its way between two ranks of one engine is caught by the rank it la
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 
 import pytest
 import torch
 
+from megatron_sync.transports.p2p.movers.nixl import NIXL_MODULES
 from tests.p2p_support import SENTINEL, fusing, misplaced, ref, schedule_of, seeded_full, untouched_outside_placements
 from tests.support.dist import free_port, run_distributed
 from tests.support.timing import bounded
@@ -367,25 +369,57 @@ def _nccl_and_vram(rank, world, port, planned, backend):
     return out
 
 
+WORLD = SENDERS + 1 + 2 + 2
+"""The processes of a version of `_schedule()`: the trainer ranks and every rank of ENGINES."""
+NCCL_GPUS = pytest.mark.skipif(torch.cuda.device_count() < WORLD,
+                               reason=f"NCCL refuses two ranks on one device: needs {WORLD} GPUs")
+NIXL_BUILD = pytest.mark.skipif(not any(importlib.util.find_spec(m) for m in NIXL_MODULES),
+                                reason="no NIXL build for this host's CUDA (make gpu-wheels fetches nixl-cu13)")
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", ["torch", "nixl"])
+@pytest.mark.parametrize("backend", [pytest.param("torch", marks=NCCL_GPUS), pytest.param("nixl", marks=NIXL_BUILD)])
 def test_device_memory_moves_the_same_bytes(backend):
-    """On CUDA: NCCL point-to-point, or NIXL from a GPU arena into GPU windows (VRAM registration)."""
+    """On CUDA: NCCL point-to-point (a GPU per rank), or NIXL from a GPU arena into GPU windows (VRAM
+    registration; every rank may share one GPU)."""
     planned = _schedule()
     world = SENDERS + len(planned[1].receivers)
+    assert world == WORLD, (world, WORLD)
     results = run_distributed(_nccl_and_vram, world, free_port(), planned, backend, timeout=240,
                               env={**UCX_TCP, "UCX_TLS": os.environ.get("UCX_TLS", "all")})
     for got in results[SENDERS:]:
         assert got["wrong"] == [] and got["received"] == got["shard_bytes"]
 
 
+def test_nixl_is_found_in_the_cuda_13_build_a_gpu_machine_gets(tmp_path, monkeypatch):
+    """A lent GPU machine (CUDA 13) gets the nixl-cu13 wheel alone, whose module is `nixl_cu13`: the NIXL
+    mover finds it there, before the nixl-cu12 installed here; with no build at all, the error names the fix."""
+    import sys
+
+    from megatron_sync.transports.p2p.movers import nixl
+
+    build = tmp_path / "nixl_cu13"
+    build.mkdir()
+    (build / "__init__.py").write_text("")
+    (build / "_api.py").write_text("BUILD = 'cu13'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert nixl.nixl_api().BUILD == "cu13"
+    finally:  # later tests find the real build again
+        for name in ("nixl_cu13._api", "nixl_cu13"):
+            sys.modules.pop(name, None)
+    monkeypatch.setattr(nixl, "NIXL_MODULES", ("no_nixl_build_here",))
+    with pytest.raises(ImportError, match=r"no_nixl_build_here.*install the build of this host's CUDA"):
+        nixl.nixl_api()
+
+
 def test_nixl_progress_thread_waits_on_events_instead_of_spinning():
     """NIXL's Python agent pins its progress thread's poll() timeout to 0 (a core per engine rank); inside
     `_progress_wake` the bindings' config keeps at least the wake interval, outside NIXL's own value stands."""
-    from nixl_cu12._api import nixlBind  # a requirement (requirements-cpu.txt): missing is a failure
+    from megatron_sync.transports.p2p.movers.nixl import _progress_wake, nixl_api
 
-    from megatron_sync.transports.p2p.movers.nixl import _progress_wake
+    nixlBind = nixl_api().nixlBind  # a requirement (requirements-cpu.txt): missing is a failure
 
     def delay_after_nixl_sets_it():
         config = nixlBind.nixlAgentConfig()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import importlib
 import threading
 import uuid
 from typing import Any, Iterator
@@ -23,16 +24,28 @@ from megatron_sync.transports.p2p.movers import Pending
 from megatron_sync.transports.p2p.movers.one_sided import Board, OneSidedMover
 
 
-def _agent_class():
-    try:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
-    except ImportError:
+NIXL_MODULES = ("nixl", "nixl_cu13", "nixl_cu12")
+"""Where NIXL's Python API is looked for, in order: the `nixl` package (it loads the build of the CUDA it
+detects), then a build's own module: nixl-cu13 (CUDA 13, what `make gpu-wheels` carries to a lent GPU
+machine) and nixl-cu12 (CUDA 12, and this project's CPU requirements)."""
+
+
+def nixl_api() -> Any:
+    """Return NIXL's `_api` module (its agent, its config and the bindings) from the first of NIXL_MODULES
+    that imports; an ImportError that names the fix when none does."""
+    missing = []
+    for name in NIXL_MODULES:
         try:
-            from nixl._api import nixl_agent, nixl_agent_config
+            return importlib.import_module(f"{name}._api")
         except ImportError as e:
-            raise ImportError(f"the NIXL backend needs NIXL ({e}); install nixl-cu12 (or nixl) and, on a host "
-                              "without RDMA, run UCX over TCP (UCX_TLS=tcp)") from e
-    return nixl_agent, nixl_agent_config
+            missing.append(f"{name}: {e}")
+    raise ImportError(f"the NIXL backend needs NIXL ({'; '.join(missing)}); install the build of this host's CUDA "
+                      "(nixl-cu12 or nixl-cu13) and, on a host without RDMA, run UCX over TCP (UCX_TLS=tcp)")
+
+
+def _agent_class():
+    api = nixl_api()
+    return api.nixl_agent, api.nixl_agent_config
 
 
 _CONFIG_LOCK = threading.Lock()
@@ -56,10 +69,7 @@ def _progress_wake(wake_ms: float) -> Iterator[None]:
     if wake_ms <= 0:
         yield
         return
-    try:
-        from nixl_cu12._api import nixlBind
-    except ImportError:
-        from nixl._api import nixlBind
+    nixlBind = nixl_api().nixlBind
     base, delay_us = nixlBind.nixlAgentConfig, int(wake_ms * 1000)
 
     class Paced(base):
