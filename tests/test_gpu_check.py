@@ -66,3 +66,13 @@ def test_without_cuda_the_script_refuses_unless_allowed_and_writes_its_table(tmp
     assert {r["check"] for r in rows} >= {"device checksum = host checksum", "CUDA IPC", "NCCL broadcast"}
     nixl = next(r for r in rows if r["check"] == "P2P arena (NIXL, device memory)")
     assert nixl["status"] == "ok" and "DRAM to DRAM" in nixl["detail"], nixl  # host memory here: the same path
+
+
+@pytest.mark.multiproc  # runs pytest in a process of its own, as on the GPU machine
+def test_tests_picks_the_gpu_tests_a_second_call_runs(tmp_path):
+    """`--tests nixl`: the second device call, which brings NIXL, runs only the NIXL gpu test (skipped here,
+    with the gpu tier, for lack of CUDA), not the whole tier again."""
+    rows = gpu_check.run_gpu_tests(str(tmp_path), 300, "nixl")
+    assert rows == [Row("gpu-marked tests", "ok", "0 passed, 0 failed, 1 skipped")], rows
+    every = gpu_check.run_gpu_tests(str(tmp_path), 300)
+    assert every[0].figure.startswith("0 passed, 0 failed, ") and every[0].figure != rows[0].figure, every
