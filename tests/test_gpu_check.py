@@ -73,6 +73,5 @@ def test_tests_picks_the_gpu_tests_a_second_call_runs(tmp_path):
     """`--tests nixl`: the second device call, which brings NIXL, runs only the NIXL gpu test (skipped here,
     with the gpu tier, for lack of CUDA), not the whole tier again."""
     rows = gpu_check.run_gpu_tests(str(tmp_path), 300, "nixl")
+    # one test of the gpu tier's eight: the -k expression reached pytest
     assert rows == [Row("gpu-marked tests", "ok", "0 passed, 0 failed, 1 skipped")], rows
-    every = gpu_check.run_gpu_tests(str(tmp_path), 300)
-    assert every[0].figure.startswith("0 passed, 0 failed, ") and every[0].figure != rows[0].figure, every
