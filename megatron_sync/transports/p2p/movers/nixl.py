@@ -33,14 +33,18 @@ machine) and nixl-cu12 (CUDA 12, and this project's CPU requirements)."""
 def nixl_api() -> Any:
     """Return NIXL's `_api` module (its agent, its config and the bindings) from the first of NIXL_MODULES
     that imports; an ImportError that names the fix when none does."""
-    missing = []
+    broken = []  # installed but failing to import: worth naming
     for name in NIXL_MODULES:
         try:
             return importlib.import_module(f"{name}._api")
+        except ModuleNotFoundError as e:
+            if e.name not in (name, f"{name}._api"):
+                broken.append(f"{name}: {e}")
         except ImportError as e:
-            missing.append(f"{name}: {e}")
-    raise ImportError(f"the NIXL backend needs NIXL ({'; '.join(missing)}); install the build of this host's CUDA "
-                      "(nixl-cu12 or nixl-cu13) and, on a host without RDMA, run UCX over TCP (UCX_TLS=tcp)")
+            broken.append(f"{name}: {e}")
+    why = "; ".join(broken) or f"none of {', '.join(NIXL_MODULES)} is installed"
+    raise ImportError(f"the NIXL backend needs NIXL ({why}); install the build of this host's CUDA (nixl-cu12 or "
+                      "nixl-cu13) and, on a host without RDMA, run UCX over TCP (UCX_TLS=tcp)")
 
 
 def _agent_class():
