@@ -142,7 +142,8 @@ def _leave(group, rank, world):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("options", [{}, {"window_bytes": 6000, "arena_bytes": 8192}], ids=["staging-window", "bounded"])
+@pytest.mark.parametrize("options", [{}, {"window_bytes": 6000, "arena_bytes": 8192}],
+                         ids=["staging-window", "bounded"])
 def test_every_receiver_gets_exactly_its_shards_over_every_backend(options):
     planned = _schedule(**options)  # pure; workers get it pickled
     schedule = planned[1]
