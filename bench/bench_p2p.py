@@ -118,6 +118,17 @@ def run_point(transport: str, *, engines: int = 1, engine_tp: int = 1, versions:
             "egress_over_engine": egress / sum(recv[:engine_tp]) if share else None}
 
 
+def parse_point(point: str) -> dict:
+    """Return `run_point`'s transport, engines, engine_tp, window_mb and trainer from a point's text,
+    "transport:ENGINESxTP[wMB][@TRAINER]"."""
+    transport, sizes = point.split(":")
+    sizes, _, trainer = sizes.partition("@")
+    sizes, _, window = sizes.partition("w")
+    engines, tp = map(int, sizes.split("x"))
+    return dict(transport=transport, engines=engines, engine_tp=tp, window_mb=float(window or 0),
+                trainer=trainer or "tp2")
+
+
 MODEL_BYTES = None  # filled from the converter by main(): the HF checkpoint's bytes in the sync dtype
 
 
@@ -176,13 +187,8 @@ def main(argv=None) -> None:
           f"{args.replays} replays of the same writes after each measured sync")
     rows = []
     for point in args.points.split(","):
-        transport, sizes = point.split(":")
-        sizes, _, trainer = sizes.partition("@")
-        sizes, _, window = sizes.partition("w")
-        engines, tp = map(int, sizes.split("x"))
-        rows.append(run_point(transport, engines=engines, engine_tp=tp, versions=args.versions,
-                              bucket_mb=args.bucket_mb, replays=args.replays, window_mb=float(window or 0),
-                              trainer=trainer or "tp2", staging_sets=args.staging_sets))
+        rows.append(run_point(**parse_point(point), versions=args.versions, bucket_mb=args.bucket_mb,
+                              replays=args.replays, staging_sets=args.staging_sets))
         r = rows[-1]
         print(f"  {point}: sync {r['sync_s']:.3f}s ({r['wall']:.0f}s wall with start-up)", flush=True)
     print(format_rows(rows))

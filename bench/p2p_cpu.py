@@ -107,21 +107,20 @@ def profile(point: dict, hz: int) -> tuple[dict, dict[str, Counter]]:
     return result, counts
 
 
-def table(result: dict, counts: dict[str, Counter], hz: int, cores: int) -> tuple[str, dict[str, float]]:
-    """Return the parts per sync and per raw replay in core-ms, and each one's busy core-ms."""
-    rows, busy = [], {}
+def table(result: dict, counts: dict[str, Counter], hz: int) -> tuple[str, dict[str, dict[str, float]]]:
+    """Return the parts per sync and per raw replay in core-ms as a table, and by kind ("sync", "raw") each
+    part's core-ms with "busy" (all but idle) and "wall" (ms per span)."""
+    rows, per_kind = [], {}
     for kind in ("sync", "raw"):
         spans = result["spans"][kind]
         per = 1000.0 / hz / len(spans)  # core-ms one sample stands for, per span
         ms = {p: counts[kind][p] * per for p in PARTS}
-        busy[kind] = sum(v for p, v in ms.items() if p != "idle")
-        wall = 1000.0 * Spans(spans).seconds / len(spans)
-        rows.append([kind, str(len(spans)), f"{wall:.1f}", f"{busy[kind]:.1f}", f"{busy[kind] / wall:.2f}",
+        ms["busy"] = sum(v for p, v in ms.items() if p != "idle")
+        ms["wall"] = 1000.0 * Spans(spans).seconds / len(spans)
+        per_kind[kind] = ms
+        rows.append([kind, str(len(spans)), f"{ms['wall']:.1f}", f"{ms['busy']:.1f}", f"{ms['busy'] / ms['wall']:.2f}",
                      *(f"{ms[p]:.1f}" for p in PARTS)])
-        busy[f"{kind} wall"] = wall
-        if kind == "sync":
-            busy.update(checksums=ms["checksums"], **{"tensor copies": ms["tensor copies"]})
-    return align(["per", "spans", "wall ms", "busy core-ms", "cores busy", *PARTS], rows), busy
+    return align(["per", "spans", "wall ms", "busy core-ms", "cores busy", *PARTS], rows), per_kind
 
 
 def main(argv=None) -> None:
@@ -135,29 +134,27 @@ def main(argv=None) -> None:
     if shutil.which("perf") is None:
         raise SystemExit("bench/p2p_cpu.py needs Linux perf: install it (Debian: apt-get install linux-perf) and "
                          "run as root or with kernel.perf_event_paranoid <= 0")
-    transport, sizes = args.point.split(":")
-    sizes, _, trainer = sizes.partition("@")
-    engines, tp = map(int, sizes.split("x"))
+    point = dict(bench_p2p.parse_point(args.point), versions=args.versions, replays=args.replays)
+    transport = point["transport"]
     if args.checksum is not None:
         bench_p2p.TRANSPORTS[transport] = {**bench_p2p.TRANSPORTS[transport], "checksum": args.checksum}
     bench_p2p.SPEC.update(params_dtype="bfloat16")
     bench_p2p.MODEL_BYTES = bench_p2p.model_bytes("bfloat16")
-    point = dict(transport=transport, engines=engines, engine_tp=tp, versions=args.versions,
-                 replays=args.replays, trainer=trainer or "tp2")
     print(machine_description())
     print(f"point {args.point}, checksum {args.checksum or 'default'}, {args.versions} syncs (first = warm-up), "
           f"{args.replays} raw replays after each; perf record -a -F {args.hz}")
     result, counts = profile(point, args.hz)
     cores = os.cpu_count() or 1
-    text, busy = table(result, counts, args.hz, cores)
+    text, ms = table(result, counts, args.hz)
+    sync, raw = ms["sync"], ms["raw"]
     print(text)
-    floor = busy["sync"] / cores
+    floor = sync["busy"] / cores
     print(f"sync {result['sync_s'] * 1000:.1f} ms (median), raw {result['raw_s'] * 1000:.1f} ms (median): "
           f"sync / raw {result['sync_s'] / result['raw_s']:.2f}; the sync's busy core-ms on {cores} cores, every "
-          f"part overlapping: {floor:.1f} ms, a floor of {floor / busy['raw wall']:.2f} x the raw replay")
-    required = (busy["raw"] + busy["checksums"] + busy["tensor copies"]) / cores
+          f"part overlapping: {floor:.1f} ms, a floor of {floor / raw['wall']:.2f} x the raw replay")
+    required = (raw["busy"] + sync["checksums"] + sync["tensor copies"]) / cores
     print(f"the wire's work alone (the raw replay's busy core-ms) with the sync's checksums and tensor copies, on "
-          f"{cores} cores, nothing else: {required:.1f} ms, {required / busy['raw wall']:.2f} x the raw replay")
+          f"{cores} cores, nothing else: {required:.1f} ms, {required / raw['wall']:.2f} x the raw replay")
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
