@@ -47,11 +47,6 @@ def nixl_api() -> Any:
                       "nixl-cu13) and, on a host without RDMA, run UCX over TCP (UCX_TLS=tcp)")
 
 
-def _agent_class():
-    api = nixl_api()
-    return api.nixl_agent, api.nixl_agent_config
-
-
 _CONFIG_LOCK = threading.Lock()
 WAKE_FIRST_S, WAKE_MAX_S = 0.0001, 0.001
 """How a write is waited for: checked after 0.1 ms, then at pauses doubling up to 1 ms. A write of a
@@ -133,7 +128,8 @@ class NixlMover(OneSidedMover):
         thread waits on UCX's event descriptors and wakes at least this often (`_progress_wake`); 0: it
         polls without pause, a core while it runs."""
         super().__init__(board, prefix=prefix, timeout_s=timeout_s)
-        agent_cls, config_cls = _agent_class()
+        api = nixl_api()
+        agent_cls, config_cls = api.nixl_agent, api.nixl_agent_config
         self.agent_name = f"megatron-sync-{uuid.uuid4().hex[:12]}"
         with _progress_wake(wake_ms if progress_thread else 0):
             self.agent = agent_cls(self.agent_name, config_cls(enable_prog_thread=progress_thread,
